@@ -1,0 +1,405 @@
+"""One chat completion, from a validated request to an OpenAI response and a captured turn.
+
+The path (DESIGN §2): render the prompt ids with the chat template → resolve
+the session → engine `/generate` token-in with explicit sampling params and
+log-probs → decode and parse the output ids ourselves → answer (streamed token
+by token, or whole) → hand the finished turn to the session table. The ids
+and log-probs kept for training are exactly the engine's.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiohttp import web
+
+from . import turns as T
+from .chat_request import ChatRequest
+from .config import Config
+from .detokenize import IncrementalDetokenizer
+from .engine.client import Chunk, EngineClient, EngineError, EngineUnavailable
+from .engine.supervisor import EngineSupervisor
+from .errors import ApiError, bad_request
+from .parsers import Content, Reasoning, ToolCall, make_parser
+from .sessions import SessionTable
+from .tokenizer import ChatTokenizer, TemplateError
+
+log = logging.getLogger("clawd.chat")
+
+
+@dataclass
+class Policy:
+    """The policy version being served (the learner moves it when a publish is confirmed)."""
+
+    version: int = 0
+    weight_version: str = "0"
+    published_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class ChatStats:
+    requests: int = 0
+    main_turns: int = 0
+    side_turns: int = 0
+    excluded: dict[str, int] = field(default_factory=dict)
+    aborted: int = 0
+    engine_errors: int = 0
+
+
+class _SessionLocks:
+    """Requests of one explicit session are handled in arrival order."""
+
+    def __init__(self):
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
+
+    async def acquire(self, key: tuple[str, str]) -> None:
+        lock, users = self._locks.get(key, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        await lock.acquire()
+
+    def release(self, key: tuple[str, str]) -> None:
+        lock, users = self._locks[key]
+        lock.release()
+        if users == 1:
+            del self._locks[key]
+        else:
+            self._locks[key] = (lock, users - 1)
+
+
+class ChatService:
+    def __init__(self, cfg: Config, tokenizer: ChatTokenizer, engine: EngineClient,
+                 supervisor: EngineSupervisor, sessions: SessionTable,
+                 on_finished: Callable[[T.FinishedTurn], None], policy: Policy,
+                 spawn: Callable[[Any], Any]):
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.engine = engine
+        self.supervisor = supervisor
+        self.sessions = sessions
+        self.on_finished = on_finished
+        self.policy = policy
+        self.spawn = spawn  # starts a task owned by the daemon (aborts outlive their request)
+        self.stats = ChatStats()
+        self.context_length = cfg.model.context_length or tokenizer.info.context_length
+        self.model_name = cfg.server.served_model_name or cfg.model_path.name
+        self._locks = _SessionLocks()
+
+    # ---- request → engine payload -------------------------------------------------
+
+    def _prompt_ids(self, req: ChatRequest) -> list[int]:
+        try:
+            return self.tok.encode_chat(req.render_messages, req.tools, **req.chat_template_kwargs)
+        except TemplateError as exc:
+            raise bad_request(str(exc), "messages", "invalid_messages") from None
+
+    def _sampling(self, req: ChatRequest, prompt_len: int, main: bool) -> tuple[dict, float, str | None]:
+        s, cfg = req.sampling, self.cfg.sampling
+        room = self.context_length - prompt_len
+        if room < 1:
+            raise ApiError(400, f"The prompt is {prompt_len} tokens, which leaves no room in the model's "
+                           f"context of {self.context_length} tokens", param="messages",
+                           code="context_length_exceeded")
+        if s.max_tokens is not None and s.max_tokens > room:
+            raise ApiError(400, f"max_tokens is {s.max_tokens}, but the prompt ({prompt_len} tokens) leaves "
+                           f"{room} of the model's {self.context_length}", param="max_tokens",
+                           code="context_length_exceeded")
+        max_new = s.max_tokens or min(self.cfg.model.max_tokens_cap, room)
+        params: dict[str, Any] = {"max_new_tokens": max_new, "stop_token_ids": list(self.tok.info.eos_ids),
+                                  "no_stop_trim": True, "skip_special_tokens": False}
+        if s.stop:
+            params["stop"] = list(s.stop)
+        excluded = None
+        if main and cfg.override_sampling:
+            temperature = cfg.train_temperature
+            params.update(temperature=temperature, top_p=1.0, top_k=-1)
+        else:
+            temperature = cfg.default_temperature if s.temperature is None else s.temperature
+            params.update(temperature=temperature, top_p=1.0 if s.top_p is None else s.top_p,
+                          top_k=s.top_k or -1)
+            for key in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+                if getattr(s, key) is not None:
+                    params[key] = getattr(s, key)
+            if s.logit_bias:
+                params["logit_bias"] = dict(s.logit_bias)
+            if s.seed is not None:
+                params["sampling_seed"] = s.seed
+            if not s.full_distribution() or not cfg.min_train_temperature <= temperature <= 2.0:
+                excluded = T.SAMPLING_PARAMS
+        return params, temperature, excluded
+
+    # ---- the request ----------------------------------------------------------------
+
+    async def complete(self, req: ChatRequest, principal: str, request: web.Request) -> web.StreamResponse:
+        self.stats.requests += 1
+        prompt_ids = self._prompt_ids(req)
+        turn_type = req.turn_type or self.cfg.sessions.default_turn_type
+        main = turn_type == "main"
+        params, temperature, excluded = self._sampling(req, len(prompt_ids), main)
+        if req.no_train:
+            excluded = T.NO_TRAIN
+        if not self.supervisor.is_ready:
+            raise ApiError(503, "The model engine is not ready; retry shortly", code="engine_unavailable",
+                           retry_after=2)
+        rid = uuid.uuid4().hex
+        payload = {"input_ids": prompt_ids, "rid": rid, "sampling_params": params, "return_logprob": True}
+        if not main:
+            self.stats.side_turns += 1
+            return await self._serve(req, request, payload, rid, prompt_ids, None)
+
+        lock_key = (principal, req.session_id) if req.session_id is not None else None
+        if lock_key:
+            await self._locks.acquire(lock_key)
+        try:
+            admission = self.sessions.begin(principal, req.session_id, req.messages, time.time())
+            self._finish(admission.finished)
+            capture = _Capture(admission=admission, principal=principal, temperature=temperature,
+                               excluded=excluded, version=self.policy.version, req=req)
+            return await self._serve(req, request, payload, rid, prompt_ids, capture)
+        finally:
+            if lock_key:
+                self._locks.release(lock_key)
+
+    async def _serve(self, req: ChatRequest, request: web.Request, payload: dict, rid: str,
+                     prompt_ids: list[int], capture: "_Capture | None") -> web.StreamResponse:
+        out = _Output(self, req, rid)
+        try:
+            if req.stream:
+                resp = await self._stream(req, request, payload, out)
+            else:
+                resp = await self._whole(payload, out)
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away (aiohttp cancels the handler, or a write finds the
+            # socket closed): stop the engine's work too.
+            self.stats.aborted += 1
+            self.spawn(self._abort(rid))
+            if capture:
+                self.sessions.cancel(capture.admission, time.time())
+            raise
+        except BaseException:
+            if capture:
+                self.sessions.cancel(capture.admission, time.time())
+            raise
+        if capture:
+            self._capture(capture, rid, prompt_ids, out)
+        return resp
+
+    async def _abort(self, rid: str) -> None:
+        try:
+            await self.engine.abort(rid)
+        except EngineError as exc:
+            log.warning("could not abort rid %s: %s", rid, exc)
+
+    async def _whole(self, payload: dict, out: "_Output") -> web.Response:
+        result = await self._engine_call(self.engine.generate(payload))
+        meta = result.get("meta_info") or {}
+        lps = meta.get("output_token_logprobs") or []
+        out.add(Chunk(ids=list(result.get("output_ids") or []), logprobs=[e[0] for e in lps],
+                      logprob_ids=[e[1] for e in lps], finish=meta.get("finish_reason"), meta=meta))
+        out.close()
+        return web.json_response(out.completion(), dumps=json.dumps)
+
+    async def _engine_call(self, coro):
+        try:
+            return await coro
+        except EngineUnavailable as exc:
+            self.stats.engine_errors += 1
+            self.supervisor.mark_unreachable()
+            raise ApiError(503, f"The model engine is unavailable: {exc}", code="engine_unavailable",
+                           retry_after=exc.retry_after or 2) from None
+        except EngineError as exc:
+            self.stats.engine_errors += 1
+            if exc.status == 400:
+                raise ApiError(400, f"The model engine rejected the request: {exc}", code="engine_rejected") from None
+            if exc.status == 503:
+                raise ApiError(503, f"The model engine is busy: {exc}", code="engine_unavailable",
+                               retry_after=exc.retry_after or 2) from None
+            raise ApiError(502, f"The model engine failed: {exc}", code="engine_error",
+                           retry_after=exc.retry_after or 1) from None
+
+    async def _stream(self, req: ChatRequest, request: web.Request, payload: dict, out: "_Output") -> web.StreamResponse:
+        chunks = self.engine.stream(payload)
+        # Wait for the engine's first chunk before sending headers, so an engine
+        # failure at the start is still a proper 502/503 rather than a broken stream.
+        first = await self._engine_call(anext(chunks, None))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        await resp.write(out.sse({"role": "assistant", "content": ""}))
+        try:
+            chunk = first
+            while chunk is not None:
+                delta, logprobs = out.add(chunk)
+                for piece in delta:
+                    await resp.write(out.sse(piece))
+                if logprobs and not delta:
+                    await resp.write(out.sse({}, logprobs=logprobs))
+                elif logprobs:
+                    pass  # attached to the last delta by out.add
+                chunk = await anext(chunks, None)
+            for piece in out.close():
+                await resp.write(out.sse(piece))
+        except EngineError as exc:
+            self.stats.engine_errors += 1
+            out.failed = True
+            err = ApiError(502, f"The model engine failed mid-stream: {exc}", code="engine_error").body()
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            await chunks.aclose()
+        await resp.write(out.sse({}, finish=out.finish_reason))
+        if req.include_usage:
+            await resp.write(b"data: " + json.dumps(out.usage_chunk()).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ---- the captured turn ---------------------------------------------------------
+
+    def _capture(self, cap: "_Capture", rid: str, prompt_ids: list[int], out: "_Output") -> None:
+        now = time.time()
+        excluded = cap.excluded
+        if out.failed or out.engine_finish == "abort":
+            excluded = T.ABORTED
+        elif out.logprob_ids != out.ids or any(lp is None for lp in out.logprobs):
+            log.error("rid %s: engine log-prob ids disagree with output ids; turn excluded", rid)
+            excluded = T.LOGPROB_MISMATCH
+        turn = T.Turn(
+            session_id=cap.admission.session_id, turn_index=cap.admission.turn_index, principal=cap.principal,
+            request_id=out.completion_id, rid=rid, prompt_ids=prompt_ids, response_ids=out.ids,
+            response_logprobs=[float(lp) if lp is not None else float("nan") for lp in out.logprobs],
+            temperature=cap.temperature, messages=cap.req.messages, tools=cap.req.tools,
+            reply=out.reply_message(), finish_reason=out.finish_reason, policy_version=cap.version,
+            weight_version=str(out.meta.get("weight_version", self.policy.weight_version)), created=now,
+            excluded=excluded)
+        self.stats.main_turns += 1
+        if excluded:
+            self.stats.excluded[excluded] = self.stats.excluded.get(excluded, 0) + 1
+        self._finish(self.sessions.complete(cap.admission, turn, cap.req.session_done, now))
+
+    def _finish(self, finished: list[T.FinishedTurn]) -> None:
+        for ft in finished:
+            self.on_finished(ft)
+
+
+@dataclass
+class _Capture:
+    admission: Any
+    principal: str
+    temperature: float
+    excluded: str | None
+    version: int
+    req: ChatRequest
+
+
+class _Output:
+    """Accumulates engine chunks into ids, log-probs and OpenAI deltas for one response."""
+
+    def __init__(self, svc: ChatService, req: ChatRequest, rid: str):
+        self.req = req
+        self.tok = svc.tok
+        self.model = svc.model_name
+        self.completion_id = f"chatcmpl-{rid}"
+        self.created = int(time.time())
+        self.detok = IncrementalDetokenizer(svc.tok.tokenizer, svc.tok.special_ids)
+        self.parser = make_parser(svc.cfg.model.tool_parser, svc.cfg.model.reasoning_parser,
+                                  stop=list(req.sampling.stop), tools_enabled=req.tool_choice != "none",
+                                  call_id=lambda: f"call_{uuid.uuid4().hex[:24]}")
+        self.ids: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.logprob_ids: list[int] = []
+        self.meta: dict = {}
+        self.engine_finish: str | None = None
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.failed = False
+        self._pending_logprobs: list[dict] = []
+
+    def add(self, chunk: Chunk) -> tuple[list[dict], list[dict]]:
+        self.ids += chunk.ids
+        self.logprobs += chunk.logprobs
+        self.logprob_ids += chunk.logprob_ids
+        if chunk.meta:
+            self.meta = chunk.meta
+        if chunk.finish is not None:
+            self.engine_finish = chunk.finish.get("type")
+        logprobs = self._token_logprobs(chunk) if self.req.logprobs else []
+        deltas = self._deltas(self.parser.feed(self.detok.push(chunk.ids)))
+        if logprobs and deltas:
+            deltas[-1] = {**deltas[-1], "__logprobs": logprobs}
+        return deltas, logprobs
+
+    def close(self) -> list[dict]:
+        return self._deltas(self.parser.feed(self.detok.flush()) + self.parser.finish())
+
+    def _token_logprobs(self, chunk: Chunk) -> list[dict]:
+        out = []
+        for tid, lp in zip(chunk.ids, chunk.logprobs):
+            text = self.tok.tokenizer.decode([tid], skip_special_tokens=False)
+            out.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+        return out
+
+    def _deltas(self, events) -> list[dict]:
+        deltas = []
+        for ev in events:
+            if isinstance(ev, Content):
+                self.content.append(ev.text)
+                deltas.append({"content": ev.text})
+            elif isinstance(ev, Reasoning):
+                self.reasoning.append(ev.text)
+                deltas.append({"reasoning_content": ev.text})
+            elif isinstance(ev, ToolCall):
+                self.calls.append(ev)
+                deltas.append({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                               "function": {"name": ev.name, "arguments": ev.arguments}}]})
+        return deltas
+
+    @property
+    def finish_reason(self) -> str:
+        if self.engine_finish == "length":
+            return "length"
+        return "tool_calls" if self.calls else "stop"
+
+    def reply_message(self) -> dict:
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or (None if self.calls else "")}
+        if self.reasoning:
+            msg["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
+        return msg
+
+    def usage(self) -> dict:
+        prompt = int(self.meta.get("prompt_tokens") or 0)
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.ids), "total_tokens": prompt + len(self.ids)}
+
+    def completion(self) -> dict:
+        choice: dict[str, Any] = {"index": 0, "message": self.reply_message(), "logprobs": None,
+                                  "finish_reason": self.finish_reason}
+        if self.req.logprobs:
+            choice["logprobs"] = {"content": self._token_logprobs(
+                Chunk(ids=self.ids, logprobs=self.logprobs, logprob_ids=[], finish=None, meta={}))}
+        return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": [choice], "usage": self.usage()}
+
+    def sse(self, delta: dict, *, finish: str | None = None, logprobs: list[dict] | None = None) -> bytes:
+        lp = delta.pop("__logprobs", None) if "__logprobs" in delta else logprobs
+        chunk = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.model,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": {"content": lp} if lp else None,
+                              "finish_reason": finish}]}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}

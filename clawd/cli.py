@@ -1,0 +1,34 @@
+"""`bin/clawd`: parse arguments, load the configuration, run the daemon."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from .config import ConfigError, load_config
+
+DEFAULT_CONFIG = "etc/clawd.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="clawd", description="Serve chat and learn from the people who use it.")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"TOML configuration (default {DEFAULT_CONFIG})")
+    parser.add_argument("--check-config", action="store_true", help="check the configuration and exit")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"clawd: {exc}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(f"clawd: {args.config} is valid")
+        return 0
+    logging.basicConfig(level=cfg.logging.level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .daemon import run  # after logging is set up
+    try:
+        return asyncio.run(run(cfg))
+    except FileNotFoundError as exc:
+        logging.getLogger("clawd").error("%s (run `make model` to prepare the default model)", exc)
+        return 1

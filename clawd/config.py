@@ -1,0 +1,288 @@
+"""Configuration: one TOML file loaded into frozen dataclasses.
+
+Every section is a frozen dataclass whose fields carry their type and default.
+`load_config` rejects unknown keys, wrong types and impossible values with a
+`ConfigError` naming the file and the dotted key, so a typo never starts a
+daemon that silently ignores it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased for the operator."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    key: str
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        if not self.name:
+            errors["name"] = "must not be empty"
+        if len(self.key) < 8:
+            errors["key"] = "must be at least 8 characters"
+        return errors
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8400
+    max_concurrent_requests: int = 64
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_messages: int = 2048
+    max_message_chars: int = 1_000_000
+    drain_timeout: float = 30.0
+    served_model_name: str = ""
+    debug_routes: bool = False
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            errors["host"] = "must be an IP literal (no name lookups in the daemon)"
+        if not 0 <= self.port <= 65535:
+            errors["port"] = "must be in 0..65535"
+        for name in ("max_concurrent_requests", "max_body_bytes", "max_messages", "max_message_chars"):
+            if getattr(self, name) < 1:
+                errors[name] = "must be at least 1"
+        if self.drain_timeout < 0:
+            errors["drain_timeout"] = "must not be negative"
+        return errors
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    keys: tuple[ApiKey, ...] = ()
+
+    def check(self) -> dict[str, str]:
+        names = [k.name for k in self.keys]
+        if len(set(names)) != len(names):
+            return {"keys": "key names must be unique"}
+        secrets = [k.key for k in self.keys]
+        if len(set(secrets)) != len(secrets):
+            return {"keys": "two entries share one key"}
+        return {}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "state/models/SmolLM2-135M-Instruct"
+    context_length: int = 0
+    max_tokens_cap: int = 1024
+    tool_parser: str = "hermes"
+    reasoning_parser: str = "think"
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        if not self.path:
+            errors["path"] = "must name a Hugging Face model directory"
+        if self.context_length < 0:
+            errors["context_length"] = "must be 0 (from the model) or positive"
+        if self.max_tokens_cap < 1:
+            errors["max_tokens_cap"] = "must be at least 1"
+        return errors
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    launch: typing.Literal["local", "sglang", "none"] = "local"
+    url: str = "http://127.0.0.1:30000"
+    api_key: str = ""
+    sglang_args: tuple[str, ...] = ()
+    request_timeout: float = 600.0
+    connect_timeout: float = 5.0
+    startup_timeout: float = 300.0
+    restart_backoff_initial: float = 1.0
+    restart_backoff_max: float = 30.0
+    health_interval: float = 5.0
+    incremental_streaming_output: bool = False
+    cpu_threads: int = 0
+    max_batch_size: int = 8
+    seed: int = 0
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            errors["url"] = "must be an http(s) URL"
+        else:
+            try:
+                ipaddress.ip_address(parts.hostname)
+            except ValueError:
+                errors["url"] = "host must be an IP literal such as 127.0.0.1 (no name lookups in the daemon)"
+        for name in ("request_timeout", "connect_timeout", "startup_timeout",
+                     "restart_backoff_initial", "restart_backoff_max", "health_interval"):
+            if getattr(self, name) <= 0:
+                errors[name] = "must be positive"
+        if self.restart_backoff_max < self.restart_backoff_initial:
+            errors["restart_backoff_max"] = "must be at least restart_backoff_initial"
+        if self.cpu_threads < 0:
+            errors["cpu_threads"] = "must be 0 (torch's default) or positive"
+        if self.max_batch_size < 1:
+            errors["max_batch_size"] = "must be at least 1"
+        return errors
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    default_temperature: float = 1.0
+    min_train_temperature: float = 0.05
+    override_sampling: bool = False
+    train_temperature: float = 1.0
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        if not 0 <= self.default_temperature <= 2:
+            errors["default_temperature"] = "must be in [0, 2]"
+        if not 0 < self.min_train_temperature <= 2:
+            errors["min_train_temperature"] = "must be in (0, 2]"
+        if not self.min_train_temperature <= self.train_temperature <= 2:
+            errors["train_temperature"] = "must be in [min_train_temperature, 2]"
+        return errors
+
+
+@dataclass(frozen=True)
+class SessionsConfig:
+    default_turn_type: typing.Literal["main", "side"] = "main"
+    session_idle_timeout: float = 900.0
+    session_max_turns: int = 256
+    max_sessions: int = 10_000
+    sweep_interval: float = 5.0
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        if self.session_idle_timeout <= 0:
+            errors["session_idle_timeout"] = "must be positive"
+        if self.session_max_turns < 1:
+            errors["session_max_turns"] = "must be at least 1"
+        if self.max_sessions < 1:
+            errors["max_sessions"] = "must be at least 1"
+        if self.sweep_interval <= 0:
+            errors["sweep_interval"] = "must be positive"
+        return errors
+
+
+@dataclass(frozen=True)
+class RecordsConfig:
+    retention_days: int = 30
+
+    def check(self) -> dict[str, str]:
+        return {"retention_days": "must be at least 1"} if self.retention_days < 1 else {}
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    dir: str = "state"
+
+    def check(self) -> dict[str, str]:
+        return {} if self.dir else {"dir": "must not be empty"}
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: typing.Literal["debug", "info", "warning", "error"] = "info"
+
+    def check(self) -> dict[str, str]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    records: RecordsConfig = field(default_factory=RecordsConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    source: str = "<defaults>"
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.state.dir)
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model.path)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and check a TOML file; every problem names the file and the key."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return config_from_dict(raw, source=str(path))
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+    sections = {}
+    hints = typing.get_type_hints(Config)
+    for key, value in raw.items():
+        if key == "source" or key not in hints:
+            raise ConfigError(f"{source}: unknown section [{key}]")
+        sections[key] = _build(hints[key], value, key, source)
+    return Config(**sections, source=source)
+
+
+def _build(cls, value, where: str, source: str):
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {where}: must be a table")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, item in value.items():
+        if key not in names:
+            raise ConfigError(f"{source}: {where}.{key}: unknown key")
+        kwargs[key] = _convert(hints[key], item, f"{where}.{key}", source)
+    obj = cls(**kwargs)
+    for key, problem in obj.check().items():
+        raise ConfigError(f"{source}: {where}.{key}: {problem}")
+    return obj
+
+
+def _convert(hint, value, where: str, source: str):
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{source}: {where}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if origin is tuple:
+        item_hint = typing.get_args(hint)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {where}: must be a list")
+        return tuple(_convert(item_hint, v, f"{where}[{i}]", source) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where, source)
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif hint is str:
+        ok = isinstance(value, str)
+    else:  # pragma: no cover - a field type this loader does not know is a programming error
+        raise TypeError(f"unsupported config type {hint!r} at {where}")
+    if not ok:
+        raise ConfigError(f"{source}: {where}: must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value

@@ -1,0 +1,183 @@
+"""Launching and watching the policy engine, without threads.
+
+`EngineSupervisor.run()` is one long-lived task (owned by `daemon.run`): start
+the child, wait until `/model_info` answers, then wait for it to exit, and
+restart it with exponential backoff. The child's exit is noticed through a
+pidfd registered with the event loop (asyncio's own child watcher would start
+a thread per child on Python 3.11). With `launch = "none"` it only polls the
+configured URL. Liveness is `/model_info`, never `/health` (DESIGN §14).
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import Config
+from .client import EngineClient, EngineUnavailable
+
+log = logging.getLogger("clawd.engine")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DOWN = "down"
+    STOPPED = "stopped"
+
+
+class EngineSupervisor:
+    def __init__(self, cfg: Config, client: EngineClient):
+        self.cfg = cfg
+        self.client = client
+        self.state = EngineState.STARTING
+        self.restarts = 0
+        self.ready = asyncio.Event()
+        self.info: dict = {}
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._stopping = False
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    def _command(self) -> tuple[list[str], tuple[int, ...]]:
+        eng, model = self.cfg.engine, self.cfg.model
+        if eng.launch == "local":
+            if self._sock is None:
+                # The daemon owns the listening socket, so the port survives engine restarts.
+                self._sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
+                self.client.set_url(f"http://127.0.0.1:{self._sock.getsockname()[1]}")
+            argv = [sys.executable, "-m", "clawd.engine.cpu", "--model", str(Path(model.path).resolve()),
+                    "--fd", str(self._sock.fileno()), "--seed", str(eng.seed),
+                    "--max-batch-size", str(eng.max_batch_size), "--weight-version", "0"]
+            if eng.cpu_threads:
+                argv += ["--threads", str(eng.cpu_threads)]
+            if model.context_length:
+                argv += ["--context-length", str(model.context_length)]
+            if eng.incremental_streaming_output:
+                argv.append("--incremental-streaming-output")
+            return argv, (self._sock.fileno(),)
+        # sglang: a fixed port from engine.url, so clawd's client needs no change.
+        port = self.client.url.rsplit(":", 1)[-1]
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(Path(model.path).resolve()),
+                "--host", "127.0.0.1", "--port", port, "--weight-version", "0", *eng.sglang_args]
+        if eng.incremental_streaming_output:
+            argv.append("--incremental-streaming-output")
+        return argv, ()
+
+    async def run(self) -> None:
+        if self.cfg.engine.launch == "none":
+            await self._watch_remote()
+            return
+        backoff = self.cfg.engine.restart_backoff_initial
+        while not self._stopping:
+            started = time.monotonic()
+            code = await self._run_child_once()
+            if self._stopping:
+                break
+            self.restarts += 1
+            # A child that ran a good while earns a fresh backoff.
+            if time.monotonic() - started > 60:
+                backoff = self.cfg.engine.restart_backoff_initial
+            log.error("engine exited with %s; restarting in %.1fs (restart %d)", code, backoff, self.restarts)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.cfg.engine.restart_backoff_max)
+
+    async def _run_child_once(self) -> int | None:
+        argv, fds = self._command()
+        self._set(EngineState.STARTING)
+        log.info("starting engine: %s", " ".join(argv))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._proc = subprocess.Popen(argv, pass_fds=fds, preexec_fn=_die_with_parent, env=env,
+                                      stdin=subprocess.DEVNULL)
+        exited = asyncio.get_running_loop().create_future()
+        pidfd = os.pidfd_open(self._proc.pid)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+        try:
+            waiter = asyncio.ensure_future(self._await_ready(exited))
+            await asyncio.wait([waiter, exited], return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done():
+                waiter.cancel()
+            await exited
+            return self._proc.wait()  # reaps at once: the pidfd said it has exited
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            self._set(EngineState.STOPPED if self._stopping else EngineState.DOWN)
+
+    async def _await_ready(self, exited: asyncio.Future) -> None:
+        deadline = time.monotonic() + self.cfg.engine.startup_timeout
+        while not exited.done():
+            try:
+                self.info = await self.client.model_info()
+                self._set(EngineState.READY)
+                log.info("engine ready at %s (weight_version %s)", self.client.url, self.info.get("weight_version"))
+                return
+            except EngineUnavailable:
+                if time.monotonic() > deadline:
+                    log.error("engine not ready after %.0fs; killing it", self.cfg.engine.startup_timeout)
+                    self._proc.kill()
+                    return
+                await asyncio.sleep(0.25)
+
+    async def _watch_remote(self) -> None:
+        while not self._stopping:
+            try:
+                self.info = await self.client.model_info()
+                if self.state is not EngineState.READY:
+                    log.info("engine at %s is ready", self.client.url)
+                self._set(EngineState.READY)
+            except EngineUnavailable as exc:
+                if self.state is EngineState.READY:
+                    log.error("engine at %s is down: %s", self.client.url, exc)
+                self._set(EngineState.DOWN)
+            await asyncio.sleep(self.cfg.engine.health_interval if self.is_ready
+                                else min(self.cfg.engine.health_interval, 1.0))
+
+    def mark_unreachable(self) -> None:
+        """A request found the engine gone before the watcher did."""
+        if self.cfg.engine.launch == "none" and self.state is EngineState.READY:
+            self._set(EngineState.DOWN)
+
+    def _set(self, state: EngineState) -> None:
+        self.state = state
+        if state is EngineState.READY:
+            self.ready.set()
+        else:
+            self.ready.clear()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._set(EngineState.STOPPED)

@@ -1,0 +1,321 @@
+"""Sessions: group main chat turns into conversations and give each turn its next state.
+
+Pure state machine (DESIGN §4, §14 "Sessions"): no I/O, no clock reads (`now`
+is passed in and must not go backwards), no randomness but the injected
+`new_id`. A session is keyed by (principal, session_id). For requests without
+an id it is found by stitching: each session keeps a few hashes of its
+conversation (never the messages), indexed by (principal, hash), so resolving a
+request costs O(its messages), never a scan of the sessions.
+
+Hashes form a chain over a canonical form of messages:
+H[0] = sha256(principal), H[k] = sha256(H[k-1] + canon(messages[k-1])).
+A turn is remembered by its prompt hash H[n] and its reply hash (H[n] extended
+by the reply clawd gave).
+
+Lifecycle: `begin` when a main request arrives (may finalize the session's
+pending turn), then `complete` (the new turn becomes pending) or `cancel`.
+A session with a request in flight is never expired or evicted; it re-enters
+the idle order when its last request ends.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from clawd.turns import (EVICTED, IDLE_TIMEOUT, MAX_TURNS, REGENERATED, SESSION_DONE,
+                         SHUTDOWN, FinishedTurn, Turn)
+
+Key = tuple[str, str]  # (principal, session_id)
+
+
+# ---------------------------------------------------------------- canonical form
+
+def _content(content: Any) -> tuple[str, list[Any]]:
+    """Text (trimmed; None ≡ ""; text parts joined) and the non-text parts."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content.strip(), []
+    if isinstance(content, list):
+        texts, others = [], []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                texts.append(part.get("text") or "")
+            elif isinstance(part, str):
+                texts.append(part)
+            else:
+                others.append(part)  # images etc. still tell conversations apart
+        return "".join(texts).strip(), others
+    return "", [content]
+
+
+def _arguments(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args  # models do emit broken JSON; compare it verbatim
+    return args
+
+
+def canonical(message: dict[str, Any]) -> dict[str, Any]:
+    """What counts when comparing conversations: ids, reasoning and formatting do not."""
+    text, others = _content(message.get("content"))
+    canon: dict[str, Any] = {"role": message.get("role"), "content": text}
+    if others:
+        canon["parts"] = others
+    calls = message.get("tool_calls")
+    if calls:
+        canon["tool_calls"] = [
+            [(c.get("function") or {}).get("name"), _arguments((c.get("function") or {}).get("arguments"))]
+            for c in calls
+        ]
+    for name in ("tool_call_id", "name"):
+        if message.get(name) is not None:
+            canon[name] = message[name]
+    return canon
+
+
+def _encode(obj: Any) -> bytes:
+    # ensure_ascii: lone surrogates from clients must not break hashing
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def root_hash(principal: str) -> bytes:
+    return hashlib.sha256(_encode(["clawd-session", principal])).digest()
+
+
+def extend(h: bytes, message: dict[str, Any]) -> bytes:
+    return hashlib.sha256(h + _encode(canonical(message))).digest()
+
+
+def prefix_hashes(principal: str, messages: list[dict[str, Any]]) -> list[bytes]:
+    """H[0..n]: H[k] identifies messages[:k] of this principal."""
+    hashes = [root_hash(principal)]
+    for m in messages:
+        hashes.append(extend(hashes[-1], m))
+    return hashes
+
+
+# ---------------------------------------------------------------- state
+
+@dataclass(slots=True, eq=False)
+class _Session:
+    principal: str
+    session_id: str
+    last_active: float
+    next_index: int = 0
+    replies: list[tuple[int, bytes]] = field(default_factory=list)  # (turn index, reply hash), oldest first
+    pending: Turn | None = None  # latest turn, still waiting for its next state
+    pending_prompt: bytes = b""
+    pending_reply: bytes = b""
+    inflight: int = 0
+    closed: str | None = None  # why it closed
+
+    @property
+    def key(self) -> Key:
+        return (self.principal, self.session_id)
+
+
+@dataclass(frozen=True)
+class Admission:
+    key: Key
+    session_id: str
+    turn_index: int
+    prompt_hash: bytes
+    finished: list[FinishedTurn]  # turns finalized by this request (next state, regenerate, eviction)
+    _session: _Session = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
+
+
+class SessionTable:
+    def __init__(self, *, idle_timeout: float, max_turns: int, max_sessions: int,
+                 new_id: Callable[[], str]):
+        self.idle_timeout = idle_timeout
+        self.max_turns = max_turns
+        self.max_sessions = max_sessions
+        self.new_id = new_id
+        self._sessions: dict[Key, _Session] = {}
+        # sessions with no request in flight, least recently active first
+        self._idle: OrderedDict[Key, _Session] = OrderedDict()
+        # stitching indices, keyed by (principal, hash)
+        self._replies: dict[tuple[str, bytes], tuple[_Session, int]] = {}
+        self._prompts: dict[tuple[str, bytes], _Session] = {}
+        self._pending = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def pending_count(self) -> int:
+        return self._pending
+
+    def next_expiry(self) -> float | None:
+        """Earliest time at which `expire` can close something (None: nothing idle)."""
+        for s in self._idle.values():
+            return s.last_active + self.idle_timeout
+        return None
+
+    # ------------------------------------------------------------ requests
+
+    def begin(self, principal: str, session_id: str | None, messages: list[dict[str, Any]],
+              now: float) -> Admission:
+        hashes = prefix_hashes(principal, messages)
+        n = len(messages)
+        finished: list[FinishedTurn] = []
+        if session_id is not None:
+            s = self._sessions.get((principal, session_id))
+            if s is None:
+                s = self._create(principal, session_id, now, finished)
+            elif s.pending is not None:
+                if hashes[n] == s.pending_prompt:
+                    finished.append(self._regenerate(s, now))
+                else:
+                    next_state = _after_reply(messages, hashes, s.pending_reply)
+                    finished.append(self._finalize(s, next_state, None, now))
+        else:
+            s = self._stitch(principal, messages, hashes, now, finished)
+        self._touch_begin(s, now)
+        return Admission(s.key, s.session_id, s.next_index, hashes[n], finished, s)
+
+    def _stitch(self, principal: str, messages: list[dict[str, Any]], hashes: list[bytes],
+                now: float, finished: list[FinishedTurn]) -> _Session:
+        n = len(messages)
+        older: tuple[_Session, int] | None = None
+        for k in range(n - 1, 0, -1):  # longest prefix first
+            hit = self._replies.get((principal, hashes[k]))
+            if hit is None:
+                continue
+            s, _ = hit
+            if s.replies[-1][1] == hashes[k]:  # the session's latest turn: a continuation
+                if s.pending is not None:
+                    finished.append(self._finalize(s, messages[k:], None, now))
+                return s
+            if older is None:
+                older = hit
+        s = self._prompts.get((principal, hashes[n]))
+        if s is not None:  # the same prompt again
+            finished.append(self._regenerate(s, now))
+            return s
+        if older is not None:  # history edited: a branch from an older turn
+            s = older[0]
+            if s.pending is not None:
+                finished.append(self._finalize(s, None, REGENERATED, now, abandon=True))
+            return s
+        return self._create(principal, self.new_id(), now, finished)
+
+    def complete(self, admission: Admission, turn: Turn, done: bool, now: float) -> list[FinishedTurn]:
+        """The request's turn was generated: it becomes pending (or finishes at once)."""
+        s = admission._session
+        if (turn.principal, turn.session_id, turn.turn_index) != (*admission.key, admission.turn_index):
+            raise ValueError("turn does not belong to this admission")
+        self._touch_end(s, now)
+        if s.closed is not None:  # closed while generating (shutdown, another request's done)
+            return [FinishedTurn(turn, None, s.closed, now)]
+        finished: list[FinishedTurn] = []
+        if s.pending is not None:  # an interleaved request of this session finished first
+            finished.append(self._finalize(s, None, REGENERATED, now, abandon=True))
+        reply = extend(admission.prompt_hash, turn.reply)
+        s.next_index = max(s.next_index, turn.turn_index + 1)
+        s.replies.append((turn.turn_index, reply))
+        self._replies[(s.principal, reply)] = (s, turn.turn_index)
+        s.pending, s.pending_prompt, s.pending_reply = turn, admission.prompt_hash, reply
+        self._prompts[(s.principal, admission.prompt_hash)] = s
+        self._pending += 1
+        if done:
+            finished += self._close(s, SESSION_DONE, now)
+        elif turn.turn_index + 1 >= self.max_turns:
+            finished += self._close(s, MAX_TURNS, now)
+        return finished
+
+    def cancel(self, admission: Admission, now: float) -> None:
+        """Generation failed or the client left: nothing becomes pending."""
+        self._touch_end(admission._session, now)
+
+    # ------------------------------------------------------------ closing
+
+    def expire(self, now: float) -> list[FinishedTurn]:
+        """Close sessions idle longer than idle_timeout; looks at the oldest only."""
+        finished: list[FinishedTurn] = []
+        while self._idle:
+            s = next(iter(self._idle.values()))
+            if now - s.last_active <= self.idle_timeout:
+                break
+            finished += self._close(s, IDLE_TIMEOUT, now)
+        return finished
+
+    def close_all(self, now: float, reason: str = SHUTDOWN) -> list[FinishedTurn]:
+        finished: list[FinishedTurn] = []
+        for s in list(self._sessions.values()):
+            finished += self._close(s, reason, now)
+        return finished
+
+    # ------------------------------------------------------------ internals
+
+    def _create(self, principal: str, session_id: str, now: float,
+                finished: list[FinishedTurn]) -> _Session:
+        # Only idle sessions are evicted; in-flight ones may overshoot the cap
+        # briefly (bounded by the server's concurrency limit).
+        while len(self._sessions) >= self.max_sessions and self._idle:
+            finished += self._close(next(iter(self._idle.values())), EVICTED, now)
+        s = _Session(principal, session_id, now)
+        self._sessions[s.key] = s
+        return s
+
+    def _touch_begin(self, s: _Session, now: float) -> None:
+        s.inflight += 1
+        s.last_active = now
+        self._idle.pop(s.key, None)
+
+    def _touch_end(self, s: _Session, now: float) -> None:
+        s.inflight -= 1
+        s.last_active = now
+        if s.inflight == 0 and s.closed is None:
+            self._idle[s.key] = s  # appended: the most recently active
+
+    def _regenerate(self, s: _Session, now: float) -> FinishedTurn:
+        """The pending turn is asked again: abandon it; the new turn takes its index."""
+        index = s.pending.turn_index
+        ft = self._finalize(s, None, REGENERATED, now, abandon=True)
+        s.next_index = index
+        return ft
+
+    def _finalize(self, s: _Session, next_state: list[dict[str, Any]] | None, reason: str | None,
+                  now: float, abandon: bool = False) -> FinishedTurn:
+        turn = s.pending
+        if self._prompts.get((s.principal, s.pending_prompt)) is s:
+            del self._prompts[(s.principal, s.pending_prompt)]
+        if abandon:  # its reply is no longer part of the conversation
+            s.replies.remove((turn.turn_index, s.pending_reply))
+            self._unindex_reply(s, s.pending_reply)
+        s.pending, s.pending_prompt, s.pending_reply = None, b"", b""
+        self._pending -= 1
+        return FinishedTurn(turn, next_state, reason, now)
+
+    def _unindex_reply(self, s: _Session, reply: bytes) -> None:
+        hit = self._replies.get((s.principal, reply))
+        if hit is not None and hit[0] is s:  # another session may own an identical history
+            del self._replies[(s.principal, reply)]
+
+    def _close(self, s: _Session, reason: str, now: float) -> list[FinishedTurn]:
+        finished = [self._finalize(s, None, reason, now)] if s.pending is not None else []
+        for _, reply in s.replies:
+            self._unindex_reply(s, reply)
+        s.replies.clear()
+        s.closed = reason
+        del self._sessions[s.key]
+        self._idle.pop(s.key, None)
+        return finished
+
+
+def _after_reply(messages: list[dict[str, Any]], hashes: list[bytes], reply: bytes) -> list[dict[str, Any]]:
+    """Messages after clawd's reply; else after the last assistant message; else the last one."""
+    for k in range(len(messages) - 1, 0, -1):
+        if hashes[k] == reply:
+            return messages[k:]
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is not None and last + 1 < len(messages):
+        return messages[last + 1:]
+    return messages[-1:]

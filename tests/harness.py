@@ -1,0 +1,139 @@
+"""Running the real daemon as a subprocess, for component and end-to-end tests."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def to_toml(cfg: dict) -> str:
+    """Enough TOML for test configs: tables of scalars and lists."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        raise TypeError(v)
+    lines = []
+    for section, table in cfg.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in table.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+class Daemon:
+    """`python -m clawd` with a config built from `sections`; stderr is kept for assertions."""
+
+    def __init__(self, tmp: Path, sections: dict, *, wait_ready: bool = True, timeout: float = 120):
+        self.tmp = Path(tmp)
+        self.state = self.tmp / "state"
+        cfg = {"server": {"port": 0, "debug_routes": True}, "state": {"dir": str(self.state)}}
+        for name, table in sections.items():
+            cfg[name] = {**cfg.get(name, {}), **table}
+        self.config_path = self.tmp / "clawd.toml"
+        self.config_path.write_text(to_toml(cfg))
+        self.lines: list[str] = []
+        self._seen = threading.Condition()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "clawd", "--config", str(self.config_path)],
+                                     cwd=self.tmp, env=env, stderr=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        line = self.wait_for(r"listening on (http://\S+)", timeout)
+        self.url = re.search(r"listening on (http://\S+)", line).group(1)
+        if wait_ready:
+            self.wait_ready(timeout)
+
+    def _read(self):
+        for line in self.proc.stderr:
+            sys.stderr.write(line)
+            with self._seen:
+                self.lines.append(line)
+                self._seen.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        with self._seen:
+            while True:
+                for line in self.lines:
+                    if re.search(pattern, line):
+                        return line
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise RuntimeError(f"daemon exited ({self.proc.returncode}) before {pattern!r}:\n"
+                                       + "".join(self.lines[-30:]))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {pattern!r} in daemon log:\n" + "".join(self.lines[-30:]))
+                self._seen.wait(min(left, 0.5))
+
+    def get(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.get("/ready")[0] == 200:
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError("daemon exited:\n" + "".join(self.lines[-30:]))
+            time.sleep(0.1)
+        raise TimeoutError("daemon not ready:\n" + "".join(self.lines[-30:]))
+
+    def records(self, kind: str = "turns") -> list[dict]:
+        out = []
+        for path in sorted((self.state / "records").glob(f"{kind}-*.jsonl")):
+            out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return out
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode
+
+
+async def wait_ready_async(daemon: Daemon, timeout: float = 60) -> None:
+    """Like Daemon.wait_ready, for tests whose event loop also runs a fake engine."""
+    import asyncio
+
+    import aiohttp
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            try:
+                async with http.get(daemon.url + "/ready") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if daemon.proc.poll() is not None:
+                raise RuntimeError("daemon exited:\n" + "".join(daemon.lines[-30:]))
+            await asyncio.sleep(0.1)
+    raise TimeoutError("daemon not ready:\n" + "".join(daemon.lines[-30:]))

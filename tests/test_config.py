@@ -1,0 +1,89 @@
+"""Configuration: the documented default file loads; every kind of mistake names the key and the file."""
+from pathlib import Path
+
+import pytest
+
+from clawd.config import Config, ConfigError, load_config
+from clawd.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_documented_default_file_equals_the_defaults():
+    cfg = load_config(ROOT / "etc/clawd.toml")
+    assert cfg.server == Config().server
+    assert cfg.engine == Config().engine
+    assert cfg.sessions == Config().sessions
+    assert cfg.sampling == Config().sampling
+    assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8400)
+    assert cfg.state.dir == "state"
+
+
+def test_every_option_is_in_the_default_file_under_a_comment():
+    import dataclasses
+    lines = (ROOT / "etc/clawd.toml").read_text().splitlines()
+    is_option = [("=" in ln and not ln.lstrip().startswith("#")) for ln in lines]
+    for i, line in enumerate(lines):
+        if is_option[i]:
+            j = i - 1
+            while is_option[j]:  # a comment may cover a group of related options
+                j -= 1
+            assert lines[j].lstrip().startswith("#"), f"option without a comment: {line}"
+    present = {ln.split("=")[0].strip() for ln, opt in zip(lines, is_option) if opt}
+    for section in dataclasses.fields(Config):
+        if section.name != "source":
+            for f in dataclasses.fields(section.type if isinstance(section.type, type) else
+                                        type(getattr(Config(), section.name))):
+                assert f.name in present, f"[{section.name}] {f.name} is not documented in etc/clawd.toml"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[server]\nprot = 1\n", "server.prot: unknown key"),
+    ("[servr]\n", "unknown section [servr]"),
+    ("[server]\nport = \"80\"\n", "server.port: must be int"),
+    ("[server]\nport = 70000\n", "server.port: must be in 0..65535"),
+    ("[server]\nhost = \"localhost\"\n", "server.host: must be an IP literal"),
+    ("[server]\ndebug_routes = 1\n", "server.debug_routes: must be bool"),
+    ("[engine]\nlaunch = \"docker\"\n", "engine.launch: must be one of"),
+    ("[engine]\nurl = \"http://example.com:3000\"\n", "engine.url: host must be an IP literal"),
+    ("[engine]\nrestart_backoff_max = 0.5\n", "engine.restart_backoff_max"),
+    ("[engine]\nsglang_args = [1, 2]\n", "engine.sglang_args[0]: must be str"),
+    ("[sampling]\nmin_train_temperature = 0\n", "sampling.min_train_temperature: must be in (0, 2]"),
+    ("[sessions]\ndefault_turn_type = \"both\"\n", "sessions.default_turn_type"),
+    ("[sessions]\nsession_max_turns = 0\n", "sessions.session_max_turns: must be at least 1"),
+    ("[auth]\nkeys = [{name = \"a\", key = \"short\"}]\n", "auth.keys[0].key: must be at least 8"),
+    ("[auth]\nkeys = [{name = \"a\", key = \"12345678\", role = \"x\"}]\n", "auth.keys[0].role: unknown key"),
+    ("[auth]\nkeys = [{name = \"a\", key = \"12345678\"}, {name = \"a\", key = \"87654321\"}]\n",
+     "auth.keys: key names must be unique"),
+    ("[records]\nretention_days = -1\n", "records.retention_days"),
+    ("[server\n", "not valid TOML"),
+    ("server = 3\n", "server: must be a table"),
+])
+def test_mistakes_name_the_key_and_the_file(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_config_is_frozen(tmp_path):
+    cfg = load_config(ROOT / "etc/clawd.toml")
+    with pytest.raises(AttributeError):
+        cfg.server.port = 1
+
+
+def test_ints_are_accepted_for_floats(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\ndrain_timeout = 5\n")
+    assert load_config(path).server.drain_timeout == 5.0
+
+
+def test_check_config_cli(tmp_path, capsys):
+    assert main(["--config", str(ROOT / "etc/clawd.toml"), "--check-config"]) == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine]\nlaunch = 3\n")
+    assert main(["--config", str(bad), "--check-config"]) == 2
+    assert "engine.launch" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "missing.toml")]) == 2

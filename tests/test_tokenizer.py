@@ -1,0 +1,58 @@
+"""The daemon renders and tokenizes chats without transformers, exactly as transformers would."""
+import subprocess
+import sys
+
+import pytest
+
+from clawd.tokenizer import ChatTokenizer, TemplateError
+
+CONVERSATIONS = [
+    ([{"role": "user", "content": "Hi"}], None),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo wörld 你好 🦦"},
+      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "  spaces\n\tand tabs  "}], None),
+    ([{"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "content": None, "tool_calls": [
+          {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"},
+      {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}],
+     [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]),
+]
+
+
+@pytest.mark.parametrize("messages, tools", CONVERSATIONS)
+def test_same_ids_as_transformers(tiny_model, messages, tools):
+    from transformers import AutoTokenizer
+    ours = ChatTokenizer(tiny_model).encode_chat(messages, tools)
+    hf = AutoTokenizer.from_pretrained(tiny_model)
+    theirs = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    theirs = theirs["input_ids"] if not isinstance(theirs, list) else theirs
+    assert ours == list(theirs)
+
+
+def test_model_info(tiny_model):
+    tok = ChatTokenizer(tiny_model)
+    im_end = tok.tokenizer.token_to_id("<|im_end|>")
+    assert im_end in tok.info.eos_ids
+    assert tok.info.context_length == 2048
+    assert im_end in tok.special_ids
+    assert tok.tokenizer.token_to_id("<tool_call>") not in tok.special_ids
+
+
+def test_template_errors_are_client_errors(tmp_path, tiny_model):
+    import json
+    import shutil
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}x"
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TemplateError, match="first must be user"):
+        ChatTokenizer(model).render([{"role": "assistant", "content": "x"}], None)
+
+
+def test_loading_does_not_import_torch(tiny_model):
+    code = ("import sys; from clawd.tokenizer import ChatTokenizer; "
+            f"ChatTokenizer({str(tiny_model)!r}).encode_chat([{{'role': 'user', 'content': 'x'}}], None); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
