@@ -235,13 +235,11 @@ class ChatService:
         try:
             chunk = first
             while chunk is not None:
-                delta, logprobs = out.add(chunk)
-                for piece in delta:
-                    await resp.write(out.sse(piece))
-                if logprobs and not delta:
-                    await resp.write(out.sse({}, logprobs=logprobs))
-                elif logprobs:
-                    pass  # attached to the last delta by out.add
+                deltas, logprobs = out.add(chunk)
+                if logprobs and not deltas:
+                    deltas = [{}]  # log-probs of tokens whose text is still held back
+                for i, delta in enumerate(deltas):
+                    await resp.write(out.sse(delta, logprobs=logprobs if i == len(deltas) - 1 else None))
                 chunk = await anext(chunks, None)
             for piece in out.close():
                 await resp.write(out.sse(piece))
@@ -321,7 +319,6 @@ class _Output:
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
         self.failed = False
-        self._pending_logprobs: list[dict] = []
 
     def add(self, chunk: Chunk) -> tuple[list[dict], list[dict]]:
         self.ids += chunk.ids
@@ -331,18 +328,15 @@ class _Output:
             self.meta = chunk.meta
         if chunk.finish is not None:
             self.engine_finish = chunk.finish.get("type")
-        logprobs = self._token_logprobs(chunk) if self.req.logprobs else []
-        deltas = self._deltas(self.parser.feed(self.detok.push(chunk.ids)))
-        if logprobs and deltas:
-            deltas[-1] = {**deltas[-1], "__logprobs": logprobs}
-        return deltas, logprobs
+        logprobs = self._token_logprobs(chunk.ids, chunk.logprobs) if self.req.logprobs else []
+        return self._deltas(self.parser.feed(self.detok.push(chunk.ids))), logprobs
 
     def close(self) -> list[dict]:
         return self._deltas(self.parser.feed(self.detok.flush()) + self.parser.finish())
 
-    def _token_logprobs(self, chunk: Chunk) -> list[dict]:
+    def _token_logprobs(self, ids: list[int], logprobs: list[float | None]) -> list[dict]:
         out = []
-        for tid, lp in zip(chunk.ids, chunk.logprobs):
+        for tid, lp in zip(ids, logprobs):
             text = self.tok.tokenizer.decode([tid], skip_special_tokens=False)
             out.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []})
         return out
@@ -385,16 +379,14 @@ class _Output:
         choice: dict[str, Any] = {"index": 0, "message": self.reply_message(), "logprobs": None,
                                   "finish_reason": self.finish_reason}
         if self.req.logprobs:
-            choice["logprobs"] = {"content": self._token_logprobs(
-                Chunk(ids=self.ids, logprobs=self.logprobs, logprob_ids=[], finish=None, meta={}))}
+            choice["logprobs"] = {"content": self._token_logprobs(self.ids, self.logprobs)}
         return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": [choice], "usage": self.usage()}
 
     def sse(self, delta: dict, *, finish: str | None = None, logprobs: list[dict] | None = None) -> bytes:
-        lp = delta.pop("__logprobs", None) if "__logprobs" in delta else logprobs
         chunk = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
                  "model": self.model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": {"content": lp} if lp else None,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
                               "finish_reason": finish}]}
         if self.req.include_usage:
             chunk["usage"] = None

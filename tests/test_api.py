@@ -253,3 +253,26 @@ async def test_api_keys(tiny_model, tmp_path):
             assert "sk-alice" not in json.dumps(rec)
         finally:
             assert daemon.stop() == 0
+
+
+async def test_reasoning_and_logprobs(stack):
+    from .fake_sglang import output_logprob
+    daemon, fake, script, client = stack
+    script.queue += ["<think>The user wants brevity.</think>Yes.", "<think>Again.</think>No."]
+    reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Q"}],
+                                                 logprobs=True)
+    msg = reply.choices[0].message
+    assert msg.content == "Yes."
+    assert msg.model_extra["reasoning_content"] == "The user wants brevity."
+    ids = script.tok.encode("<think>The user wants brevity.</think>Yes.", add_special_tokens=False).ids + [script.eos]
+    assert [t.logprob for t in reply.choices[0].logprobs.content] == [output_logprob(i) for i in ids]
+
+    stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Q2"}],
+                                                  stream=True, logprobs=True)
+    chunks = [c async for c in stream]
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert (reasoning, content) == ("Again.", "No.")
+    streamed_lps = [t.logprob for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    ids = script.tok.encode("<think>Again.</think>No.", add_special_tokens=False).ids + [script.eos]
+    assert streamed_lps == [output_logprob(i) for i in ids]
