@@ -69,7 +69,7 @@ class Authenticator:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError(401, "Missing bearer token: send 'Authorization: Bearer <key>'", code="missing_api_key")
-        given = token.strip().encode()
+        given = token.strip().encode("utf-8", "surrogateescape")  # header bytes as sent
         found = None
         for name, key in self.keys:  # no early exit: timing does not reveal which key matched
             if hmac.compare_digest(given, key):
@@ -101,7 +101,12 @@ def make_app(cfg: Config, chat: ChatService) -> web.Application:
                            code="too_many_requests", retry_after=1)
         state["in_flight"] += 1
         try:
-            req = parse_chat_request(await request.read(), request.headers, limits)
+            try:
+                body = await request.read()
+            except web.RequestPayloadError:  # a body its Content-Encoding does not decode
+                raise ApiError(400, "The request body could not be decoded; check its Content-Encoding",
+                               code="invalid_body") from None
+            req = parse_chat_request(body, request.headers, limits)
             principal = key_name if key_name is not None else (req.user or "anonymous")
             return await chat.complete(req, principal, request)
         finally:
@@ -128,7 +133,8 @@ def make_app(cfg: Config, chat: ChatService) -> web.Application:
         # threading is already loaded by asyncio; reading it here adds no threads.
         threads = sys.modules["threading"].active_count()
         return web.json_response({"pid": os.getpid(), "threads": threads,
-                                  "torch_imported": "torch" in sys.modules, "engine_url": chat.engine.url,
+                                  "torch_imported": "torch" in sys.modules, "engine_url": chat.engine.url, "engine_pid": chat.supervisor.pid,
+                                  "engine_restarts": chat.supervisor.restarts,
                                   "transformers_imported": "transformers" in sys.modules,
                                   "stats": chat.stats.__dict__, "sessions": len(chat.sessions)})
 

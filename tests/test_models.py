@@ -244,13 +244,12 @@ def test_module_imports_without_torch():
 
 
 @pytest.mark.slow
-def test_default_model_smollm2(tmp_path):
+def test_default_model_smollm2(default_model):
     import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    lines = []
-    dest = prepare_default_model(tmp_path / "smollm2", progress=lines.append)
+    dest, lines = default_model
     assert [line[:5] for line in lines[:4]] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]
     assert (dest / MARKER).read_text().startswith("SmolLM2-135M-Instruct.Q4_1.gguf sha256=")
     config = json.loads((dest / "config.json").read_text())

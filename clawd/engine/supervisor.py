@@ -53,6 +53,10 @@ class EngineSupervisor:
         self._stopping = False
 
     @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
     def is_ready(self) -> bool:
         return self.state is EngineState.READY
 
