@@ -19,6 +19,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+MAX_DEPTH = 64  # JSON nesting; tool schemas stay far below, Python's recursion limit far above
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,16 @@ class ChatRequest:
 
 def parse_chat_request(body: bytes, headers: Mapping[str, str], limits: Limits) -> ChatRequest:
     try:
-        data = json.loads(body)
+        # Decoded strictly here: json.loads(bytes) would let UTF-8-encoded surrogates through.
+        text = body.decode(json.detect_encoding(body))
+        data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"Request body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("Request body must be a JSON object", code="invalid_json")
+    _check_structure(text, data)
 
     messages = data.get("messages")
     if messages is None:
@@ -128,6 +135,9 @@ def parse_chat_request(body: bytes, headers: Mapping[str, str], limits: Limits) 
     template_kwargs = data.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if clash := sorted({"messages", "tools"} & template_kwargs.keys()):  # the request's own fields
+        raise bad_request(f"'chat_template_kwargs' cannot set {' or '.join(clash)}; send them as top-level "
+                          "fields", "chat_template_kwargs", "invalid_value")
 
     return ChatRequest(
         messages=messages,
@@ -146,6 +156,30 @@ def parse_chat_request(body: bytes, headers: Mapping[str, str], limits: Limits) 
         no_train=_flag(headers, data, "X-Clawd-No-Train", "no_train"),
         chat_template_kwargs=template_kwargs,
     )
+
+
+def _check_structure(text: str, data: dict) -> None:
+    """Reject what would break later stages: nesting that exhausts the recursion limit in the
+    template, hashing or records, and lone surrogates (JSON escapes such as "\\ud800"), which
+    the tokenizer and UTF-8 record files cannot take. Both walks run only when the text hints."""
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(data) > MAX_DEPTH:
+        raise bad_request(f"Request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("Request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)",
+                              code="invalid_json") from None
+
+
+def _depth(data: Any) -> int:
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        obj, d = stack.pop()
+        deepest = max(deepest, d)
+        children = obj.values() if isinstance(obj, dict) else obj
+        stack += [(c, d + 1) for c in children if isinstance(c, (dict, list))]
+    return deepest
 
 
 def _check_message(msg: Any, i: int) -> dict[str, Any]:
@@ -288,7 +322,7 @@ def _check_sampling(data: dict) -> Sampling:
         if not isinstance(bias, dict):
             raise bad_request("'logit_bias' must be an object", "logit_bias", "invalid_type")
         for k, v in bias.items():
-            if not k.isdigit() or not _is_number(v) or not -100 <= v <= 100:
+            if not (k.isascii() and k.isdigit()) or not _is_number(v) or not -100 <= v <= 100:
                 raise bad_request("'logit_bias' maps token ids to numbers in [-100, 100]", "logit_bias",
                                   "invalid_value")
     top_k = _opt_int(data, "top_k", -1)
@@ -299,7 +333,7 @@ def _check_sampling(data: dict) -> Sampling:
         min_p=_opt_float(data, "min_p", 0.0, 1.0),
         max_tokens=max_tokens,
         stop=stops,
-        seed=_opt_int(data, "seed"),
+        seed=_opt_int(data, "seed", -2**63, 2**63 - 1),  # int64, as OpenAI documents; engines seed torch with it
         presence_penalty=_opt_float(data, "presence_penalty", -2.0, 2.0),
         frequency_penalty=_opt_float(data, "frequency_penalty", -2.0, 2.0),
         repetition_penalty=_opt_float(data, "repetition_penalty", 0.0, 2.0, low_open=True),
@@ -357,9 +391,18 @@ def _session_id(headers: Mapping[str, str], data: dict) -> str | None:
             raise bad_request("'session_id' must be a string", "session_id", "invalid_type")
     if value is not None:
         value = value.strip()
-        if not value or len(value) > 256:
+        # A header's non-ASCII bytes arrive surrogate-escaped; records are UTF-8.
+        if not value or len(value) > 256 or not _utf8(value):
             raise bad_request("session id must be 1 to 256 characters", "session_id", "invalid_value")
     return value
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _turn_type(headers: Mapping[str, str], data: dict) -> str | None:

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 
 _RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                       "raise_exception", "strftime_now",
                        "unk_token", "pad_token"})
 
 
