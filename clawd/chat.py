@@ -243,11 +243,11 @@ class ChatService:
                 deltas, logprobs = out.add(chunk)
                 if logprobs and not deltas:
                     deltas = [{}]  # log-probs of tokens whose text is still held back
-                for i, delta in enumerate(deltas):
-                    await resp.write(out.sse(delta, logprobs=logprobs if i == len(deltas) - 1 else None))
+                if deltas:  # one write per engine chunk, however many events it makes
+                    await resp.write(b"".join(out.sse(d, logprobs=logprobs if i == len(deltas) - 1 else None)
+                                              for i, d in enumerate(deltas)))
                 chunk = await anext(chunks, None)
-            for piece in out.close():
-                await resp.write(out.sse(piece))
+            tail = [out.sse(piece) for piece in out.close()]
         except EngineError as exc:
             self.stats.engine_errors += 1
             out.failed = True
@@ -257,11 +257,11 @@ class ChatService:
             return resp
         finally:
             await chunks.aclose()
-        await resp.write(out.sse({}, finish=out.finish_reason))
+        tail.append(out.sse({}, finish=out.finish_reason))
         if req.include_usage:
-            await resp.write(b"data: " + json.dumps(out.usage_chunk()).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            tail.append(b"data: " + json.dumps(out.usage_chunk()).encode() + b"\n\n")
+        tail.append(b"data: [DONE]\n\n")
+        await resp.write_eof(b"".join(tail))
         return resp
 
     # ---- the captured turn ---------------------------------------------------------

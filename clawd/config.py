@@ -112,6 +112,11 @@ class EngineConfig:
     max_batch_size: int = 8
     seed: int = 0
 
+    @property
+    def streams_deltas(self) -> bool:
+        """Engines clawd launches always stream deltas: cumulative chunks cost O(n²) to read."""
+        return self.launch != "none" or self.incremental_streaming_output
+
     def check(self) -> dict[str, str]:
         errors = {}
         parts = urlsplit(self.url)

@@ -36,7 +36,7 @@ async def run(cfg: Config) -> int:
     engine = EngineClient(cfg.engine.url, api_key=cfg.engine.api_key,
                           connect_timeout=cfg.engine.connect_timeout,
                           request_timeout=cfg.engine.request_timeout,
-                          incremental_stream=cfg.engine.incremental_streaming_output)
+                          incremental_stream=cfg.engine.streams_deltas)
     supervisor = EngineSupervisor(cfg, engine)
     sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
                             max_turns=cfg.sessions.session_max_turns,

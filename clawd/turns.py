@@ -7,7 +7,7 @@ reply) or with the reason it has none.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 # Why a finished turn has no next state, or why it cannot become a sample.
@@ -56,11 +56,9 @@ class FinishedTurn:
         return self.next_state is not None and self.turn.excluded is None and self.reason is None
 
     def to_record(self) -> dict[str, Any]:
-        turn = asdict(self.turn)
+        # A shallow dict: dataclasses.asdict would deep-copy every id and log-prob.
         return {
-            "session_id": turn.pop("session_id"),
-            "turn_index": turn.pop("turn_index"),
-            **turn,
+            **{f.name: getattr(self.turn, f.name) for f in fields(self.turn)},
             "next_state": self.next_state,
             "reason": self.reason,  # why there is no next state (the turn's own exclusion is "excluded")
             "finished": self.finished,

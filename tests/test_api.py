@@ -276,3 +276,26 @@ async def test_reasoning_and_logprobs(stack):
     streamed_lps = [t.logprob for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     ids = script.tok.encode("<think>Again.</think>No.", add_special_tokens=False).ids + [script.eos]
     assert streamed_lps == [output_logprob(i) for i in ids]
+
+
+async def test_incremental_engine_streams(tiny_model, tmp_path):
+    """An SGLang started with --incremental-streaming-output sends deltas; clawd reads them as such."""
+    script = Script(tiny_model)
+    async with FakeSGLang(responder=script, eos_id=script.eos, incremental_streaming_output=True) as fake:
+        daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model)},
+                                   "engine": {"launch": "none", "url": fake.url,
+                                              "incremental_streaming_output": True}}, wait_ready=False)
+        try:
+            await wait_ready_async(daemon)
+            client = openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+            stream = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hi"}], stream=True,
+                extra_headers={"X-Session-Done": "1"})
+            text = "".join([c.choices[0].delta.content or "" async for c in stream])
+            assert text == "Otters hold hands while they sleep."
+            await client.close()
+        finally:
+            assert daemon.stop() == 0
+        (rec,) = daemon.records()
+        expected = script.tok.encode(text, add_special_tokens=False).ids + [script.eos]
+        assert rec["response_ids"] == expected and rec["excluded"] is None

@@ -74,15 +74,13 @@ class EngineSupervisor:
                 argv += ["--threads", str(eng.cpu_threads)]
             if model.context_length:
                 argv += ["--context-length", str(model.context_length)]
-            if eng.incremental_streaming_output:
-                argv.append("--incremental-streaming-output")
+            argv.append("--incremental-streaming-output")  # see EngineConfig.streams_deltas
             return argv, (self._sock.fileno(),)
         # sglang: a fixed port from engine.url, so clawd's client needs no change.
         port = self.client.url.rsplit(":", 1)[-1]
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(Path(model.path).resolve()),
-                "--host", "127.0.0.1", "--port", port, "--weight-version", "0", *eng.sglang_args]
-        if eng.incremental_streaming_output:
-            argv.append("--incremental-streaming-output")
+                "--host", "127.0.0.1", "--port", port, "--weight-version", "0",
+                "--incremental-streaming-output", *eng.sglang_args]
         return argv, ()
 
     async def run(self) -> None:
