@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,20 @@ class ChatTokenizer:
         self.special_ids = frozenset(
             int(i) for i, tok in cfg.get("added_tokens_decoder", {}).items() if tok.get("special"))
         self.info = self._model_info(model_dir, cfg)
+        self._splitter, self._added = self._added_token_splitter()
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.cache_size = 4096
+
+    def _added_token_splitter(self) -> tuple[re.Pattern | None, dict[str, int]]:
+        """The tokenizer cuts text at added tokens before anything else, so the pieces
+        between them encode independently: each piece can be cached, and a long
+        conversation re-encodes only its new messages. Tokens whose matching depends on
+        their neighbours (lstrip, rstrip, single_word, normalized) disable the cache."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added.values()):
+            return None, {}
+        contents = sorted((t.content for t in added.values()), key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, contents)) + ")"), {t.content: i for i, t in added.items()}
 
     def _model_info(self, model_dir: Path, tok_cfg: dict) -> ModelInfo:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
@@ -124,7 +140,29 @@ class ChatTokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     **extra: Any) -> list[int]:
         # The template already holds BOS and role markers: no special tokens added.
-        return self.tokenizer.encode(self.render(messages, tools, **extra), add_special_tokens=False).ids
+        return self.encode(self.render(messages, tools, **extra))
+
+    def encode(self, text: str) -> list[int]:
+        if self._splitter is None:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for piece in self._splitter.split(text):
+            if piece in self._added:
+                ids.append(self._added[piece])
+            elif piece:
+                ids += self._encode_piece(piece)
+        return ids
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        cached = self._cache.get(piece)
+        if cached is None:
+            cached = self.tokenizer.encode(piece, add_special_tokens=False).ids
+            self._cache[piece] = cached
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(piece)
+        return cached
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -7,6 +7,18 @@ from .harness import Daemon
 pytestmark = pytest.mark.slow
 
 
+def test_smollm2_piecewise_encoding(default_model):
+    from tokenizers import Tokenizer
+
+    from clawd.tokenizer import ChatTokenizer
+    dest, _ = default_model
+    tok = ChatTokenizer(dest)
+    text = tok.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12345 café 🦦"},
+                       {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "  again\n"}], None)
+    whole = Tokenizer.from_file(str(dest / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert tok.encode(text) == whole and tok._splitter is not None
+
+
 def test_smollm2_answers_a_chat(default_model, tmp_path):
     dest, _ = default_model
     daemon = Daemon(tmp_path, {"model": {"path": str(dest), "max_tokens_cap": 16}}, timeout=300)

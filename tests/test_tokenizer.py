@@ -56,3 +56,29 @@ def test_loading_does_not_import_torch(tiny_model):
             f"ChatTokenizer({str(tiny_model)!r}).encode_chat([{{'role': 'user', 'content': 'x'}}], None); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cached_piecewise_encoding_equals_whole_encoding(tiny_model):
+    from hypothesis import given, settings, strategies as st
+    tok = ChatTokenizer(tiny_model)
+    assert tok._splitter is not None
+    markers = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>", "<think>", "\n", " "]
+    pieces = st.one_of(st.sampled_from(markers), st.text(max_size=12))
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(st.lists(pieces, max_size=12))
+    def check(parts):
+        text = "".join(parts)
+        whole = tok.tokenizer.encode(text, add_special_tokens=False).ids
+        assert tok.encode(text) == whole
+        assert tok.encode(text) == whole  # and again, from the cache
+
+    check()
+
+
+def test_piece_cache_is_bounded(tiny_model):
+    tok = ChatTokenizer(tiny_model)
+    tok.cache_size = 8
+    for i in range(50):
+        tok.encode_chat([{"role": "user", "content": f"message {i}"}], None)
+    assert len(tok._cache) == 8
