@@ -186,7 +186,9 @@ class ChatService:
             if capture:
                 self.sessions.cancel(capture.admission, time.time())
             raise
-        if capture:
+        if capture and out.failed:  # the client got an error event: no turn to learn from
+            self.sessions.cancel(capture.admission, time.time())
+        elif capture:
             self._capture(capture, rid, prompt_ids, out)
         # One structured line per completion: enough to follow a turn from client to records.
         log.info("chat id=%s rid=%s session=%s turn=%s version=%d type=%s stream=%s prompt=%d completion=%d "
@@ -207,6 +209,10 @@ class ChatService:
         lps = meta.get("output_token_logprobs") or []
         out.add(Chunk(ids=list(result.get("output_ids") or []), logprobs=[e[0] for e in lps],
                       logprob_ids=[e[1] for e in lps], finish=meta.get("finish_reason"), meta=meta))
+        if out.engine_finish == "abort":  # the engine dropped it (paused, overloaded): not an answer
+            self.stats.engine_errors += 1
+            raise ApiError(503, "The model engine aborted the request; retry it", code="engine_aborted",
+                           retry_after=1)
         out.close()
         return web.json_response(out.completion(), dumps=json.dumps)
 
@@ -247,6 +253,8 @@ class ChatService:
                     await resp.write(b"".join(out.sse(d, logprobs=logprobs if i == len(deltas) - 1 else None)
                                               for i, d in enumerate(deltas)))
                 chunk = await anext(chunks, None)
+            if out.engine_finish == "abort":
+                raise EngineError("the engine aborted the request")
             tail = [out.sse(piece) for piece in out.close()]
         except EngineError as exc:
             self.stats.engine_errors += 1
@@ -269,9 +277,7 @@ class ChatService:
     def _capture(self, cap: "_Capture", rid: str, prompt_ids: list[int], out: "_Output") -> None:
         now = time.time()
         excluded = cap.excluded
-        if out.failed or out.engine_finish == "abort":
-            excluded = T.ABORTED
-        elif out.logprob_ids != out.ids or any(lp is None for lp in out.logprobs):
+        if out.logprob_ids != out.ids or any(lp is None for lp in out.logprobs):
             log.error("rid %s: engine log-prob ids disagree with output ids; turn excluded", rid)
             excluded = T.LOGPROB_MISMATCH
         turn = T.Turn(

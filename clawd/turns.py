@@ -19,7 +19,6 @@ EVICTED = "evicted"                  # pushed out by the live-session cap
 REGENERATED = "regenerated"          # the user asked again; this branch was abandoned
 SAMPLING_PARAMS = "sampling_params"  # not sampled from the full distribution (DESIGN §14)
 NO_TRAIN = "no_train"                # X-Clawd-No-Train / no_train
-ABORTED = "aborted"                  # generation did not finish (client gone, engine abort)
 LOGPROB_MISMATCH = "logprob_mismatch"  # engine log-prob ids disagree with output ids
 
 

@@ -299,3 +299,28 @@ async def test_incremental_engine_streams(tiny_model, tmp_path):
         (rec,) = daemon.records()
         expected = script.tok.encode(text, add_special_tokens=False).ids + [script.eos]
         assert rec["response_ids"] == expected and rec["excluded"] is None
+
+
+async def test_engine_side_abort_is_an_error_not_an_answer(stack):
+    daemon, fake, script, client = stack
+    body = {"messages": [{"role": "user", "content": "x"}], "session_id": "aborted"}
+    async with aiohttp.ClientSession() as http:
+        for stream in (False, True):
+            fake.hang_next()
+            task = asyncio.ensure_future(http.post(daemon.url + "/v1/chat/completions",
+                                                   json={**body, "stream": stream}))
+            while fake.in_flight == 0:
+                await asyncio.sleep(0.02)
+            async with http.post(fake.url + "/abort_request", json={"abort_all": True}) as r:
+                assert r.status == 200
+            resp = await task
+            if not stream:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+                assert (await resp.json())["error"]["code"] == "engine_aborted"
+            else:
+                events = [line for line in (await resp.text()).split("\n\n") if line]
+                assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_error"
+                assert events[-1] == "data: [DONE]"
+            resp.release()
+    # Counted as engine errors.
+    assert daemon.get("/debug/process")[1]["stats"]["engine_errors"] == 2
