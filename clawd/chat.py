@@ -157,7 +157,7 @@ class ChatService:
         if lock_key:
             await self._locks.acquire(lock_key)
         try:
-            admission = self.sessions.begin(principal, req.session_id, req.messages, time.time())
+            admission = self.sessions.begin(principal, req.session_id, req.render_messages, time.time())
             self._finish(admission.finished)
             capture = _Capture(admission=admission, principal=principal, temperature=temperature,
                                excluded=excluded, version=self.policy.version, req=req)
@@ -284,7 +284,7 @@ class ChatService:
             session_id=cap.admission.session_id, turn_index=cap.admission.turn_index, principal=cap.principal,
             request_id=out.completion_id, rid=rid, prompt_ids=prompt_ids, response_ids=out.ids,
             response_logprobs=[float(lp) if lp is not None else float("nan") for lp in out.logprobs],
-            temperature=cap.temperature, messages=cap.req.messages, tools=cap.req.tools,
+            temperature=cap.temperature, messages=cap.req.render_messages, tools=cap.req.tools,
             reply=out.reply_message(), finish_reason=out.finish_reason, policy_version=cap.version,
             weight_version=str(out.meta.get("weight_version", self.policy.weight_version)), created=now,
             excluded=excluded)

@@ -58,8 +58,8 @@ class Sampling:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict[str, Any]]          # as the client sent them (for sessions)
-    render_messages: list[dict[str, Any]]   # normalised for the chat template
+    messages: list[dict[str, Any]]          # as the client sent them
+    render_messages: list[dict[str, Any]]   # validated and normalised: for the template, sessions, records
     tools: list[dict[str, Any]] | None
     tool_choice: str
     sampling: Sampling

@@ -311,6 +311,17 @@ def test_wrong_route_method_or_key(daemon, method, path, headers, status):
         assert "POST" in reply.headers["allow"]
 
 
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": "hi", "tool_calls": 5},
+    {"role": "user", "content": "hi", "tool_calls": [None, "x"]},
+    {"role": "tool", "tool_call_id": "c", "content": "21", "tool_calls": {"a": 1}},
+    {"role": "user", "content": "hi", "name": "bob", "reasoning_content": 7, "extra": [1]},
+], ids=["user-tool-calls-int", "user-tool-calls-junk", "tool-tool-calls-dict", "user-extras"])
+def test_fields_a_role_does_not_use_are_ignored(daemon, message):
+    """Found by the fuzz on a fresh clone: sessions hashed such fields raw and crashed."""
+    assert isinstance(assert_chat_completion(send(daemon, with_messages(message))), str)
+
+
 def test_healthy_after_the_table(daemon):
     assert daemon.get("/health") == (200, {"status": "ok"})
     assert isinstance(assert_chat_completion(send(daemon, chat())), str)
