@@ -1,0 +1,435 @@
+"""Judge and teacher backends: one scored call each, bounded in time, failing closed.
+
+A finished turn is scored by a judge (votes, hints) and, for OPD, by a teacher
+(log-probs of the response under a hinted prompt). Every backend call goes
+through the same wrapper (DESIGN §5, issue 3): a per-attempt timeout, retries
+with exponential backoff and jitter on timeouts, connection errors, 5xx and
+429 (Retry-After honoured up to `backoff_max`), no retry on other 4xx, and a
+semaphore bounding the calls in flight. After the last failure it raises
+`JudgeFailed`: the caller drops the sample; nothing waits forever, and other
+turns never wait on a failing one except through the concurrency limit.
+Every outcome is counted in the backend's `JudgeStats`.
+
+Backends:
+- `SGLangJudge`: SGLang's native /generate, token in (the judge messages rendered
+  with the policy's chat template), the output ids decoded by clawd.
+- `OpenAIJudge`: any OpenAI-compatible /chat/completions with its own key.
+- `Teacher`: log-probs of the exact response ids via prefill scoring (DESIGN §3):
+  `input_ids = P' + R`, `max_new_tokens: 0`, `logprob_start_len = len(P') - 1`,
+  `meta_info.input_token_logprobs[1:]` lines up with R, first token included.
+
+No DNS: aiohttp resolves host names in a thread, and the daemon has none. A URL
+names an IP literal, or `address` pins the name to one resolved at start-up
+(TLS still checks the name).
+"""
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import ipaddress
+import json
+import logging
+import math
+import random
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Callable, TypeVar
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+
+from .engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable
+from .tokenizer import ChatTokenizer, TemplateError
+
+log = logging.getLogger("clawd.judge")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CallPolicy:
+    timeout: float = 60.0  # seconds per attempt
+    retries: int = 2  # attempts after the first
+    backoff_initial: float = 0.5
+    backoff_max: float = 8.0
+    concurrency: int = 8  # attempts in flight per backend
+
+    def __post_init__(self):
+        if not (self.timeout > 0 and self.retries >= 0 and 0 <= self.backoff_initial <= self.backoff_max
+                and self.concurrency >= 1):
+            raise ValueError(f"invalid call policy: {self}")
+
+
+@dataclass
+class JudgeStats:
+    """Counters of one backend. Calls end as ok, failed or cancelled; attempts that
+    went wrong are counted by kind (a call retried twice adds 2 to `retried`)."""
+
+    calls: int = 0
+    ok: int = 0
+    failed: int = 0  # JudgeFailed raised: the sample is dropped
+    cancelled: int = 0
+    retried: int = 0
+    timeouts: int = 0
+    http_errors: int = 0  # an HTTP error status (4xx, 5xx)
+    connection_errors: int = 0  # refused, reset, dropped mid-body
+    engine_errors: int = 0  # SGLang errors the engine client does not split further
+    bad_responses: int = 0  # 200 with a body that is not what was asked for
+    latency_sum: float = 0.0  # seconds from call to result, over ok calls (queueing included)
+    latency_count: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class JudgeFailed(Exception):
+    """A judge or teacher call that gave no usable result; callers fail closed."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class AttemptFailed(Exception):
+    """One attempt went wrong. `kind` names the JudgeStats counter; `retry_after` in seconds."""
+
+    def __init__(self, reason: str, kind: str, *, retryable: bool, detail: str = "",
+                 retry_after: float | None = None):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.kind, self.retryable = reason, kind, retryable
+        self.detail, self.retry_after = detail, retry_after
+
+
+# --- pure parts ------------------------------------------------------------------------------
+
+def backoff_delay(policy: CallPolicy, retry: int, retry_after: float | None, u: float) -> float:
+    """Seconds before retry number `retry` (0-based); u in [0, 1) is the jitter draw.
+    Exponential with jitter in [half, full]; a server's Retry-After wins, capped."""
+    if retry_after is not None:
+        return min(max(retry_after, 0.0), policy.backoff_max)
+    base = min(policy.backoff_max, policy.backoff_initial * 2.0 ** retry)
+    return base * (0.5 + 0.5 * u)
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Retry-After as seconds: delta-seconds or an HTTP date; None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
+
+
+def error_message(body: Any) -> str:
+    """The message in an OpenAI-style error body ({"error": {...}} / {"error": "..."} /
+    {"message": ...} / {"detail": ...}), else the start of the body."""
+    if isinstance(body, dict):
+        err = body.get("error", body.get("message", body.get("detail")))
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:500]
+        if err is not None:
+            return str(err)[:500]
+    return str(body)[:500]
+
+
+def http_failure(status: int, message: str, retry_after: float | None) -> AttemptFailed:
+    """Retry 5xx and 429; any other status is the request's fault and will not improve."""
+    retryable = status >= 500 or status == 429
+    return AttemptFailed(f"http_{status}", "http_errors", retryable=retryable, detail=message,
+                         retry_after=retry_after if retryable else None)
+
+
+def chat_content(body: Any) -> str:
+    """choices[0].message.content of a chat completion; the text whatever it says."""
+    try:
+        choice = body["choices"][0]
+        content = choice["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        raise AttemptFailed("bad_response", "bad_responses", retryable=True,
+                            detail=f"no choices[0].message.content: {error_message(body)}") from None
+    if isinstance(content, list):  # content parts
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    if not isinstance(content, str):
+        raise AttemptFailed("bad_response", "bad_responses", retryable=True, detail="message.content is not text")
+    return content
+
+
+def aborted(out: Any) -> bool:
+    """SGLang answers an aborted request with 200 and its partial output (reference §2.3)."""
+    try:
+        return (out["meta_info"]["finish_reason"] or {}).get("type") == "abort"
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def teacher_logprobs(out: Any, response_ids: list[int]) -> list[float]:
+    """The teacher's log-prob of each response token from a prefill-scoring answer,
+    checked: one entry per token after the null entry 0, the same ids, finite values."""
+    try:
+        entries = out["meta_info"]["input_token_logprobs"]
+    except (KeyError, TypeError):
+        raise AttemptFailed("teacher_misaligned", "bad_responses", retryable=False,
+                            detail="no meta_info.input_token_logprobs") from None
+    if not isinstance(entries, list) or len(entries) != len(response_ids) + 1:
+        n = len(entries) if isinstance(entries, list) else None
+        raise AttemptFailed("teacher_misaligned", "bad_responses", retryable=False,
+                            detail=f"{n} entries for {len(response_ids)} response tokens (+1 expected)")
+    values = []
+    for i, (entry, tok) in enumerate(zip(entries[1:], response_ids)):
+        ok = isinstance(entry, list) and len(entry) >= 2
+        lp = entry[0] if ok else None
+        if not ok or entry[1] != tok:
+            raise AttemptFailed("teacher_misaligned", "bad_responses", retryable=False,
+                                detail=f"token {i}: entry {entry!r}, expected id {tok}")
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise AttemptFailed("teacher_misaligned", "bad_responses", retryable=False,
+                                detail=f"token {i}: log-prob {lp!r}")
+        values.append(float(lp))
+    return values
+
+
+def engine_failure(exc: EngineError) -> AttemptFailed:
+    """EngineClient's errors: 400 is final; unreachable and everything else is retried."""
+    if isinstance(exc, EngineRejected):
+        return AttemptFailed("http_400", "http_errors", retryable=False, detail=str(exc))
+    if isinstance(exc, EngineUnavailable):
+        return AttemptFailed("connection", "connection_errors", retryable=True, detail=str(exc))
+    return AttemptFailed("engine_error", "engine_errors", retryable=True, detail=str(exc))
+
+
+# --- the wrapper -----------------------------------------------------------------------------
+
+class Backend:
+    """A policy, its counters and its semaphore; `_call` runs one call with retries."""
+
+    name = "backend"
+    # Replaceable in tests, to see the backoff without waiting for it.
+    sleep: Callable[[float], Awaitable[None]] = staticmethod(asyncio.sleep)
+    jitter: Callable[[], float] = staticmethod(random.random)
+
+    def __init__(self, policy: CallPolicy):
+        self.policy = policy
+        self.stats = JudgeStats()
+        self._slots = asyncio.Semaphore(policy.concurrency)
+
+    def _refuse(self, reason: str, detail: str) -> JudgeFailed:
+        """A call that fails before any attempt (the request cannot be built)."""
+        self.stats.calls += 1
+        self.stats.failed += 1
+        log.warning("%s call failed: %s: %s", self.name, reason, detail)
+        return JudgeFailed(reason, detail)
+
+    async def _call(self, attempt: Callable[[int], Awaitable[T]]) -> T:
+        """attempt(i) makes try number i; it raises AttemptFailed for a failure it recognises."""
+        p, stats = self.policy, self.stats
+        stats.calls += 1
+        t0 = time.monotonic()
+        try:
+            for i in range(p.retries + 1):
+                try:
+                    async with self._slots:  # a slot per attempt: backoff sleeps hold none
+                        async with asyncio.timeout(p.timeout):
+                            result = await attempt(i)
+                except TimeoutError:  # only ours: attempts turn their own timeouts into AttemptFailed
+                    failure = AttemptFailed("timeout", "timeouts", retryable=True,
+                                            detail=f"no answer in {p.timeout:g} s")
+                except AttemptFailed as exc:
+                    failure = exc
+                else:
+                    stats.ok += 1
+                    stats.latency_sum += time.monotonic() - t0
+                    stats.latency_count += 1
+                    return result
+                setattr(stats, failure.kind, getattr(stats, failure.kind) + 1)
+                if not failure.retryable or i == p.retries:
+                    break
+                stats.retried += 1
+                log.info("%s attempt %d failed (%s), retrying", self.name, i + 1, failure)
+                await self.sleep(backoff_delay(p, i, failure.retry_after, self.jitter()))
+        except asyncio.CancelledError:
+            stats.cancelled += 1
+            raise
+        stats.failed += 1
+        log.warning("%s call failed after %d attempt(s): %s", self.name, i + 1, failure)
+        raise JudgeFailed(failure.reason, failure.detail)
+
+
+# --- SGLang: judge and teacher ---------------------------------------------------------------
+
+class SGLangJudge(Backend):
+    """The judge on an SGLang (or CPU) engine: chat template → ids → /generate → decoded text."""
+
+    name = "judge.sglang"
+
+    def __init__(self, engine: EngineClient, tokenizer: ChatTokenizer, *, temperature: float = 0.6,
+                 top_p: float = 1.0, top_k: int = -1, max_new_tokens: int = 1024,
+                 policy: CallPolicy = CallPolicy()):
+        super().__init__(policy)
+        self.engine, self.tokenizer = engine, tokenizer
+        self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        self.max_new_tokens = max_new_tokens
+
+    async def complete(self, messages: list[dict[str, Any]], *, rid: str | None = None) -> str:
+        try:
+            ids = self.tokenizer.encode_chat(messages, None)
+        except TemplateError as exc:
+            raise self._refuse("template", str(exc)) from None
+        room = self.tokenizer.info.context_length - len(ids)
+        if room < 1:
+            raise self._refuse("prompt_too_long", f"{len(ids)} tokens, context {room + len(ids)}")
+        rid = rid or f"judge-{uuid.uuid4().hex}"
+        sampling = {**self.sampling, "max_new_tokens": min(self.max_new_tokens, room)}
+
+        async def attempt(i: int) -> str:
+            # A fresh rid per attempt: a timed-out one may still be in the engine.
+            payload = {"input_ids": ids, "sampling_params": sampling, "rid": f"{rid}.{i}"}
+            try:
+                out = await self.engine.generate(payload)
+            except EngineError as exc:
+                raise engine_failure(exc) from None
+            if aborted(out):
+                raise AttemptFailed("aborted", "engine_errors", retryable=True, detail="aborted by the engine")
+            output_ids = out.get("output_ids") if isinstance(out, dict) else None
+            if not isinstance(output_ids, list) or not all(type(t) is int for t in output_ids):
+                raise AttemptFailed("bad_response", "bad_responses", retryable=True, detail="no output_ids")
+            return self.tokenizer.decode(output_ids)
+
+        return await self._call(attempt)
+
+
+class Teacher(Backend):
+    """Teacher log-probs of the original response ids under a (hinted) prompt (DESIGN §3)."""
+
+    name = "teacher"
+
+    def __init__(self, engine: EngineClient, *, policy: CallPolicy = CallPolicy()):
+        super().__init__(policy)
+        self.engine = engine
+
+    async def logprobs(self, prompt_ids: list[int], response_ids: list[int], *,
+                       rid: str | None = None) -> list[float]:
+        """log P(R[t] | P' + R[:t]) at T = 1 for every t, the first response token included."""
+        if not prompt_ids:
+            raise ValueError("the teacher needs a prompt of at least one token")
+        if not response_ids:
+            return []
+        rid = rid or f"teacher-{uuid.uuid4().hex}"
+        ids = list(prompt_ids) + list(response_ids)
+
+        async def attempt(i: int) -> list[float]:
+            payload = {"input_ids": ids, "rid": f"{rid}.{i}",
+                       # prefill log-probs are at T = 1; say so for engines that would scale them
+                       "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+                       "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1}
+            try:
+                out = await self.engine.generate(payload)
+            except EngineError as exc:
+                raise engine_failure(exc) from None
+            if aborted(out):
+                raise AttemptFailed("aborted", "engine_errors", retryable=True, detail="aborted by the engine")
+            return teacher_logprobs(out, response_ids)
+
+        return await self._call(attempt)
+
+
+# --- OpenAI-compatible judge -----------------------------------------------------------------
+
+class PinnedResolver(AbstractResolver):
+    """Answers for one host name with an address fixed at start-up: no resolver thread."""
+
+    def __init__(self, host: str, address: str):
+        self.host, self.address = host, address
+        self.family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        if host != self.host:
+            raise OSError(f"{host} is not pinned (judges are reached by address, not DNS)")
+        return [ResolveResult(hostname=host, host=self.address, port=port, family=self.family,
+                              proto=0, flags=socket.AI_NUMERICHOST)]
+
+    async def close(self) -> None:
+        pass
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+class OpenAIJudge(Backend):
+    """A judge behind any OpenAI-compatible API. `url` is the base, e.g. http://10.0.0.5:8000/v1;
+    when it names a host, `address` is the IP to reach it at (resolved before the loop starts)."""
+
+    name = "judge.openai"
+
+    def __init__(self, url: str, api_key: str, model: str, *, temperature: float = 0.6,
+                 max_tokens: int = 1024, address: str | None = None, policy: CallPolicy = CallPolicy()):
+        super().__init__(policy)
+        self.url = url.rstrip("/")
+        host = urlsplit(self.url).hostname or ""
+        if not _is_ip(host) and address is None:
+            raise ValueError(f"judge URL {url!r} names a host: give its IP address (no DNS in the daemon)")
+        self._resolver = PinnedResolver(host, address) if address is not None and not _is_ip(host) else None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model, self.temperature, self.max_tokens = model, temperature, max_tokens
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> OpenAIJudge:
+        connector = aiohttp.TCPConnector(limit=0, resolver=self._resolver)
+        # The wrapper's asyncio.timeout bounds each attempt; aiohttp only bounds the connect.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.policy.timeout)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return self
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> OpenAIJudge:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def complete(self, messages: list[dict[str, Any]]) -> str:
+        assert self._session is not None, "OpenAIJudge.start() was not called"
+        body = {"model": self.model, "messages": messages, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "stream": False}
+
+        async def attempt(i: int) -> str:
+            try:
+                async with self._session.post(self.url + "/chat/completions", json=body,
+                                              headers=self._headers) as resp:
+                    raw = await resp.read()
+                    status, retry_after = resp.status, parse_retry_after(resp.headers.get("Retry-After"))
+            except (aiohttp.ClientError, OSError) as exc:
+                raise AttemptFailed("connection", "connection_errors", retryable=True,
+                                    detail=f"{type(exc).__name__}: {exc}") from None
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                obj = raw[:500].decode("utf-8", "replace")
+            if status != 200:
+                raise http_failure(status, error_message(obj), retry_after)
+            if isinstance(obj, dict) and "error" in obj and "choices" not in obj:  # errors sent as 200
+                raise AttemptFailed("bad_response", "bad_responses", retryable=True, detail=error_message(obj))
+            return chat_content(obj)
+
+        return await self._call(attempt)
