@@ -1,0 +1,168 @@
+"""The sample store: the only way samples go in (put) and out (take_batch, ack) (DESIGN §14).
+
+    put(sample)        journal APPEND, then the sample waits; returning is "acknowledged"
+    take_batch(n, ...) drops stale samples, then picks up to n under the fairness cap
+    ack(ids)           after the consuming step is checkpointed: journal ACK + compaction
+    replay()           on start: every sample not yet acked waits again, in put order
+
+Taken samples stay in the journal until acked, so a crash between take and ack
+trains them again (at least once). Stale samples dropped by take_batch are
+acked together with the next `ack` call (`await store.ack([])` writes them now).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+from fractions import Fraction
+
+from .journal import Journal
+from .samples import Sample
+
+
+def fair_pick(principals: list[str], n: int, share: float) -> list[int]:
+    """Indices (ascending) of the samples a batch of n takes; `principals` is oldest first.
+
+    cap = max(1, floor(share * n)) samples per principal. While at least
+    ceil(1 / share) distinct principals are waiting the cap is hard and the
+    batch may come out short. With fewer, the cap yields one step at a time
+    (cap + 1, cap + 2, ...) until the batch fills or the samples run out.
+    At every step the oldest eligible samples are taken first, so each raise
+    of the cap gives each principal at most one more sample, oldest first.
+    """
+    if not 0 < share <= 1:
+        raise ValueError(f"share {share} is outside (0, 1]")
+    s = Fraction(share).limit_denominator(1_000_000)  # floor(0.29 * 100) must be 29, not 28
+    cap = max(1, math.floor(s * n))
+    hard = len(set(principals)) >= math.ceil(1 / s)
+    n = min(n, len(principals))
+    chosen: set[int] = set()
+    taken: Counter[str] = Counter()
+    while len(chosen) < n:
+        for i, p in enumerate(principals):
+            if len(chosen) == n:
+                break
+            if i not in chosen and taken[p] < cap:
+                chosen.add(i)
+                taken[p] += 1
+        if hard:
+            break
+        cap += 1
+    return sorted(chosen)
+
+
+def is_stale(sample: Sample, current_version: int, max_staleness: int) -> bool:
+    return current_version - sample.policy_version > max_staleness
+
+
+class SampleStore:
+    def __init__(self, journal: Journal, *, fair_share: float = 0.25):
+        if not 0 < fair_share <= 1:
+            raise ValueError(f"fair_share {fair_share} is outside (0, 1]")
+        self.journal = journal
+        self.fair_share = fair_share
+        self._waiting: list[Sample] = []           # oldest first
+        self._by_principal: Counter[str] = Counter()
+        self._in_flight: set[str] = set()          # taken, not yet acked
+        self._drop_unacked: list[str] = []          # dropped as stale, ACK not yet written
+        self._changed = asyncio.Event()
+        self.put_total = 0
+        self.taken_total = 0
+        self.dropped_stale = 0
+        self.acked_total = 0
+
+    # -- counts ----------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def depth(self) -> int:
+        """Entries a restart would replay: waiting + in flight + dropped-not-yet-acked."""
+        return self.journal.live
+
+    def waiting_by_principal(self) -> dict[str, int]:
+        return dict(self._by_principal)
+
+    def fresh(self, current_version: int, max_staleness: int) -> int:
+        return sum(not is_stale(s, current_version, max_staleness) for s in self._waiting)
+
+    # -- in and out ----------------------------------------------------------------------
+
+    async def replay(self) -> int:
+        """Opens the journal and makes every sample not yet acked wait again, in put order."""
+        loaded = []
+        for sample_id, payload in self.journal.open():
+            try:
+                sample = Sample.from_json(payload)
+            except (ValueError, TypeError) as e:  # CRC-checked bytes that do not parse: a format change
+                raise ValueError(f"journal entry {sample_id!r} is not a readable sample: {e}") from e
+            if sample.sample_id != sample_id:
+                raise ValueError(f"journal entry {sample_id!r} holds sample {sample.sample_id!r}")
+            loaded.append(sample)
+        for sample in loaded:
+            self._add(sample)
+        return len(loaded)
+
+    async def put(self, sample: Sample) -> None:
+        """Returns once the sample's journal record is written; only then can a batch take it."""
+        await self.journal.append(sample.sample_id, sample.to_json())
+        self.put_total += 1
+        self._add(sample)
+
+    def take_batch(self, n: int, *, current_version: int, max_staleness: int) -> tuple[list[Sample], list[Sample]]:
+        """(batch, dropped_stale). Deferred samples keep waiting in their order."""
+        fresh, stale = [], []
+        for s in self._waiting:
+            (stale if is_stale(s, current_version, max_staleness) else fresh).append(s)
+        picked = set(fair_pick([s.principal for s in fresh], n, self.fair_share))
+        batch = [s for i, s in enumerate(fresh) if i in picked]
+        self._waiting = [s for i, s in enumerate(fresh) if i not in picked]
+        for s in batch + stale:
+            self._by_principal[s.principal] -= 1
+            if not self._by_principal[s.principal]:
+                del self._by_principal[s.principal]
+        self._in_flight.update(s.sample_id for s in batch)
+        self._drop_unacked.extend(s.sample_id for s in stale)
+        self.taken_total += len(batch)
+        self.dropped_stale += len(stale)
+        return batch, stale
+
+    async def ack(self, sample_ids) -> int:
+        """After the step that consumed them is checkpointed. Also acks earlier stale drops."""
+        drops, self._drop_unacked = self._drop_unacked, []
+        ids = list(sample_ids) + drops
+        try:
+            acked = await self.journal.ack(ids) if ids else 0
+        except BaseException:
+            self._drop_unacked = drops + self._drop_unacked  # still to be acked
+            raise
+        self._in_flight.difference_update(ids)
+        self.acked_total += acked
+        self.journal.compact()
+        return acked
+
+    async def wait_for(self, n: int, *, current_version: int | None = None, max_staleness: int | None = None) -> None:
+        """Returns once n samples are waiting (n fresh ones when the version and staleness are given).
+
+        It counts samples, not what fairness lets one batch take: with enough
+        principals the cap is hard, and waiting for a full fair batch could wait forever.
+        """
+        def enough() -> bool:
+            if current_version is None or max_staleness is None:
+                return len(self._waiting) >= n
+            return self.fresh(current_version, max_staleness) >= n
+
+        while not enough():
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _add(self, sample: Sample) -> None:
+        self._waiting.append(sample)
+        self._by_principal[sample.principal] += 1
+        self._changed.set()
