@@ -13,14 +13,17 @@ import logging
 import os
 import sys
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
 from .chat import ChatService
 from .chat_request import Limits, parse_chat_request
 from .config import Config
+from .engine.supervisor import EngineSupervisor
 from .errors import ApiError
+from .sample_store import SampleStore
+from .scoring import Scorer
 
 log = logging.getLogger("clawd.api")
 
@@ -79,7 +82,8 @@ class Authenticator:
         return found
 
 
-def make_app(cfg: Config, chat: ChatService) -> web.Application:
+def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, store: SampleStore | None = None,
+             supervisors: Sequence[EngineSupervisor] = ()) -> web.Application:
     app = web.Application(middlewares=[openai_errors], client_max_size=cfg.server.max_body_bytes)
     app[CONFIG] = cfg
     app[CHAT] = chat
@@ -122,9 +126,11 @@ def make_app(cfg: Config, chat: ChatService) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def ready(request: web.Request) -> web.Response:
+        # Chat needs the policy engine only; a reference engine that is down costs samples, not replies.
         engine = chat.supervisor.state.value
         ok = chat.supervisor.is_ready and app[SERVING]["accepting"]
-        body = {"ready": ok, "engine": engine, "policy_version": chat.policy.version}
+        body = {"ready": ok, "engine": engine, "policy_version": chat.policy.version,
+                "engines": {s.role: s.state.value for s in supervisors}}
         headers = None if ok else {"Retry-After": "2"}
         return web.json_response(body, status=200 if ok else 503, headers=headers)
 
@@ -136,7 +142,11 @@ def make_app(cfg: Config, chat: ChatService) -> web.Application:
                                   "torch_imported": "torch" in sys.modules, "engine_url": chat.engine.url, "engine_pid": chat.supervisor.pid,
                                   "engine_restarts": chat.supervisor.restarts,
                                   "transformers_imported": "transformers" in sys.modules,
-                                  "stats": chat.stats.__dict__, "sessions": len(chat.sessions)})
+                                  "stats": chat.stats.__dict__, "sessions": len(chat.sessions),
+                                  "engines": {s.role: {"state": s.state.value, "url": s.client.url, "pid": s.pid,
+                                                       "restarts": s.restarts} for s in supervisors},
+                                  "scoring": scorer.stats.__dict__ if scorer else None,
+                                  "samples": {"waiting": store.waiting, "depth": store.depth} if store else None})
 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -27,8 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.logging.level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .daemon import run  # after logging is set up
+    from .journal import JournalError
     try:
         return asyncio.run(run(cfg))
     except FileNotFoundError as exc:
         logging.getLogger("clawd").error("%s (run `make model` to prepare the default model)", exc)
+        return 1
+    except JournalError as exc:  # corruption before the last segment, or another clawd on this state dir
+        logging.getLogger("clawd").error("journal: %s", exc)
         return 1

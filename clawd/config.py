@@ -99,6 +99,7 @@ class ModelConfig:
 class EngineConfig:
     launch: typing.Literal["local", "sglang", "none"] = "local"
     url: str = "http://127.0.0.1:30000"
+    reference_url: str = "http://127.0.0.1:30001"
     api_key: str = ""
     sglang_args: tuple[str, ...] = ()
     request_timeout: float = 600.0
@@ -119,14 +120,9 @@ class EngineConfig:
 
     def check(self) -> dict[str, str]:
         errors = {}
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            errors["url"] = "must be an http(s) URL"
-        else:
-            try:
-                ipaddress.ip_address(parts.hostname)
-            except ValueError:
-                errors["url"] = "host must be an IP literal such as 127.0.0.1 (no name lookups in the daemon)"
+        for name in ("url", "reference_url"):
+            if problem := _ip_url_problem(getattr(self, name)):
+                errors[name] = problem
         for name in ("request_timeout", "connect_timeout", "startup_timeout",
                      "restart_backoff_initial", "restart_backoff_max", "health_interval"):
             if getattr(self, name) <= 0:
@@ -137,6 +133,92 @@ class EngineConfig:
             errors["cpu_threads"] = "must be 0 (torch's default) or positive"
         if self.max_batch_size < 1:
             errors["max_batch_size"] = "must be at least 1"
+        return errors
+
+
+def _ip_url_problem(url: str) -> str | None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be an http(s) URL"
+    try:
+        ipaddress.ip_address(parts.hostname)
+    except ValueError:
+        return "host must be an IP literal such as 127.0.0.1 (no name lookups in the daemon)"
+    return None
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    mode: typing.Literal["rl", "opd", "combine"] = "combine"
+    prm_m: int = 1
+    at_least_one: bool = False
+    max_pending: int = 10_000
+    fair_share: float = 0.25
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        if not 1 <= self.prm_m <= 16:
+            errors["prm_m"] = "must be in 1..16"
+        if self.at_least_one and self.mode != "rl":
+            errors["at_least_one"] = "applies to mode \"rl\" only"
+        if self.max_pending < 1:
+            errors["max_pending"] = "must be at least 1"
+        if not 0 < self.fair_share <= 1:
+            errors["fair_share"] = "must be in (0, 1]"
+        return errors
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    backend: typing.Literal["sglang", "openai", "rules"] = "sglang"
+    engine: typing.Literal["reference", "policy"] = "reference"
+    teacher_engine: typing.Literal["reference", "policy"] = "reference"
+    url: str = ""
+    api_key: str = ""
+    model: str = ""
+    temperature: float = 0.6
+    max_new_tokens: int = 1024
+    timeout: float = 120.0
+    retries: int = 2
+    backoff_initial: float = 0.5
+    backoff_max: float = 8.0
+    concurrency: int = 8
+    record_text_chars: int = 2000
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        if self.backend == "openai":
+            if problem := _ip_url_problem(self.url):
+                errors["url"] = problem + ' (backend "openai" needs url, e.g. "http://127.0.0.1:8000/v1")'
+            if not self.model:
+                errors["model"] = 'backend "openai" needs a model name'
+        if not 0 <= self.temperature <= 2:
+            errors["temperature"] = "must be in [0, 2]"
+        if self.max_new_tokens < 1:
+            errors["max_new_tokens"] = "must be at least 1"
+        if self.timeout <= 0 or self.backoff_initial <= 0 or self.backoff_max < self.backoff_initial:
+            errors["timeout"] = "timeout and backoff_initial must be positive, backoff_max >= backoff_initial"
+        if self.retries < 0:
+            errors["retries"] = "must not be negative"
+        if self.concurrency < 1:
+            errors["concurrency"] = "must be at least 1"
+        if self.record_text_chars < 0:
+            errors["record_text_chars"] = "must not be negative"
+        return errors
+
+
+@dataclass(frozen=True)
+class JournalConfig:
+    fsync: typing.Literal["interval", "always"] = "interval"
+    fsync_interval: float = 0.1
+    segment_bytes: int = 64 * 1024 * 1024
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        if self.fsync_interval <= 0:
+            errors["fsync_interval"] = "must be positive"
+        if self.segment_bytes < 4096:
+            errors["segment_bytes"] = "must be at least 4096"
         return errors
 
 
@@ -211,6 +293,9 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
     records: RecordsConfig = field(default_factory=RecordsConfig)
     state: StateConfig = field(default_factory=StateConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -223,6 +308,13 @@ class Config:
     @property
     def model_path(self) -> Path:
         return Path(self.model.path)
+
+    @property
+    def reference_engine_needed(self) -> bool:
+        """The frozen reference engine serves the judge and the teacher when they are set to it."""
+        judge = self.judge.backend == "sglang" and self.judge.engine == "reference"
+        teacher = self.scoring.mode != "rl" and self.judge.teacher_engine == "reference"
+        return judge or teacher
 
 
 def load_config(path: str | Path) -> Config:

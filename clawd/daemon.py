@@ -7,6 +7,7 @@ stages down in reverse order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -19,7 +20,11 @@ from .chat import ChatService, Policy
 from .config import Config
 from .engine.client import EngineClient
 from .engine.supervisor import EngineSupervisor
+from .journal import Journal
+from .judge_client import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
 from .records import RecordWriter
+from .sample_store import SampleStore
+from .scoring import Scorer
 from .sessions import SessionTable
 from .tokenizer import ChatTokenizer
 from .turns import SHUTDOWN, FinishedTurn
@@ -31,46 +36,68 @@ async def run(cfg: Config) -> int:
     state_dir = cfg.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
 
-    # Stages, upstream to downstream: model → engine → sessions → records → chat API.
+    # Stages, upstream to downstream:
+    # model → engines → chat API → sessions → turn records → scoring → journal → sample store.
     tokenizer = ChatTokenizer(cfg.model_path)
-    engine = EngineClient(cfg.engine.url, api_key=cfg.engine.api_key,
-                          connect_timeout=cfg.engine.connect_timeout,
-                          request_timeout=cfg.engine.request_timeout,
-                          incremental_stream=cfg.engine.streams_deltas)
-    supervisor = EngineSupervisor(cfg, engine)
+    policy_engine = _engine_client(cfg, cfg.engine.url)
+    supervisors = [EngineSupervisor(cfg, policy_engine, "policy")]
+    reference_engine = None
+    if cfg.reference_engine_needed:
+        reference_engine = _engine_client(cfg, cfg.engine.reference_url)
+        supervisors.append(EngineSupervisor(cfg, reference_engine, "reference"))
     sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
                             max_turns=cfg.sessions.session_max_turns,
                             max_sessions=cfg.sessions.max_sessions,
                             new_id=lambda: uuid.uuid4().hex)
-    turn_records = RecordWriter(state_dir / "records", kind="turns",
-                                retention_days=cfg.records.retention_days)
+    records_dir = state_dir / "records"
+    turn_records = RecordWriter(records_dir, kind="turns", retention_days=cfg.records.retention_days)
+    judge_records = RecordWriter(records_dir, kind="judge", retention_days=cfg.records.retention_days)
+    journal = Journal(state_dir / "journal", fsync=cfg.journal.fsync, fsync_interval=cfg.journal.fsync_interval,
+                      segment_bytes=cfg.journal.segment_bytes)
+    store = SampleStore(journal, fair_share=cfg.scoring.fair_share)
+    replayed = await store.replay()  # opens the journal
+    log.info("journal: %d sample(s) waiting from before", replayed)
+    judge = _judge(cfg, tokenizer, engine_for={"policy": policy_engine, "reference": reference_engine})
+    teacher = None
+    if cfg.scoring.mode != "rl":
+        teacher_engine = reference_engine if cfg.judge.teacher_engine == "reference" else policy_engine
+        teacher = Teacher(teacher_engine, policy=_call_policy(cfg))
+    scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records)
 
     def on_finished(finished: FinishedTurn) -> None:
-        # Scoring (judge, teacher) will consume finished turns here; today they are recorded.
         turn_records.write_turn(finished)
+        scorer.submit(finished)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    await engine.start()
-    try:
+    async with contextlib.AsyncExitStack() as exits:
+        for client in {policy_engine, reference_engine} - {None}:
+            await client.start()
+            exits.push_async_callback(client.close)
+        if isinstance(judge, OpenAIJudge):
+            await judge.start()
+            exits.push_async_callback(judge.close)
+        exits.push_async_callback(journal.close)
+        exits.callback(turn_records.close)
+        exits.callback(judge_records.close)
         async with asyncio.TaskGroup() as tasks:
-            chat = ChatService(cfg, tokenizer, engine, supervisor, sessions, on_finished, Policy(),
+            chat = ChatService(cfg, tokenizer, policy_engine, supervisors[0], sessions, on_finished, Policy(),
                                spawn=tasks.create_task)
-            engine_task = tasks.create_task(supervisor.run(), name="engine-supervisor")
+            engine_tasks = [tasks.create_task(s.run(), name=f"{s.role}-engine") for s in supervisors]
             sweeper = tasks.create_task(_expire_sessions(sessions, on_finished, cfg.sessions.sweep_interval),
                                         name="session-sweeper")
-            app = make_app(cfg, chat)
+            app = make_app(cfg, chat, scorer=scorer, store=store, supervisors=supervisors)
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                    shutdown_timeout=cfg.server.drain_timeout)
             await runner.setup()
             site = web.TCPSite(runner, cfg.server.host, cfg.server.port, backlog=1024)
             await site.start()
             host, port = runner.addresses[0][:2]
-            log.info("listening on http://%s:%d (model %s, engine %s)", host, port, cfg.model.path,
-                     cfg.engine.launch)
+            log.info("listening on http://%s:%d (model %s, engine %s, mode %s, judge %s)", host, port,
+                     cfg.model.path, cfg.engine.launch, cfg.scoring.mode, cfg.judge.backend)
 
             await stop.wait()
             log.info("stopping: draining requests for up to %.0fs", cfg.server.drain_timeout)
@@ -79,13 +106,36 @@ async def run(cfg: Config) -> int:
             for finished in sessions.close_all(time.time(), SHUTDOWN):
                 on_finished(finished)
             sweeper.cancel()
-            await supervisor.stop()
-            engine_task.cancel()
-    finally:
-        await engine.close()
-        turn_records.close()
+            await scorer.close(cfg.server.drain_timeout)  # turns being judged finish or are dropped
+            for supervisor in supervisors:
+                await supervisor.stop()
+            for task in engine_tasks:
+                task.cancel()
     log.info("stopped")
     return 0
+
+
+def _engine_client(cfg: Config, url: str) -> EngineClient:
+    return EngineClient(url, api_key=cfg.engine.api_key, connect_timeout=cfg.engine.connect_timeout,
+                        request_timeout=cfg.engine.request_timeout, incremental_stream=cfg.engine.streams_deltas)
+
+
+def _call_policy(cfg: Config) -> CallPolicy:
+    j = cfg.judge
+    return CallPolicy(timeout=j.timeout, retries=j.retries, backoff_initial=j.backoff_initial,
+                      backoff_max=j.backoff_max, concurrency=j.concurrency)
+
+
+def _judge(cfg: Config, tokenizer: ChatTokenizer, engine_for: dict[str, EngineClient | None]):
+    j = cfg.judge
+    if j.backend == "rules":
+        return None
+    if j.backend == "openai":
+        return OpenAIJudge(j.url, j.api_key, j.model, temperature=j.temperature, max_tokens=j.max_new_tokens,
+                           policy=_call_policy(cfg))
+    # The reference engine holds the initial weights: the policy's tokenizer fits it.
+    return SGLangJudge(engine_for[j.engine], tokenizer, temperature=j.temperature,
+                       max_new_tokens=j.max_new_tokens, policy=_call_policy(cfg))
 
 
 async def _expire_sessions(sessions: SessionTable, on_finished, interval: float) -> None:

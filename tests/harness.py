@@ -1,6 +1,7 @@
 """Running the real daemon as a subprocess, for component and end-to-end tests."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -42,7 +43,9 @@ class Daemon:
     def __init__(self, tmp: Path, sections: dict, *, wait_ready: bool = True, timeout: float = 120):
         self.tmp = Path(tmp)
         self.state = self.tmp / "state"
-        cfg = {"server": {"port": 0, "debug_routes": True}, "state": {"dir": str(self.state)}}
+        # Tests score with the rules judge in rl mode unless they ask for more: no reference engine.
+        cfg = {"server": {"port": 0, "debug_routes": True}, "state": {"dir": str(self.state)},
+               "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}}
         for name, table in sections.items():
             cfg[name] = {**cfg.get(name, {}), **table}
         self.config_path = self.tmp / "clawd.toml"
@@ -100,6 +103,19 @@ class Daemon:
                 raise RuntimeError("daemon exited:\n" + "".join(self.lines[-30:]))
             time.sleep(0.1)
         raise TimeoutError("daemon not ready:\n" + "".join(self.lines[-30:]))
+
+    def samples(self) -> list:
+        """The samples in the journal (the daemon must be stopped: the journal is locked while it runs)."""
+        from clawd.journal import Journal
+        from clawd.samples import Sample
+        journal = Journal(self.state / "journal")
+        try:
+            return [Sample.from_json(payload) for _, payload in journal.open()]
+        finally:
+            # Nothing was appended, so close() never suspends: run it to completion here,
+            # inside or outside a running event loop.
+            with contextlib.suppress(StopIteration):
+                journal.close().send(None)
 
     def records(self, kind: str = "turns") -> list[dict]:
         out = []

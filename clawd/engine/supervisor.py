@@ -41,9 +41,10 @@ class EngineState(enum.Enum):
 
 
 class EngineSupervisor:
-    def __init__(self, cfg: Config, client: EngineClient):
+    def __init__(self, cfg: Config, client: EngineClient, role: str = "policy"):
         self.cfg = cfg
         self.client = client
+        self.role = role  # "policy" (serves chat, receives publishes) or "reference" (frozen)
         self.state = EngineState.STARTING
         self.restarts = 0
         self.ready = asyncio.Event()
@@ -97,14 +98,15 @@ class EngineSupervisor:
             # A child that ran a good while earns a fresh backoff.
             if time.monotonic() - started > 60:
                 backoff = self.cfg.engine.restart_backoff_initial
-            log.error("engine exited with %s; restarting in %.1fs (restart %d)", code, backoff, self.restarts)
+            log.error("%s engine exited with %s; restarting in %.1fs (restart %d)", self.role, code, backoff,
+                      self.restarts)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.engine.restart_backoff_max)
 
     async def _run_child_once(self) -> int | None:
         argv, fds = self._command()
         self._set(EngineState.STARTING)
-        log.info("starting engine: %s", " ".join(argv))
+        log.info("starting %s engine: %s", self.role, " ".join(argv))
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(argv, pass_fds=fds, preexec_fn=_die_with_parent, env=env,
                                       stdin=subprocess.DEVNULL)
@@ -133,11 +135,13 @@ class EngineSupervisor:
             try:
                 self.info = await self.client.model_info()
                 self._set(EngineState.READY)
-                log.info("engine ready at %s (weight_version %s)", self.client.url, self.info.get("weight_version"))
+                log.info("%s engine ready at %s (weight_version %s)", self.role, self.client.url,
+                         self.info.get("weight_version"))
                 return
             except EngineUnavailable:
                 if time.monotonic() > deadline:
-                    log.error("engine not ready after %.0fs; killing it", self.cfg.engine.startup_timeout)
+                    log.error("%s engine not ready after %.0fs; killing it", self.role,
+                              self.cfg.engine.startup_timeout)
                     self._proc.kill()
                     return
                 await asyncio.sleep(0.25)
@@ -147,11 +151,11 @@ class EngineSupervisor:
             try:
                 self.info = await self.client.model_info()
                 if self.state is not EngineState.READY:
-                    log.info("engine at %s is ready", self.client.url)
+                    log.info("%s engine at %s is ready", self.role, self.client.url)
                 self._set(EngineState.READY)
             except EngineUnavailable as exc:
                 if self.state is EngineState.READY:
-                    log.error("engine at %s is down: %s", self.client.url, exc)
+                    log.error("%s engine at %s is down: %s", self.role, self.client.url, exc)
                 self._set(EngineState.DOWN)
             await asyncio.sleep(self.cfg.engine.health_interval if self.is_ready
                                 else min(self.cfg.engine.health_interval, 1.0))

@@ -1,0 +1,205 @@
+"""Scoring: a finished main turn becomes a training sample, or a recorded exclusion.
+
+One task per finished turn (DESIGN §2 step 4): judge votes (rl), hint votes
+and teacher log-probs (opd), or both (combine), then the decision table of
+`judging.decide`, then the sample store (journal first, queue second). Every
+remote call is bounded by the judge client's timeout, retries and concurrency
+limit; a failure excludes that turn, is counted, and never stalls another.
+Each scored turn leaves one line in the judge records.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from . import judging as J
+from .config import Config
+from .journal import JournalError
+from .judge_client import JudgeFailed, Teacher
+from .records import RecordWriter
+from .sample_store import SampleStore
+from .tokenizer import ChatTokenizer, TemplateError
+from .turns import FinishedTurn
+
+log = logging.getLogger("clawd.scoring")
+
+SCORING_BACKLOG = "scoring_backlog"  # more turns waiting for the judge than scoring.max_pending
+TEACHER_FAILED = "teacher_failed"    # the hint was accepted but the teacher could not score the response
+JOURNAL_FAILED = "journal_failed"    # the sample could not be written: nothing was acknowledged
+
+
+class Judge(Protocol):
+    async def complete(self, messages: list[dict[str, Any]]) -> str: ...
+
+
+@dataclass
+class ScoringStats:
+    submitted: int = 0
+    emitted: int = 0
+    pending: int = 0
+    excluded: dict[str, int] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)
+    votes: dict[str, int] = field(default_factory=dict)   # "+1", "0", "-1", "failed"
+    hints_offered: int = 0
+    hints_accepted: int = 0
+
+    def exclude(self, reason: str) -> None:
+        self.excluded[reason] = self.excluded.get(reason, 0) + 1
+
+
+class Scorer:
+    def __init__(self, cfg: Config, *, tokenizer: ChatTokenizer, judge: Judge | None, teacher: Teacher | None,
+                 store: SampleStore, records: RecordWriter):
+        self.mode = cfg.scoring.mode
+        self.m = cfg.scoring.prm_m
+        self.at_least_one = cfg.scoring.at_least_one
+        self.max_pending = cfg.scoring.max_pending
+        self.text_chars = cfg.judge.record_text_chars
+        self.tok = tokenizer
+        self.judge = judge          # None: the rules judge
+        self.teacher = teacher      # None in rl mode
+        self.store = store
+        self.records = records
+        self.stats = ScoringStats()
+        self._tasks: set[asyncio.Task] = set()  # the scoring tasks in flight; the Scorer owns them
+        # Sessions that already gave a sample (rl's at-least-one rule); bounded, oldest forgotten.
+        self._served_sessions: OrderedDict[tuple[str, str], None] = OrderedDict()
+        if self.mode != "rl" and teacher is None:
+            raise ValueError(f"mode {self.mode} needs a teacher")
+
+    def submit(self, finished: FinishedTurn) -> None:
+        """Called for every finished main turn; never blocks."""
+        self.stats.submitted += 1
+        turn = finished.turn
+        reason = turn.excluded or (finished.reason if finished.next_state is None else None)
+        if finished.next_state is None and reason is None:
+            reason = J.NO_NEXT_STATE
+        if reason is None and self.stats.pending >= self.max_pending:
+            reason = SCORING_BACKLOG
+        if reason is not None:
+            self._exclude(finished, reason)
+            return
+        self.stats.pending += 1
+        task = asyncio.get_running_loop().create_task(self._score(finished))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.stats.exclude("scoring_error")
+            log.error("scoring failed", exc_info=task.exception())
+
+    async def close(self, timeout: float) -> None:
+        """Let turns in scoring finish for up to `timeout` seconds, then cancel the rest
+        (they were never acknowledged as samples; README: what survives a crash)."""
+        if self._tasks:
+            _, late = await asyncio.wait(set(self._tasks), timeout=timeout)
+            for task in late:
+                task.cancel()
+            if late:
+                log.warning("shutdown: %d turn(s) still being scored were dropped", len(late))
+                await asyncio.wait(late)
+
+    def _exclude(self, finished: FinishedTurn, reason: str) -> None:
+        self.stats.exclude(reason)
+        self.records.write({"session_id": finished.turn.session_id, "turn_index": finished.turn.turn_index,
+                            "principal": finished.turn.principal, "mode": self.mode, "emitted": False,
+                            "reason": reason, "sample_id": None}, time.time())
+
+    async def _score(self, finished: FinishedTurn) -> None:
+        started = time.monotonic()
+        turn = finished.turn
+        try:
+            outcome, raw = await self._judge(finished)
+            decision, teacher_lps = outcome.decision, None
+            if decision.emit and decision.has_hint:
+                teacher_lps, decision = await self._teacher(finished, outcome)
+            sample_id = None
+            if decision.emit:
+                sample = J.build_sample(turn, decision, teacher_lps, mode=self.mode,
+                                        sample_id=uuid.uuid4().hex, now=time.time())
+                try:
+                    await self.store.put(sample)
+                except JournalError as exc:
+                    log.error("session %s turn %d: the journal refused the sample: %s",
+                              turn.session_id, turn.turn_index, exc)
+                    decision = J.Decision(False, 0.0, False, JOURNAL_FAILED)
+                else:
+                    sample_id = sample.sample_id
+                    self._served_sessions[(turn.principal, turn.session_id)] = None
+                    if len(self._served_sessions) > 100_000:
+                        self._served_sessions.popitem(last=False)
+            if decision.emit:
+                self.stats.emitted += 1
+                self.stats.kinds[decision.reason] = self.stats.kinds.get(decision.reason, 0) + 1
+            else:
+                self.stats.exclude(decision.reason)
+            record = outcome.to_record()
+            record.update(emitted=decision.emit, reason=decision.reason, has_hint=decision.has_hint,
+                          reward=decision.reward, sample_id=sample_id, principal=turn.principal,
+                          raw=[t[:self.text_chars] if t is not None else None for t in raw],
+                          latency=round(time.monotonic() - started, 4))
+            self.records.write(record, time.time())
+        finally:
+            self.stats.pending -= 1
+
+    async def _judge(self, finished: FinishedTurn) -> tuple[J.Outcome, list[str | None]]:
+        turn, next_state = finished.turn, finished.next_state
+        wants_rl, wants_hint = self.mode in ("rl", "combine"), self.mode in ("opd", "combine")
+        if self.judge is None:
+            vote, rules_hint = J.rules_vote(turn, next_state)
+            votes = (vote,) if wants_rl else ()
+            hint_votes = ((vote, rules_hint),) if wants_hint else ()
+            rl_vote = vote if wants_rl else None
+            hint = rules_hint if wants_hint else None  # already length-checked by rules_vote
+            raw: list[str | None] = []
+        else:
+            rl_calls = [self._ask(J.rl_judge_messages(turn, next_state)) for _ in range(self.m if wants_rl else 0)]
+            hint_calls = [self._ask(J.hint_judge_messages(turn, next_state))
+                          for _ in range(self.m if wants_hint else 0)]
+            raw = list(await asyncio.gather(*rl_calls, *hint_calls))
+            rl_raw, hint_raw = raw[:len(rl_calls)], raw[len(rl_calls):]
+            votes = tuple(J.parse_vote(t) if t is not None else None for t in rl_raw)
+            hint_votes = tuple(J.parse_hint_vote(t) if t is not None else (None, None) for t in hint_raw)
+            rl_vote = J.majority(votes) if wants_rl else None
+            hint = J.select_hint(hint_votes) if wants_hint else None
+        for v in votes:
+            key = {1: "+1", 0: "0", -1: "-1"}.get(v, "failed")
+            self.stats.votes[key] = self.stats.votes.get(key, 0) + 1
+        self.stats.hints_offered += sum(1 for v, h in hint_votes if v == 1 and h)
+        self.stats.hints_accepted += hint is not None
+        at_least_one = (self.at_least_one and self.mode == "rl"
+                        and (turn.principal, turn.session_id) not in self._served_sessions)
+        decision = J.decide(self.mode, rl_vote=rl_vote, hint=hint, has_next_state=True,
+                            at_least_one_applies=at_least_one)
+        outcome = J.Outcome(session_id=turn.session_id, turn_index=turn.turn_index, mode=self.mode,
+                            judge="rules" if self.judge is None else "model", votes=votes,
+                            score=rl_vote, hint_votes=hint_votes, hint=hint, decision=decision)
+        return outcome, raw
+
+    async def _ask(self, messages: list[dict[str, Any]]) -> str | None:
+        """One judge call; a failure is a missing vote (the client counted it)."""
+        try:
+            return await self.judge.complete(messages)
+        except JudgeFailed as exc:
+            log.warning("judge call failed: %s", exc)
+            return None
+
+    async def _teacher(self, finished: FinishedTurn, outcome: J.Outcome) -> tuple[list[float] | None, J.Decision]:
+        turn = finished.turn
+        try:
+            prompt = self.tok.encode_chat(J.teacher_messages(turn, outcome.hint), turn.tools)
+            return await self.teacher.logprobs(prompt, list(turn.response_ids)), outcome.decision
+        except (JudgeFailed, TemplateError) as exc:
+            log.warning("session %s turn %d: teacher failed: %s", turn.session_id, turn.turn_index, exc)
+        # Without teacher log-probs the hint is unusable; a ±1 score still teaches (combine).
+        fallback = J.decide(self.mode, rl_vote=outcome.score, hint=None, has_next_state=True)
+        if fallback.emit:
+            return None, fallback
+        return None, J.Decision(False, 0.0, False, TEACHER_FAILED)
