@@ -177,7 +177,7 @@ class JudgeConfig:
     api_key: str = ""
     model: str = ""
     temperature: float = 0.6
-    max_new_tokens: int = 1024
+    max_new_tokens: int = 512
     timeout: float = 120.0
     retries: int = 2
     backoff_initial: float = 0.5

@@ -31,6 +31,7 @@ log = logging.getLogger("clawd.scoring")
 SCORING_BACKLOG = "scoring_backlog"  # more turns waiting for the judge than scoring.max_pending
 TEACHER_FAILED = "teacher_failed"    # the hint was accepted but the teacher could not score the response
 JOURNAL_FAILED = "journal_failed"    # the sample could not be written: nothing was acknowledged
+SCORING_CANCELLED = "scoring_cancelled"  # still being judged when shutdown's drain time ran out
 
 
 class Judge(Protocol):
@@ -116,7 +117,11 @@ class Scorer:
         started = time.monotonic()
         turn = finished.turn
         try:
-            outcome, raw = await self._judge(finished)
+            try:
+                outcome, raw = await self._judge(finished)
+            except asyncio.CancelledError:  # shutdown ran out of time: say so in the records
+                self._exclude(finished, SCORING_CANCELLED)
+                raise
             decision, teacher_lps = outcome.decision, None
             if decision.emit and decision.has_hint:
                 teacher_lps, decision = await self._teacher(finished, outcome)

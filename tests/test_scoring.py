@@ -132,3 +132,29 @@ def test_rules_judge_on_the_real_engine_journals_a_sample(real_daemon):
     assert sample.tokens == turn["prompt_ids"] + turn["response_ids"]
     assert sample.rollout_logprobs == turn["response_logprobs"] and sample.loss_mask == [1] * len(turn["response_ids"])
     assert sample.principal == "anonymous" and sample.policy_version == 0
+
+
+async def test_shutdown_cancels_turns_still_being_judged_and_says_so(tiny_model, tmp_path):
+    script = Script(tiny_model)
+    async with FakeSGLang(responder=script, eos_id=script.eos) as policy, FakeSGLang() as reference:
+        reference.hang_next(10)
+        daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model)},
+                                   "server": {"drain_timeout": 1.0},
+                                   "engine": {"launch": "none", "url": policy.url, "reference_url": reference.url},
+                                   "scoring": {"mode": "rl"}, "judge": {"backend": "sglang", "timeout": 60.0}},
+                        wait_ready=False)
+        await wait_ready_async(daemon)
+        client = openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        first = await client.chat.completions.create(model="m", messages=messages)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "ok"}]
+        await client.chat.completions.create(model="m", messages=messages)
+        await client.close()
+        while reference.in_flight == 0:
+            await asyncio.sleep(0.02)
+        started = time.monotonic()
+        stopping = asyncio.get_running_loop().run_in_executor(None, daemon.stop)  # the fakes keep running
+        assert await stopping == 0
+        assert time.monotonic() - started < 15
+    reasons = sorted(r["reason"] for r in daemon.records("judge"))
+    assert reasons == ["scoring_cancelled", "shutdown"]
