@@ -62,11 +62,18 @@ class _SessionLocks:
         if lock is None:
             lock = asyncio.Lock()
         self._locks[key] = (lock, users + 1)
-        await lock.acquire()
+        try:
+            await lock.acquire()
+        except asyncio.CancelledError:  # the client left while queued: give up its place
+            self._leave(key)
+            raise
 
     def release(self, key: tuple[str, str]) -> None:
+        self._locks[key][0].release()
+        self._leave(key)
+
+    def _leave(self, key: tuple[str, str]) -> None:
         lock, users = self._locks[key]
-        lock.release()
         if users == 1:
             del self._locks[key]
         else:
