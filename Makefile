@@ -31,6 +31,7 @@ model: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/serve.py
+	$(PY) bench/pipeline.py
 
 clean:
 	rm -rf $(VENV) state/models
