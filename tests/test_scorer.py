@@ -1,0 +1,85 @@
+"""The Scorer in-process with a scripted judge: every outcome counted, nothing stalls."""
+import asyncio
+
+import pytest
+
+from clawd.config import config_from_dict
+from clawd.journal import Journal
+from clawd.judge_client import JudgeFailed
+from clawd.records import RecordWriter
+from clawd.sample_store import SampleStore
+from clawd.scoring import Scorer
+from clawd.turns import FinishedTurn, Turn
+
+
+def _finished(i, next_state=True):
+    turn = Turn(session_id=f"s{i}", turn_index=0, principal="p", request_id=f"r{i}", rid=f"rid{i}",
+                prompt_ids=[1, 2, 3], response_ids=[4, 5], response_logprobs=[-0.5, -0.25], temperature=1.0,
+                messages=[{"role": "user", "content": f"question {i}"}], tools=None,
+                reply={"role": "assistant", "content": "answer"}, finish_reason="stop", policy_version=0,
+                weight_version="0", created=0.0)
+    return FinishedTurn(turn, [{"role": "user", "content": f"reply number {i}."}] if next_state else None,
+                        None if next_state else "idle_timeout", 0.0)
+
+
+class ScriptedJudge:
+    """Answers by the number in the next state: a vote, garbage, a failure, or a hang until cancelled."""
+
+    def __init__(self):
+        self.hung = 0
+
+    async def complete(self, messages):
+        text = messages[-1]["content"]
+        if "reply number 0." in text:
+            return "Looks good. \\boxed{1}"
+        if "reply number 1." in text:
+            return "I cannot decide \\boxed{maybe}"
+        if "reply number 2." in text:
+            raise JudgeFailed("timeout", "slow judge, retries exhausted")
+        if "reply number 3." in text:
+            await asyncio.sleep(0.05)  # a slow vote that still arrives
+            return "\\boxed{-1}"
+        self.hung += 1
+        await asyncio.Event().wait()  # never answers
+
+
+@pytest.fixture
+async def scorer(tmp_path):
+    cfg = config_from_dict({"scoring": {"mode": "rl", "prm_m": 1}, "judge": {"backend": "sglang"}})
+    store = SampleStore(Journal(tmp_path / "journal"))
+    await store.replay()
+    judge = ScriptedJudge()
+    s = Scorer(cfg, tokenizer=None, judge=judge, teacher=None, store=store,
+               records=RecordWriter(tmp_path / "records", kind="judge"))
+    yield s, store, judge
+    await store.journal.close()
+
+
+async def test_every_outcome_is_counted_and_a_hung_judge_stalls_nothing(scorer):
+    s, store, judge = scorer
+    for i in range(5):
+        s.submit(_finished(i))
+    s.submit(_finished(9, next_state=False))
+    async with asyncio.timeout(5):
+        while s.stats.pending > 1:  # all but the hung one finish
+            await asyncio.sleep(0.01)
+    assert judge.hung == 1
+    assert s.stats.emitted == 2 and store.waiting == 2
+    assert sorted(smp.reward for smp in store._waiting) == [-1.0, 1.0]
+    assert s.stats.excluded == {"judge_failed": 2, "idle_timeout": 1}
+    assert s.stats.votes == {"+1": 1, "-1": 1, "failed": 2}
+    await s.close(timeout=0.1)  # the hung one is cancelled and recorded
+    assert s.stats.pending == 0 and s.stats.excluded["scoring_cancelled"] == 1
+
+
+async def test_backlog_beyond_max_pending_is_excluded(tmp_path):
+    cfg = config_from_dict({"scoring": {"mode": "rl", "max_pending": 2}, "judge": {"backend": "sglang"}})
+    store = SampleStore(Journal(tmp_path / "journal"))
+    await store.replay()
+    s = Scorer(cfg, tokenizer=None, judge=ScriptedJudge(), teacher=None, store=store,
+               records=RecordWriter(tmp_path / "records", kind="judge"))
+    for i in (4, 5, 6):  # all three hang
+        s.submit(_finished(i))
+    assert s.stats.pending == 2 and s.stats.excluded == {"scoring_backlog": 1}
+    await s.close(timeout=0.05)
+    await store.journal.close()
