@@ -1,0 +1,280 @@
+"""The training objective: pure functions from log-probs to a loss (DESIGN §3).
+
+This module imports torch: it runs in the trainer subprocess and the daemon never imports it.
+
+Layout. Every per-token tensor is padded `[B, T]`: row b holds the response tokens of sample b
+(no prompt), and `mask` is the sample's loss_mask, 0 on padding. Padded slots may hold anything,
+NaN included: the loss functions replace them with 0 before they meet a gradient. Per-sample
+values (reward, has_hint, temperature) are `[B]`. The element-wise functions (log-probs,
+entropy, ratio, surrogate, TIS, k3, metrics) accept any shape; `advantages` and `aggregate` read
+the rows as samples.
+
+The log-probs, by name:
+    lp_new      this forward, at the sample's temperature T, with grad
+    lp_old      the policy before this update, at T, no grad: `lp_new.detach()` with one optimizer
+                pass per batch (ppo_epochs = 1, the default; the ratio is then exactly 1), a separate
+                no-grad forward before the first pass when ppo_epochs > 1
+    lp_old_t1   lp_old at temperature 1, read only by the OPD term (it is lp_old when T = 1)
+    lp_rollout  the engine's, at T (Sample.rollout_logprobs)
+    teacher_lp  the teacher's prefill log-probs, always at T = 1 (Sample.teacher_logprobs)
+    lp_ref      the frozen reference policy at T, read only by the optional KL term
+
+One optimizer step in the trainer, sketched:
+    norm = whole_batch_normaliser(batch_mask, aggregation)      # the WHOLE batch, once
+    for mb in micro_batches:
+        lp_new = token_logprobs(logits, targets, mb.temperature)
+        with torch.no_grad():
+            lp_old_t1 = token_logprobs(logits, targets, 1.0)
+        adv = advantages(mode, mb.reward, lp_old_t1, mb.teacher_lp, mb.has_hint)
+        loss, parts = total_loss(lp_new, lp_new.detach(), mb.lp_rollout, adv, mb.mask, normaliser=norm)
+        loss.backward()        # micro-batch losses and gradients add up to the whole batch's
+    metrics = loss_metrics(...) | {"grad_norm": grad_norm(model.parameters())}
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+MODES = ("rl", "opd", "combine")
+AGGREGATIONS = ("sample_mean", "token_mean")
+
+
+# --- log-probs and entropy -------------------------------------------------------------------
+
+def _tempered(logits: Tensor, temperature: float | Tensor) -> Tensor:
+    """logits / T in at least float32. T is a number, or a tensor over the leading dims ([B] for [B, T, V])."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    t = torch.as_tensor(temperature, dtype=dtype, device=logits.device)
+    t = t.reshape(t.shape + (1,) * (logits.dim() - t.dim()))
+    return logits.to(dtype) / t
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
+    """log_softmax(logits / T) at the target ids: [..., V] scores and [...] ids → [...] log-probs.
+
+    This is what SGLang reports for a token sampled at T, so ratios against rollout log-probs are
+    like for like. logits[..., i, :] must already score targets[..., i] (the shift is the
+    caller's), and padded targets must be valid ids (0 will do)."""
+    logp = torch.log_softmax(_tempered(logits, temperature), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy(logits: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
+    """Entropy −Σ p·log p of softmax(logits / T) at each position: [..., V] → [...]."""
+    logp = torch.log_softmax(_tempered(logits, temperature), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+# --- advantages ------------------------------------------------------------------------------
+
+def opd_term(lp_old_t1: Tensor, teacher_lp: Tensor, has_hint: Tensor, clip: float | None = None) -> Tensor:
+    """teacher_lp − lp_old_t1 per token, clipped to [−clip, clip] if asked, and exactly 0 on the
+    rows of samples without a hint. Both sides are at temperature 1 (the teacher's prefill
+    log-probs always are). torch.where picks the 0 without reading the teacher slot, so whatever
+    fills it (NaN, zeros) cannot leak; multiplying by a 0/1 mask would not do (NaN·0 is NaN)."""
+    gap = teacher_lp.detach() - lp_old_t1.detach()
+    if clip is not None:
+        gap = gap.clamp(-clip, clip)
+    hinted = torch.as_tensor(has_hint, dtype=torch.bool, device=gap.device)[:, None]
+    return torch.where(hinted, gap, torch.zeros_like(gap))
+
+
+def advantages(mode: str, reward: Tensor, lp_old_t1: Tensor, teacher_lp: Tensor | None = None,
+               has_hint: Tensor | None = None, *, w_rl: float = 1.0, w_opd: float = 1.0,
+               opd_clip: float | None = None) -> Tensor:
+    """Per-token advantages, shaped like lp_old_t1 ([B, T]) and detached (DESIGN §3):
+
+        rl       A = r
+        opd      A = opd_term             (teacher_lp − lp_old_t1, optionally clipped; 0 without a hint)
+        combine  A = w_rl·r + w_opd·opd_term
+
+    reward is [B] in {-1, 0, +1}. No group normalisation: each turn is its own group of one.
+    In rl mode lp_old_t1 only gives the shape. Rows without a hint may hold anything in teacher_lp."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    r = torch.as_tensor(reward, dtype=lp_old_t1.dtype, device=lp_old_t1.device)
+    rl = r[:, None].expand_as(lp_old_t1).clone()  # the reward on every token of its sample
+    if mode == "rl":
+        return rl
+    if teacher_lp is None or has_hint is None:
+        raise ValueError(f"mode {mode!r} needs teacher_lp and has_hint")
+    opd = opd_term(lp_old_t1, teacher_lp, has_hint, opd_clip)
+    if mode == "opd":
+        return opd
+    return w_rl * rl + w_opd * opd  # w_opd·0.0 is 0.0 and x + 0.0 is x: exact without a hint
+
+
+# --- the PPO pieces --------------------------------------------------------------------------
+
+def ppo_ratio(lp_new: Tensor, lp_old: Tensor) -> Tensor:
+    """π_new/π_old per token, exp(lp_new − lp_old): exactly 1.0 when lp_old is lp_new detached."""
+    return torch.exp(lp_new - lp_old)
+
+
+def ppo_surrogate(ratio: Tensor, adv: Tensor, eps_clip: float = 0.2, eps_clip_high: float = 0.28) -> Tensor:
+    """Per-token clipped surrogate loss −min(ratio·A, clip(ratio, 1−ε, 1+ε_high)·A).
+
+    The min keeps the pessimistic branch: once the ratio has moved past the clip in the direction
+    A pushes it, the token's gradient is zero; moving the other way is never clipped."""
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * adv
+    return -torch.minimum(unclipped, clipped)
+
+
+def tis_weight(lp_old: Tensor, lp_rollout: Tensor, cap: float = 2.0) -> Tensor:
+    """Truncated importance weight min(exp(lp_old − lp_rollout), C), detached.
+
+    The engine sampled from π_rollout (other kernels, maybe older weights), the surrogate assumes
+    π_old: the weight corrects for that gap, and the cap C bounds the variance it adds."""
+    return torch.exp(lp_old.detach() - lp_rollout.detach()).clamp(max=cap)
+
+
+def kl_k3(lp_new: Tensor, lp_ref: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(π_new ‖ π_ref) from tokens sampled by π_new:
+    exp(d) − d − 1 with d = lp_ref − lp_new. Never negative; 0 exactly where the two agree."""
+    d = lp_ref - lp_new
+    return torch.exp(d) - d - 1
+
+
+# --- aggregation -----------------------------------------------------------------------------
+
+def whole_batch_normaliser(mask: Tensor, aggregation: str = "sample_mean") -> float:
+    """The aggregate's denominator for a whole batch: its number of samples (sample_mean) or of
+    loss tokens (token_mean), at least 1. Compute it once per step, before splitting."""
+    if aggregation == "sample_mean":
+        n = mask.shape[0]
+    elif aggregation == "token_mean":
+        n = int(mask.sum())
+    else:
+        raise ValueError(f"aggregation {aggregation!r} is not one of {AGGREGATIONS}")
+    return float(max(n, 1))
+
+
+def aggregate(x: Tensor, mask: Tensor, *, aggregation: str = "sample_mean",
+              normaliser: float | None = None) -> Tensor:
+    """Per-token values [B, T] → one number.
+
+        sample_mean  Σ_b (Σ_t m·x / Σ_t m) / normaliser    each sample's token mean, averaged over samples
+        token_mean   Σ_b Σ_t m·x / normaliser              every loss token weighs the same
+
+    normaliser is the WHOLE batch's (whole_batch_normaliser), not this call's: then the values of
+    micro-batches add up to the batch's, and so do their gradients. None: this call is the whole
+    batch. A sample with no loss token adds 0 and still counts as a sample."""
+    if normaliser is None:
+        normaliser = whole_batch_normaliser(mask, aggregation)
+    x = torch.where(mask.bool(), x, 0.0)
+    if aggregation == "sample_mean":
+        return (x.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / normaliser
+    if aggregation == "token_mean":
+        return x.sum() / normaliser
+    raise ValueError(f"aggregation {aggregation!r} is not one of {AGGREGATIONS}")
+
+
+# --- the loss --------------------------------------------------------------------------------
+
+def policy_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor, *,
+                eps_clip: float = 0.2, eps_clip_high: float = 0.28, tis_cap: float = 2.0,
+                aggregation: str = "sample_mean", normaliser: float | None = None) -> Tensor:
+    """The PPO clipped surrogate, each token weighted by its TIS weight, aggregated:
+
+        ratio = exp(lp_new − lp_old)
+        loss  = aggregate( tis_weight(lp_old, lp_rollout) · ppo_surrogate(ratio, A) )
+
+    lp_old, lp_rollout and adv carry no gradient; the gradient reaches the model through lp_new."""
+    keep = mask.bool()
+    # Padding may hold anything, NaN included: make it 0 before it meets a gradient (ratio 1, A 0).
+    lp_new = torch.where(keep, lp_new, 0.0)
+    lp_old, lp_rollout, adv = (torch.where(keep, x.detach(), 0.0) for x in (lp_old, lp_rollout, adv))
+    ratio = ppo_ratio(lp_new, lp_old)
+    per_token = tis_weight(lp_old, lp_rollout, tis_cap) * ppo_surrogate(ratio, adv, eps_clip, eps_clip_high)
+    return aggregate(per_token, mask, aggregation=aggregation, normaliser=normaliser)
+
+
+def total_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor, *,
+               eps_clip: float = 0.2, eps_clip_high: float = 0.28, tis_cap: float = 2.0,
+               aggregation: str = "sample_mean", normaliser: float | None = None,
+               lp_ref: Tensor | None = None, kl_coef: float = 0.0,
+               entropy: Tensor | None = None, entropy_coef: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+    """policy_loss + kl_coef·aggregate(kl_k3(lp_new, lp_ref)) − entropy_coef·aggregate(entropy).
+
+    Both extra terms are off (coefficient 0) by default, and then the loss is policy_loss itself.
+    `entropy` is per token (the `entropy` function, with grad when entropy_coef > 0). The parts
+    come back as floats: this call's share of the whole batch's values (same normaliser), so the
+    parts of micro-batches add up. "kl" and "entropy" appear only when their term is on."""
+    kw = dict(aggregation=aggregation, normaliser=normaliser)
+    pg = policy_loss(lp_new, lp_old, lp_rollout, adv, mask, eps_clip=eps_clip,
+                     eps_clip_high=eps_clip_high, tis_cap=tis_cap, **kw)
+    loss, parts = pg, {"policy_loss": float(pg.detach())}
+    keep = mask.bool()
+    if kl_coef:
+        if lp_ref is None:
+            raise ValueError("kl_coef > 0 needs lp_ref")
+        kl = aggregate(kl_k3(torch.where(keep, lp_new, 0.0), torch.where(keep, lp_ref.detach(), 0.0)), mask, **kw)
+        loss = loss + kl_coef * kl
+        parts["kl"] = float(kl.detach())
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs entropy")
+        ent = aggregate(torch.where(keep, entropy, 0.0), mask, **kw)
+        loss = loss - entropy_coef * ent  # a bonus: higher entropy, lower loss
+        parts["entropy"] = float(ent.detach())
+    return loss, parts
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+def loss_metrics(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor, *,
+                 eps_clip: float = 0.2, eps_clip_high: float = 0.28, tis_cap: float = 2.0,
+                 entropy: Tensor | None = None) -> dict[str, float]:
+    """Diagnostics as plain floats, each a plain mean over the loss tokens (mask = 1):
+
+        clip_fraction         tokens where the clipped branch of the surrogate is the one taken
+        approx_kl             k3 estimate of KL(π_old ‖ π_new): (ratio − 1) − log ratio
+        rollout_lp_abs_diff   |lp_old − lp_rollout|: engine vs trainer numerics, plus staleness
+        tis_mean, tis_clipped_fraction   the TIS weight, and how often the cap C bit
+        adv_mean, adv_std (population), adv_min, adv_max
+        entropy               when given (per token, from `entropy`)
+        tokens                how many loss tokens these are
+
+    Any shape with a mask alike: a padded [B, T] batch, or the loss tokens of all micro-batches
+    concatenated (1-D) with a mask of ones. With no loss token the means are NaN."""
+    keep = mask.bool()
+    with torch.no_grad():
+        new, old, rollout, a = (x.detach()[keep].double() for x in (lp_new, lp_old, lp_rollout, adv))
+        n = a.numel()
+        ratio = ppo_ratio(new, old)
+        clipped_taken = ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * a < ratio * a
+        raw_w = torch.exp(old - rollout)
+
+        def mean(x: Tensor) -> float:
+            return float(x.double().sum()) / n if n else math.nan
+
+        out = {
+            "tokens": float(n),
+            "clip_fraction": mean(clipped_taken),
+            "approx_kl": mean(kl_k3(old, new)),
+            "rollout_lp_abs_diff": mean((old - rollout).abs()),
+            "tis_mean": mean(raw_w.clamp(max=tis_cap)),
+            "tis_clipped_fraction": mean(raw_w > tis_cap),
+            "adv_mean": mean(a),
+            "adv_std": float(a.std(unbiased=False)) if n else math.nan,
+            "adv_min": float(a.min()) if n else math.nan,
+            "adv_max": float(a.max()) if n else math.nan,
+        }
+        if entropy is not None:
+            out["entropy"] = mean(entropy.detach()[keep])
+    return out
+
+
+def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
+    """The L2 norm of all gradients taken together (parameters without one are skipped). Inf or
+    NaN when a gradient is not finite: the trainer's signal to skip the step. One process only;
+    sharded training would all-reduce the squared norms first."""
+    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.promote_types(p.grad.dtype, torch.float32))
+             for p in parameters if p.grad is not None]  # accumulated in at least float32, no copy
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([x.double() for x in norms])))
