@@ -1,0 +1,503 @@
+"""The daemon's side of the trainer subprocess: one event loop, no threads, no torch.
+
+`TrainerLink` is one child's life: spawn (multiprocessing, `spawn` context),
+the `ready` handshake, requests whose replies come back in order, the child's
+exit noticed through its process sentinel registered with the loop, and stop.
+The socket pair is read and written with asyncio streams, so a 20 MB batch
+neither blocks the loop while it leaves nor while a large reply arrives; the
+framing is multiprocessing's, so the child uses plain `send_bytes`/`recv_bytes`
+(wire format: `trainer_proc`).
+
+`TrainerSupervisor` keeps one child alive: `run()` restarts it with exponential
+backoff (its handler resumes from the last checkpoint) and `train()` sends the
+same batch again after a restart. After `attempts` it raises; the caller still
+holds the samples, nothing is dropped silently.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Sequence
+
+from . import trainer_proc
+from .samples import Sample
+from .trainer_proc import frame_header, message_frames
+
+log = logging.getLogger("clawd.trainer")
+
+_STREAM_LIMIT = 1 << 20  # the stream pauses the socket once twice this is buffered unread
+_GRACE = 1.0             # for the last bytes (or the exit) that follow the other one
+_BACKOFF_RESET = 60.0    # a child that lived this long earns a fresh backoff
+
+
+class TrainerError(Exception):
+    """The trainer could not do what was asked."""
+
+
+class TrainerDied(TrainerError):
+    """The child exited (or closed its end) before replying."""
+
+
+class TrainerTimeout(TrainerError):
+    """No reply in time; the child was killed, since its replies can no longer be matched."""
+
+
+class TrainerProtocolError(TrainerError):
+    """The child sent something that is not the reply expected; it was killed."""
+
+
+class TrainerUnavailable(TrainerError):
+    """No live trainer within the wait, or the supervisor is stopping."""
+
+
+class HandlerError(TrainerError):
+    """The handler raised; the child is fine. `retryable` says whether trying again may help."""
+
+    def __init__(self, message: str, *, retryable: bool, batch_id: str | None = None):
+        super().__init__(message)
+        self.retryable = retryable
+        self.batch_id = batch_id
+
+
+class TrainFailed(TrainerError):
+    """A batch failed every attempt; the caller keeps its samples."""
+
+    def __init__(self, message: str, *, attempts: int):
+        super().__init__(message)
+        self.attempts = attempts
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+    step: int
+    version: int
+
+
+@dataclass(frozen=True)
+class Trained:
+    batch_id: str
+    version: int
+    weights_dir: str
+    metrics: dict
+    per_sample: list
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    path: str
+    step: int
+
+
+# ---- wire -----------------------------------------------------------------------------------
+
+async def encode_message(msg: dict) -> list[bytes]:
+    """A message's frames, encoded one element at a time so a large batch never stalls the loop."""
+    frames = []
+    for frame in message_frames(msg):
+        frames.append(frame)
+        await asyncio.sleep(0)
+    return frames
+
+
+async def _frame_body(reader: asyncio.StreamReader, header: bytes, stats: collections.Counter) -> bytes:
+    (n,) = struct.unpack("!i", header)
+    if n == -1:  # multiprocessing's long form: an 8-byte unsigned length follows
+        (n,) = struct.unpack("!Q", await reader.readexactly(8))
+    elif n < 0:
+        raise TrainerProtocolError(f"frame length {n}")
+    body = await reader.readexactly(n)
+    stats["frames_in"] += 1
+    stats["bytes_in"] += n
+    return body
+
+
+async def read_frame(reader: asyncio.StreamReader, stats: collections.Counter | None = None) -> bytes:
+    """One `send_bytes` frame; `asyncio.IncompleteReadError` at end of stream."""
+    return await _frame_body(reader, await reader.readexactly(4), collections.Counter() if stats is None else stats)
+
+
+def _well_formed(parts) -> bool:
+    """`parts` is [[field, count], ...]."""
+    return isinstance(parts, list) and all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], int) for p in parts)
+
+
+async def read_message(reader: asyncio.StreamReader, stats: collections.Counter | None = None) -> dict | None:
+    """One message, list fields decoded element by element; None at a clean end of stream."""
+    stats = collections.Counter() if stats is None else stats
+    try:
+        header = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise TrainerProtocolError("the stream ended inside a frame header") from exc
+        return None
+    try:
+        msg = json.loads(await _frame_body(reader, header, stats))
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            raise TrainerProtocolError(f"a message head must be an object with a type, not {msg!r:.80}")
+        parts = msg.pop("parts", [])
+        if not _well_formed(parts):
+            raise TrainerProtocolError(f"bad parts {parts!r:.80}")
+        for name, count in parts:
+            msg[name] = [json.loads(await read_frame(reader, stats)) for _ in range(count)]
+    except asyncio.IncompleteReadError as exc:
+        raise TrainerProtocolError("the stream ended inside a message") from exc
+    return msg
+
+
+def _answers(request: dict, reply: dict) -> bool:
+    kind, want = reply["type"], request["type"]
+    if want == "start":
+        return kind in ("ready", "error")
+    if kind == "error":
+        return reply.get("batch_id") == request.get("batch_id")
+    if want == "ping":
+        return kind == "pong" and reply.get("n") == request.get("n")
+    if want == "train":
+        return kind == "trained" and reply.get("batch_id") == request["batch_id"] \
+            and reply.get("version") == request["version"]
+    return want == "checkpoint" and kind == "checkpointed"
+
+
+async def _wait(event: asyncio.Event, timeout: float | None) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
+# ---- one child ------------------------------------------------------------------------------
+
+class TrainerLink:
+    def __init__(self, options: dict, *, ready_timeout: float = 120.0):
+        self.options = options  # passed to the child: `handler` plus whatever the handler reads
+        self.ready_timeout = ready_timeout
+        self.ready: Ready | None = None
+        self.exitcode: int | None = None
+        self.stats: collections.Counter = collections.Counter()  # frames_in, bytes_in, frames_out, bytes_out
+        self._process = None
+        self._pid: int | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: collections.deque = collections.deque()  # (request head, future), in send order
+        self._tasks: list[asyncio.Task] = []
+        self._exited = asyncio.Event()  # the sentinel fired and the child is reaped
+        self._eof = asyncio.Event()     # the reader stopped: end of stream or a bad message
+        self._closed = asyncio.Event()  # both, and every waiting request settled
+        self._doomed = False            # kill() or stop() was called
+        self._pings = itertools.count(1)
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
+    def alive(self) -> bool:
+        """Ready and still answering: no exit, no end of stream, no kill or stop under way."""
+        return self.ready is not None and not (self._doomed or self._exited.is_set() or self._eof.is_set())
+
+    async def start(self) -> Ready:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        child_conn = Connection(theirs.detach())
+        process = multiprocessing.get_context("spawn").Process(
+            target=trainer_proc.main, args=(child_conn, self.options), name="clawd-trainer", daemon=False)
+        try:
+            process.start()  # fork+exec and a small pickle down a pipe: no helper thread
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            child_conn.close()  # only the child may hold its end, or its death would not end our stream
+        self._process, self._pid = process, process.pid
+        atexit.register(self._kill_at_exit)
+        loop.add_reader(process.sentinel, self._on_exit)
+        handshake = loop.create_future()
+        self._pending.append(({"type": "start"}, handshake))
+        try:
+            reader, self._writer = await asyncio.open_unix_connection(sock=ours, limit=_STREAM_LIMIT)
+        except BaseException:
+            ours.close()
+            self.kill()
+            raise
+        self._tasks = [asyncio.create_task(self._read(reader)), asyncio.create_task(self._settle())]
+        try:
+            reply = await asyncio.wait_for(handshake, self.ready_timeout)
+        except TimeoutError:
+            self.kill()
+            await self._closed.wait()
+            raise TrainerTimeout(f"trainer {self._pid} not ready within {self.ready_timeout}s") from None
+        except TrainerError:
+            await self._closed.wait()
+            raise
+        except BaseException:  # cancelled: leave no child behind
+            self.kill()
+            raise
+        if reply["type"] == "error":
+            await self._closed.wait()  # it exits 1 after saying why
+            raise TrainerError(f"trainer failed to start: {reply['message']}")
+        self.ready = Ready(reply["pid"], reply["step"], reply["version"])
+        log.info("trainer %d ready at step %d, version %d", self._pid, self.ready.step, self.ready.version)
+        return self.ready
+
+    async def request(self, msg: dict, timeout: float | None = None, *, frames: list[bytes] | None = None) -> dict:
+        """Send `msg` (or its pre-encoded `frames`) and return the reply, an `error` reply included.
+
+        The timeout counts from the send and includes the requests sent before this one (the
+        child answers in order). On timeout the child is killed: a late reply would answer the
+        wrong request.
+        """
+        if frames is None:
+            frames = await encode_message(msg)
+        if not self.alive:
+            raise TrainerDied(f"trainer {self._pid} is not alive (exit code {self.exitcode})")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((msg, fut))
+        self._write(frames)
+        try:
+            return await asyncio.wait_for(self._drain_then(fut), timeout)
+        except TimeoutError:
+            log.error("trainer %d: no reply to %s within %ss; killing it", self._pid, msg["type"], timeout)
+            self.kill()
+            raise TrainerTimeout(f"no reply to {msg['type']} within {timeout}s") from None
+
+    async def ping(self, timeout: float = 10.0) -> float:
+        """Round-trip seconds. Meant for an idle child: a ping waits behind a train step."""
+        started = time.monotonic()
+        await self.request({"type": "ping", "n": next(self._pings)}, timeout)
+        return time.monotonic() - started
+
+    async def checkpoint(self, timeout: float | None = None) -> Checkpointed:
+        reply = await self.request({"type": "checkpoint"}, timeout)
+        if reply["type"] == "error":
+            raise HandlerError(reply["message"], retryable=reply["retryable"])
+        return Checkpointed(reply["path"], reply["step"])
+
+    async def stop(self, timeout: float = 30.0) -> int | None:
+        """Ask the child to exit after its current message; SIGTERM, then SIGKILL, if it does not."""
+        if self._process is None:
+            return None
+        if not self._exited.is_set():
+            self._doomed = True
+            if self._writer is not None and not self._eof.is_set() and not self._writer.is_closing():
+                self._write(message_frames({"type": "shutdown"}))
+            if not await _wait(self._closed, timeout):
+                log.warning("trainer %d did not stop within %ss; terminating it", self._pid, timeout)
+                self._signal(signal.SIGTERM)
+                if not await _wait(self._closed, 5.0):
+                    self.kill()
+        await self._closed.wait()
+        return self.exitcode
+
+    @property
+    def buffered_out(self) -> int:
+        """Bytes written to the stream that the child has not taken yet."""
+        return self._writer.transport.get_write_buffer_size() if self._writer is not None else 0
+
+    def kill(self) -> None:
+        self._doomed = True
+        self._signal(signal.SIGKILL)
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    # -- internals
+
+    def _signal(self, sig: int) -> None:
+        if self._pid is not None and not self._exited.is_set():  # not reaped yet, so the pid is still ours
+            os.kill(self._pid, sig)
+
+    def _kill_at_exit(self) -> None:
+        # multiprocessing joins non-daemonic children at exit; a live trainer would hang it.
+        self._signal(signal.SIGKILL)
+
+    def _write(self, frames) -> None:
+        for frame in frames:
+            self._writer.write(frame_header(len(frame)))
+            self._writer.write(frame)
+            self.stats["frames_out"] += 1
+            self.stats["bytes_out"] += len(frame)
+
+    async def _drain_then(self, fut: asyncio.Future) -> dict:
+        try:
+            await self._writer.drain()
+        except ConnectionError:
+            pass  # the child is gone; `fut` fails with TrainerDied once that is settled
+        return await fut
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._process.join()  # the sentinel says it has exited: this only reaps
+        self.exitcode = self._process.exitcode
+        self._process.close()
+        atexit.unregister(self._kill_at_exit)
+        self._exited.set()
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while (msg := await read_message(reader, self.stats)) is not None:
+                self._deliver(msg)
+        except (TrainerProtocolError, ValueError, ConnectionError) as exc:  # ValueError: bad JSON
+            log.error("trainer %d: %s; killing it", self._pid, exc)
+            self.kill()
+        finally:
+            self._eof.set()
+
+    def _deliver(self, reply: dict) -> None:
+        if not self._pending:
+            raise TrainerProtocolError(f"unsolicited {reply['type']!r}")
+        request, fut = self._pending.popleft()
+        if not _answers(request, reply):
+            err = TrainerProtocolError(f"{reply['type']!r} does not answer {request['type']!r}")
+            if not fut.done():
+                fut.set_exception(err)
+            raise err
+        if not fut.done():  # a cancelled request's reply is dropped; the order holds
+            fut.set_result(reply)
+
+    async def _settle(self) -> None:
+        """Once the child has exited and its stream ended, fail whatever still waits for a reply."""
+        waits = [asyncio.create_task(self._exited.wait()), asyncio.create_task(self._eof.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if not self._exited.is_set():  # it closed its end yet lives: it can no longer be talked to
+            if not await _wait(self._exited, _GRACE):
+                self.kill()
+            await self._exited.wait()
+        if not await _wait(self._eof, _GRACE):  # a grandchild may hold the socket open
+            self._tasks[0].cancel()
+        self._writer.close()
+        died = TrainerDied(f"trainer {self._pid} exited with code {self.exitcode}")
+        while self._pending:
+            _, fut = self._pending.popleft()
+            if not fut.done():
+                fut.set_exception(died)
+        if self.exitcode != 0:
+            log.error("trainer %d exited with code %s", self._pid, self.exitcode)
+        self._closed.set()
+
+
+# ---- a child kept alive -----------------------------------------------------------------------
+
+class TrainerSupervisor:
+    def __init__(self, options: dict, *, ready_timeout: float = 120.0, backoff_initial: float = 1.0,
+                 backoff_max: float = 60.0, attempts: int = 3, wait_ready: float | None = 600.0):
+        self.options = options
+        self.ready_timeout = ready_timeout
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.attempts = attempts      # sends of one batch before `train` gives it back
+        self.wait_ready = wait_ready  # how long `train` waits for a live child
+        self.restarts = 0
+        self.link: TrainerLink | None = None
+        self._ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._finished = asyncio.Event()
+        self._running = False
+
+    @property
+    def alive(self) -> bool:
+        return self.link is not None and self.link.alive
+
+    @property
+    def pid(self) -> int | None:
+        return self.link.pid if self.alive else None
+
+    async def run(self) -> None:
+        """The long-lived task: start the child, wait for its end, restart it with backoff."""
+        self._running = True
+        backoff = self.backoff_initial
+        try:
+            while not self._stop.is_set():
+                link = self.link = TrainerLink(self.options, ready_timeout=self.ready_timeout)
+                started = time.monotonic()
+                try:
+                    await link.start()
+                except (TrainerError, OSError) as exc:  # OSError: the spawn itself failed
+                    log.error("trainer start failed: %s", exc)
+                else:
+                    if self._stop.is_set():  # stop() came while it was starting
+                        await link.stop()
+                        break
+                    self._ready.set()
+                    await link.wait_closed()
+                if self._stop.is_set():
+                    break
+                self.restarts += 1
+                if time.monotonic() - started > _BACKOFF_RESET:
+                    backoff = self.backoff_initial
+                log.error("trainer down (exit code %s); restarting in %.2fs (restart %d)", link.exitcode,
+                          backoff, self.restarts)
+                if await _wait(self._stop, backoff):
+                    break
+                backoff = min(backoff * 2, self.backoff_max)
+        finally:
+            self._finished.set()
+
+    async def train(self, batch_id: str, version: int, samples: Sequence[Sample], *,
+                    timeout: float | None = None) -> Trained:
+        """One training step on `samples`, producing weights `version`; retried across restarts."""
+        msg = {"type": "train", "batch_id": batch_id, "version": version, "samples": list(samples)}
+        frames = await encode_message(msg)  # once: every attempt sends the same bytes
+        head = {k: v for k, v in msg.items() if k != "samples"}
+        last: TrainerError | None = None
+        for attempt in range(1, self.attempts + 1):
+            link = await self._live_link()
+            try:
+                reply = await link.request(head, timeout, frames=frames)
+            except (TrainerDied, TrainerTimeout, TrainerProtocolError) as exc:
+                last = exc  # run() restarts the child; the batch goes again
+                log.warning("batch %s, attempt %d/%d: %s", batch_id, attempt, self.attempts, exc)
+                continue
+            if reply["type"] == "trained":
+                return Trained(reply["batch_id"], reply["version"], reply["weights_dir"], reply["metrics"],
+                               reply.get("per_sample", []))
+            last = HandlerError(reply["message"], retryable=reply["retryable"], batch_id=batch_id)
+            if not last.retryable:
+                raise last
+            log.warning("batch %s, attempt %d/%d: %s", batch_id, attempt, self.attempts, last)
+            if attempt < self.attempts:
+                await asyncio.sleep(self.backoff_initial)
+        raise TrainFailed(f"batch {batch_id} failed {self.attempts} attempts; last: {last}",
+                          attempts=self.attempts) from last
+
+    async def checkpoint(self, timeout: float | None = None) -> Checkpointed:
+        return await (await self._live_link()).checkpoint(timeout)
+
+    async def ping(self, timeout: float = 10.0) -> float:
+        return await (await self._live_link()).ping(timeout)
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._ready.set()  # wakes `train` callers waiting for a child, to give up
+        if self.link is not None:
+            await self.link.stop(timeout)
+        if self._running:
+            await self._finished.wait()
+
+    async def _live_link(self) -> TrainerLink:
+        try:
+            async with asyncio.timeout(self.wait_ready):
+                while True:
+                    if self._stop.is_set():
+                        raise TrainerUnavailable("the trainer is stopping")
+                    if self.link is not None and self.link.alive:
+                        return self.link
+                    self._ready.clear()  # run() sets it again once a new child is ready
+                    await self._ready.wait()
+        except TimeoutError:
+            raise TrainerUnavailable(f"no live trainer within {self.wait_ready}s") from None

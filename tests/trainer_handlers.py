@@ -1,0 +1,71 @@
+"""Trainer handlers for tests/test_trainer_link.py, imported only in the spawned child.
+
+`build(options)` makes a handler scripted per train call: `options["script"]` maps
+the call number (counted across restarts in `dir/calls.jsonl`) to "exit"
+(os._exit(3)), "hang", "raise" or "retryable". Its step and version come back
+from `dir/checkpoint.json`, as a real trainer resumes from its checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from clawd.samples import Sample
+from clawd.trainer_proc import RetryableError
+
+
+def calls(directory) -> list[dict]:
+    path = Path(directory) / "calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def make_sample(i: int, response_length: int = 4) -> Sample:
+    n = response_length
+    return Sample(sample_id=f"s{i}", mode="rl", session_id="sess", turn_index=i, principal="alice",
+                  tokens=list(range(100, 103 + n)), response_length=n, loss_mask=[1] * n,
+                  rollout_logprobs=[-0.123456789012345] * n, temperature=1.0, reward=1.0,
+                  teacher_logprobs=None, has_hint=False, policy_version=0, created=1.5, scored=2.5)
+
+
+class Scripted:
+    def __init__(self, options: dict):
+        self.dir = Path(options["dir"])
+        self.script = options.get("script", {})
+        self.echo = options.get("echo", False)
+        ckpt = self.dir / "checkpoint.json"
+        state = json.loads(ckpt.read_text()) if ckpt.exists() else {"step": 0, "version": 0}
+        self.step, self.version = state["step"], state["version"]
+
+    def train(self, batch_id: str, version: int, samples: list[Sample]) -> dict:
+        call = len(calls(self.dir)) + 1
+        with open(self.dir / "calls.jsonl", "a") as f:
+            f.write(json.dumps({"call": call, "batch_id": batch_id, "pid": os.getpid(), "n": len(samples)}) + "\n")
+        action = self.script.get(str(call))
+        if action == "exit":
+            os._exit(3)
+        if action == "hang":
+            time.sleep(3600)
+        if action == "raise":
+            raise ValueError("scripted failure")
+        if action == "retryable":
+            raise RetryableError("scripted transient failure")
+        self.step += 1
+        self.version = version
+        return {"weights_dir": str(self.dir / f"v{version}"),
+                "metrics": {"step": self.step, "pid": os.getpid(), "call": call, "n": len(samples)},
+                "per_sample": [json.loads(s.to_json()) for s in samples] if self.echo else []}
+
+    def checkpoint(self) -> tuple[str, int]:
+        path = self.dir / "checkpoint.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": self.step, "version": self.version}))
+        os.replace(tmp, path)
+        return str(path), self.step
+
+
+def build(options: dict) -> Scripted:
+    if options.get("fail_build"):
+        raise RuntimeError("no model here")
+    return Scripted(options)
