@@ -1,0 +1,554 @@
+"""The policy-gradient trainer: one step per batch, weight publishing, checkpoints (DESIGN §3, §6).
+
+Runs in the trainer subprocess only (it imports torch and transformers); the pipe handler in
+`trainer_proc` calls it with decoded `Sample`s. Plain Python in, plain Python out.
+
+Packing. Samples are sorted by length and grouped greedily into micro-batches whose padded size
+(rows × longest input) stays within `micro_batch_tokens`; rows are right-padded and no attention
+mask is passed. With right padding the causal mask alone keeps every real token from seeing a
+pad (pads come after it), so a row's logits are those of the sample forwarded alone, up to
+float rounding (matmul shapes differ: ~3e-7 on the tiny model's logits with sdpa on CPU). This
+works with sdpa, eager and flash kernels alike, needs no 4-D mask (an [L, L] block-diagonal mask
+costs memory quadratic in the whole pack) and, sorted by length, wastes little padding.
+Logits are computed only at the response positions: the decoder's last hidden states are
+gathered there and only those go through the output layer, so memory scales with response
+tokens, not with prompt tokens × vocabulary.
+
+One step (ppo_epochs = 1): per micro-batch, forward → log-probs at each sample's temperature →
+advantages → `losses.total_loss` with the whole batch's normaliser → backward; then the grad
+norm, a non-finite check, clipping and one AdamW step. lp_old is lp_new detached from the same
+forward; the OPD term reads log-probs at T = 1, computed without grad from the same logits.
+With ppo_epochs > 1 a no-grad pass first fixes lp_old (and lp_old at T = 1) for every epoch.
+
+Precision: float32 master weights and optimizer state everywhere; on CUDA the forward runs under
+bf16 autocast, on CPU in float32. Dropout is off (eval mode): the policy being trained is the one
+that sampled, and with ppo_epochs = 1 the ratio is exactly 1.
+
+Scale-out (DESIGN §13): nothing here assumes more than this process's model. Under torchrun +
+FSDP2 the same step runs on every rank (grad_norm would all-reduce), and publish/checkpoint
+gather the full state and write from rank 0 only; the version is a directory name.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import losses
+from .samples import MODES, Sample
+
+CHECKPOINT_FORMAT = 1  # bumped when a checkpoint's files change meaning
+CHECKPOINTS_KEPT = 2
+PAUSE_AFTER_SKIPS = 3  # non-finite steps in a row before learning pauses
+
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_CHECKPOINT_DIR = re.compile(r"^ckpt-(\d{8,})$")
+# Files of a model directory that are weights: never copied next to the freshly saved ones.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    grad_clip: float = 1.0               # max grad norm; 0 = no clipping
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    tis_cap: float = 2.0
+    aggregation: str = "sample_mean"
+    kl_loss_coef: float = 0.0            # > 0 loads a frozen reference copy of model_dir
+    entropy_coef: float = 0.0
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+    opd_clip: float | None = None        # None or 0 = off
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 8192       # padded tokens (rows × longest input) per forward
+    keep_versions: int = 3
+    checkpoint_every: int = 1            # checkpoint every N publishes
+    device: str = "cpu"                  # "cpu", "cuda" or "cuda:N"
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))  # TOML gives lists
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid trainer config: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        def num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        def count(x) -> bool:  # an integer >= 1
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+        checks = [
+            ("lr", num(self.lr) and self.lr > 0, "> 0"),
+            ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "two numbers in [0, 1)"),
+            ("weight_decay", num(self.weight_decay) and self.weight_decay >= 0, ">= 0"),
+            ("eps", num(self.eps) and self.eps > 0, "> 0"),
+            ("grad_clip", num(self.grad_clip) and self.grad_clip >= 0, ">= 0 (0 = off)"),
+            ("eps_clip", num(self.eps_clip) and 0 < self.eps_clip < 1, "in (0, 1)"),
+            ("eps_clip_high", num(self.eps_clip_high) and self.eps_clip_high > 0, "> 0"),
+            ("tis_cap", num(self.tis_cap) and self.tis_cap > 0, "> 0"),
+            ("aggregation", self.aggregation in losses.AGGREGATIONS, f"one of {losses.AGGREGATIONS}"),
+            ("kl_loss_coef", num(self.kl_loss_coef) and self.kl_loss_coef >= 0, ">= 0"),
+            ("entropy_coef", num(self.entropy_coef) and self.entropy_coef >= 0, ">= 0"),
+            ("w_rl", num(self.w_rl), "a finite number"),
+            ("w_opd", num(self.w_opd), "a finite number"),
+            ("opd_clip", self.opd_clip is None or (num(self.opd_clip) and self.opd_clip >= 0), "None or >= 0"),
+            ("ppo_epochs", count(self.ppo_epochs), "an integer >= 1"),
+            ("micro_batch_tokens", count(self.micro_batch_tokens), "an integer >= 1"),
+            ("keep_versions", count(self.keep_versions), "an integer >= 1"),
+            ("checkpoint_every", count(self.checkpoint_every), "an integer >= 1"),
+            ("device", isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+             "'cpu', 'cuda' or 'cuda:N'"),
+            ("seed", isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+             "an integer >= 0"),
+        ]
+        return [f"{name} {getattr(self, name)!r} must be {want}" for name, ok, want in checks if not ok]
+
+
+class TrainingPaused(RuntimeError):
+    """train_step while learning is paused after non-finite steps; `unpause()` lifts it."""
+
+
+# --- packing (pure) --------------------------------------------------------------------------
+
+def pack(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group sample indices into micro-batches of similar length: sorted by length (ties by
+    index), each group grown while rows × longest length stays within `budget`. A sample longer
+    than the budget goes alone. Deterministic: the same lengths always give the same groups."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:  # ascending: i is the longest
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+@dataclass
+class _MicroBatch:
+    """Right-padded tensors for a group of samples; per-token tensors are [b, R] over responses."""
+    rows: list[int]               # indices into the step's sample list
+    input_ids: torch.Tensor       # [b, L]: tokens[:-1], right-padded with 0
+    positions: torch.Tensor       # [b, R]: where in the input the logits score each response token
+    targets: torch.Tensor         # [b, R]: the response ids (0 on padding)
+    mask: torch.Tensor            # [b, R]: loss_mask (0 on padding)
+    temperature: torch.Tensor     # [b]
+    reward: torch.Tensor          # [b]
+    has_hint: torch.Tensor        # [b] bool
+    lp_rollout: torch.Tensor      # [b, R]
+    teacher_lp: torch.Tensor      # [b, R], 0 where there is no hint
+    tokens: int                   # real input tokens (no padding)
+    old: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)  # (lp_old, lp_old_t1) when ppo_epochs > 1
+
+
+def _micro_batch(samples: list[Sample], rows: list[int], device: torch.device) -> _MicroBatch:
+    group = [samples[i] for i in rows]
+    L = max(len(s.tokens) - 1 for s in group)
+    R = max(s.response_length for s in group)
+    b = len(group)
+    input_ids = torch.zeros(b, L, dtype=torch.long)
+    positions = torch.zeros(b, R, dtype=torch.long)
+    targets = torch.zeros(b, R, dtype=torch.long)
+    mask = torch.zeros(b, R)
+    lp_rollout = torch.zeros(b, R)
+    teacher_lp = torch.zeros(b, R)
+    for r, s in enumerate(group):
+        n, p = s.response_length, len(s.tokens) - s.response_length
+        input_ids[r, :len(s.tokens) - 1] = torch.tensor(s.tokens[:-1])
+        positions[r, :n] = torch.arange(p - 1, p - 1 + n)  # logits at i score token i + 1
+        positions[r, n:] = p - 1                           # padding: any valid position
+        targets[r, :n] = torch.tensor(s.response_ids)
+        mask[r, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        lp_rollout[r, :n] = torch.tensor(s.rollout_logprobs)
+        if s.has_hint:
+            teacher_lp[r, :n] = torch.tensor(s.teacher_logprobs)
+    to = lambda x: x.to(device)
+    return _MicroBatch(
+        rows=rows, input_ids=to(input_ids), positions=to(positions), targets=to(targets), mask=to(mask),
+        temperature=to(torch.tensor([s.temperature for s in group])),
+        reward=to(torch.tensor([s.reward for s in group])),
+        has_hint=to(torch.tensor([s.has_hint for s in group])),
+        lp_rollout=to(lp_rollout), teacher_lp=to(teacher_lp),
+        tokens=sum(len(s.tokens) - 1 for s in group))
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # O_RDONLY + fsync works for files and directories alike
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under root, deepest first, so a rename publishes durable bytes."""
+    for path in [*sorted(root.rglob("*"), reverse=True), root]:
+        _fsync(path)
+
+
+def _atomic_dir(dest: Path, write) -> Path:
+    """write(tmp) into a hidden sibling of dest, fsync it, rename it to dest: dest is either
+    absent or complete. A failure removes the temporary directory and re-raises."""
+    if dest.exists():
+        raise FileExistsError(f"{dest} already exists")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the engine may run as another user
+        write(tmp)
+        _fsync_tree(tmp)
+        os.rename(tmp, dest)
+        _fsync(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _numbered(parent: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    """(number, path) of the entries of parent whose name matches pattern, oldest first."""
+    if not parent.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in parent.iterdir() if (m := pattern.match(p.name))]
+    return sorted(found)
+
+
+def _remove_temporaries(parent: Path) -> None:
+    """Leftovers of a write that a crash interrupted (hidden `.name.tmp-*` directories)."""
+    if parent.is_dir():
+        for p in parent.glob(".*.tmp-*"):
+            shutil.rmtree(p)
+
+
+# --- the trainer -----------------------------------------------------------------------------
+
+class Trainer:
+    """The policy, its optimizer and its state on disk.
+
+    state_dir/weights/v{version:06d}  published Hugging Face directories, the last keep_versions
+    state_dir/checkpoints/ckpt-{n:08d} checkpoints, the last 2; the newest complete one resumes
+    """
+
+    def __init__(self, model_dir: str | Path, state_dir: str | Path, cfg: TrainConfig = TrainConfig()):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # stderr is the daemon's log
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.state_dir = Path(state_dir)
+        self.weights_dir = self.state_dir / "weights"
+        self.checkpoints_dir = self.state_dir / "checkpoints"
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {cfg.device!r} asked for, but CUDA is not available")
+
+        def load():
+            m = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            return m.to(self.device).eval()  # eval: dropout off, the policy that sampled
+
+        self.model = load()
+        for attr in ("final_logit_softcapping", "logit_scale"):  # the head would not be the plain lm_head
+            if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
+                raise NotImplementedError(f"models with {attr} are not supported by the trainer's logit path")
+        self.ref_model = None
+        if cfg.kl_loss_coef > 0:  # the frozen initial policy, only for the KL term
+            self.ref_model = load().requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay)
+        self.step = 0                  # batches trained (train_step calls), skipped ones included
+        self.version = 0               # the last published version; model_dir is version 0
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.paused = False
+        self.pause_reason: str | None = None
+        self.journal_position: Any = None
+        self._publishes_since_checkpoint = 0
+        self.resume()
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logits(self, model, mb: _MicroBatch) -> torch.Tensor:
+        """[b, R, V] logits at the response positions only."""
+        with self._autocast():
+            hidden = model.get_decoder()(input_ids=mb.input_ids, use_cache=False).last_hidden_state
+            hidden = hidden.gather(1, mb.positions[..., None].expand(-1, -1, hidden.shape[-1]))
+            return model.get_output_embeddings()(hidden)
+
+    def _micro_batches(self, samples: list[Sample]) -> list[_MicroBatch]:
+        groups = pack([len(s.tokens) - 1 for s in samples], self.cfg.micro_batch_tokens)
+        return [_micro_batch(samples, rows, self.device) for rows in groups]
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample], temperature: float | None = None) -> list[list[float]]:
+        """Each sample's response-token log-probs under the current weights, through the packed
+        path, at the sample's own temperature (or `temperature`)."""
+        out: list[list[float]] = [[] for _ in samples]
+        for mb in self._micro_batches(samples):
+            t = mb.temperature if temperature is None else temperature
+            lp = losses.token_logprobs(self._logits(self.model, mb), mb.targets, t).float().cpu()
+            for r, i in enumerate(mb.rows):
+                out[i] = lp[r, :samples[i].response_length].tolist()
+        return out
+
+    @torch.no_grad()
+    def _fix_old(self, mb: _MicroBatch) -> None:
+        """ppo_epochs > 1: lp_old at T and at 1 from a no-grad pass before any update."""
+        logits = self._logits(self.model, mb)
+        mb.old = (losses.token_logprobs(logits, mb.targets, mb.temperature),
+                  losses.token_logprobs(logits, mb.targets, 1.0))
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def train_step(self, samples: list[Sample], mode: str) -> dict[str, Any]:
+        """Train on one batch: ppo_epochs optimizer steps (one by default). Returns metrics."""
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        if self.paused:
+            raise TrainingPaused(f"learning is paused: {self.pause_reason}")
+        t0 = time.monotonic()
+        cfg = self.cfg
+        mbs = self._micro_batches(samples)
+        loss_tokens = sum(sum(s.loss_mask) for s in samples)
+        # The whole batch's denominator, fixed before splitting (losses.whole_batch_normaliser).
+        norm = float(max(len(samples) if cfg.aggregation == "sample_mean" else loss_tokens, 1))
+        if cfg.ppo_epochs > 1:
+            for mb in mbs:
+                self._fix_old(mb)
+        for epoch in range(cfg.ppo_epochs):
+            metrics = self._epoch(mbs, mode, norm)
+            if metrics["skipped"]:
+                break
+        self.step += 1
+        metrics.update(step=self.step, epochs=epoch + 1, samples=len(samples),
+                       forward_tokens=sum(mb.tokens for mb in mbs),
+                       padded_tokens=sum(mb.input_ids.numel() for mb in mbs),
+                       micro_batches=len(mbs), lr=cfg.lr, skipped_total=self.skipped_steps,
+                       paused=self.paused, pause_reason=self.pause_reason,
+                       seconds=time.monotonic() - t0)
+        return metrics
+
+    def _epoch(self, mbs: list[_MicroBatch], mode: str, norm: float) -> dict[str, Any]:
+        """Forward and backward every micro-batch, then one optimizer step (or a skip)."""
+        cfg = self.cfg
+        kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap)
+        opd_clip = cfg.opd_clip or None
+        parts: dict[str, float] = {}
+        seen: dict[str, list[torch.Tensor]] = {k: [] for k in ("new", "old", "rollout", "adv", "entropy")}
+        bad = None
+        for mb in mbs:
+            logits = self._logits(self.model, mb)
+            lp_new = losses.token_logprobs(logits, mb.targets, mb.temperature)
+            if mb.old is not None:
+                lp_old, lp_old_t1 = mb.old
+            else:
+                lp_old = lp_new.detach()
+                lp_old_t1 = lp_old
+                # The OPD term compares at T = 1; only needed when some hinted row was sampled at T != 1.
+                if mode != "rl" and bool((mb.has_hint & (mb.temperature != 1)).any()):
+                    with torch.no_grad():
+                        lp_old_t1 = losses.token_logprobs(logits, mb.targets, 1.0)
+            adv = losses.advantages(mode, mb.reward, lp_old_t1, mb.teacher_lp, mb.has_hint,
+                                    w_rl=cfg.w_rl, w_opd=cfg.w_opd, opd_clip=opd_clip)
+            with (contextlib.nullcontext() if cfg.entropy_coef else torch.no_grad()):
+                ent = losses.entropy(logits, mb.temperature)  # a metric always, a loss term when asked
+            lp_ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    lp_ref = losses.token_logprobs(self._logits(self.ref_model, mb), mb.targets, mb.temperature)
+            loss, mb_parts = losses.total_loss(
+                lp_new, lp_old, mb.lp_rollout, adv, mb.mask, aggregation=cfg.aggregation, normaliser=norm,
+                lp_ref=lp_ref, kl_coef=cfg.kl_loss_coef, entropy=ent, entropy_coef=cfg.entropy_coef, **kw)
+            for k, v in mb_parts.items():
+                parts[k] = parts.get(k, 0.0) + v
+            parts["loss"] = parts.get("loss", 0.0) + float(loss.detach())
+            keep = mb.mask.bool()
+            for k, x in zip(seen, (lp_new, lp_old, mb.lp_rollout, adv, ent)):
+                seen[k].append(x.detach()[keep].float())
+            if not torch.isfinite(loss):
+                bad = f"non-finite loss ({float(loss.detach())})"
+                break
+            loss.backward()
+
+        gn = math.nan
+        if bad is None:
+            gn = losses.grad_norm(self.params)
+            if not math.isfinite(gn):
+                bad = f"non-finite gradient norm ({gn})"
+        if bad is None:
+            if cfg.grad_clip and gn > cfg.grad_clip:
+                coef = cfg.grad_clip / (gn + 1e-6)
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+            self.optimizer.step()
+            self.consecutive_skips = 0
+        else:  # the weights and the optimizer state stay exactly as they were
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= PAUSE_AFTER_SKIPS:
+                self.paused = True
+                self.pause_reason = f"{self.consecutive_skips} non-finite steps in a row (last: {bad})"
+        self.optimizer.zero_grad(set_to_none=True)
+
+        cat = {k: torch.cat(v) for k, v in seen.items()}
+        metrics = losses.loss_metrics(cat["new"], cat["old"], cat["rollout"], cat["adv"],
+                                      torch.ones_like(cat["adv"]), entropy=cat["entropy"], **kw)
+        names = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy"}
+        metrics.update({names[k]: v for k, v in parts.items()})
+        metrics.update(grad_norm=gn, skipped=bad is not None, skip_reason=bad)
+        return metrics
+
+    def unpause(self) -> None:
+        """Lift a pause caused by non-finite steps (the operator's `resume`)."""
+        self.paused, self.pause_reason, self.consecutive_skips = False, None, 0
+
+    # --- publishing ---------------------------------------------------------------------------
+
+    def publish(self, version: int) -> Path:
+        """Write the current weights as a complete Hugging Face directory weights/v{version:06d}
+        (config, generation config, safetensors, the tokenizer files of model_dir), atomically,
+        and keep the newest keep_versions. Versions must increase."""
+        if not isinstance(version, int) or version <= self.version:
+            raise ValueError(f"version {version!r} must be an integer above the last one, {self.version}")
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+
+        def write(tmp: Path) -> None:
+            self.model.save_pretrained(tmp)
+            for src in sorted(self.model_dir.iterdir()):
+                if (src.is_file() and not src.name.startswith(".") and not (tmp / src.name).exists()
+                        and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json")):
+                    shutil.copy2(src, tmp / src.name)
+
+        dest = _atomic_dir(self.weights_dir / f"v{version:06d}", write)
+        self.version = version
+        self._publishes_since_checkpoint += 1
+        for _, old in _numbered(self.weights_dir, _VERSION_DIR)[:-self.cfg.keep_versions]:
+            shutil.rmtree(old)
+        return dest
+
+    @property
+    def checkpoint_due(self) -> bool:
+        """True once checkpoint_every publishes have happened since the last checkpoint."""
+        return self._publishes_since_checkpoint >= self.cfg.checkpoint_every
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def checkpoint(self, journal_position: Any = None) -> Path:
+        """Save everything a resume needs into a new checkpoints/ckpt-N, atomically; keep the last 2.
+
+        journal_position is the caller's, opaque and JSON-serialisable: where the journal stood
+        after the last step these weights contain."""
+        import numpy as np
+        from safetensors.torch import save_model
+
+        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        existing = _numbered(self.checkpoints_dir, _CHECKPOINT_DIR)
+        n = existing[-1][0] + 1 if existing else 1
+        np_state, py_state = np.random.get_state(), random.getstate()
+        state = {
+            "format": CHECKPOINT_FORMAT, "step": self.step, "version": self.version,
+            "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+            "paused": self.paused, "pause_reason": self.pause_reason,
+            "journal_position": journal_position, "created": time.time(), "config": asdict(self.cfg),
+            "python_rng": [py_state[0], list(py_state[1]), py_state[2]],
+            "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        }
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+
+        def write(tmp: Path) -> None:
+            save_model(self.model, str(tmp / "model.safetensors"))
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(rng, tmp / "rng.pt")
+            (tmp / "state.json").write_text(json.dumps(state, allow_nan=True) + "\n")
+            (tmp / "complete").write_text(f"{CHECKPOINT_FORMAT}\n")  # last: the rest is in place
+
+        dest = _atomic_dir(self.checkpoints_dir / f"ckpt-{n:08d}", write)
+        self.journal_position = journal_position
+        self._publishes_since_checkpoint = 0
+        keep = self._complete_checkpoints()[-CHECKPOINTS_KEPT:]
+        for _, path in _numbered(self.checkpoints_dir, _CHECKPOINT_DIR):
+            if path not in keep:  # older ones, and any without its marker (never ours to resume)
+                shutil.rmtree(path)
+        return dest
+
+    def _complete_checkpoints(self) -> list[Path]:
+        return [p for _, p in _numbered(self.checkpoints_dir, _CHECKPOINT_DIR) if (p / "complete").is_file()]
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest checkpoint directory with its `complete` marker, or None."""
+        complete = self._complete_checkpoints()
+        return complete[-1] if complete else None
+
+    def resume(self) -> Any:
+        """Restore the newest complete checkpoint (model, optimizer, counters, RNG states) and
+        return its journal position; without one, keep model_dir's weights (as loaded by the
+        constructor, which calls this), seed from the config and return None. The version never
+        goes below a directory already in weights/."""
+        import numpy as np
+        from safetensors.torch import load_model
+
+        _remove_temporaries(self.weights_dir)
+        _remove_temporaries(self.checkpoints_dir)
+        path = self.latest_checkpoint()
+        if path is None:
+            torch.manual_seed(self.cfg.seed)
+            random.seed(self.cfg.seed)
+            np.random.seed(self.cfg.seed)
+            self.step = self.skipped_steps = self.consecutive_skips = version = 0
+            self.paused, self.pause_reason, self.journal_position = False, None, None
+        else:
+            state = json.loads((path / "state.json").read_text())
+            if state["format"] != CHECKPOINT_FORMAT:
+                raise ValueError(f"{path}: checkpoint format {state['format']} is not {CHECKPOINT_FORMAT}")
+            load_model(self.model, str(path / "model.safetensors"), strict=True, device=str(self.device))
+            opt = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+            self.optimizer.load_state_dict(opt)
+            rng = torch.load(path / "rng.pt", weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+            v, internal, gauss = state["python_rng"]
+            random.setstate((v, tuple(internal), gauss))
+            kind, keys, *rest = state["numpy_rng"]
+            np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+            self.step = state["step"]
+            self.skipped_steps = state["skipped_steps"]
+            self.consecutive_skips = state["consecutive_skips"]
+            self.paused, self.pause_reason = state["paused"], state["pause_reason"]
+            self.journal_position = state["journal_position"]
+            version = state["version"]
+        # Versions published after that checkpoint may be live on an engine: never reuse them.
+        published = _numbered(self.weights_dir, _VERSION_DIR)
+        self.version = max([version] + [v for v, _ in published])
+        self._publishes_since_checkpoint = 0
+        return self.journal_position

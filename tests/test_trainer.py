@@ -1,0 +1,303 @@
+"""The trainer on the tiny model, on CPU (DESIGN §3, §6): packing, one step, skips, publishing,
+checkpoints, and resume after SIGKILL bit for bit."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from clawd.samples import Sample
+from clawd.trainer import TrainConfig, Trainer, TrainingPaused, pack
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def sample(seed: int, length: int, response: int, *, reward: float = 1.0, temperature: float = 1.0,
+           hint: bool = False, mask: list[int] | None = None) -> Sample:
+    rng = random.Random(seed)
+    return Sample(
+        sample_id=f"s{seed}", mode="combine", session_id="s", turn_index=0, principal="p",
+        tokens=[rng.randrange(4096) for _ in range(length)], response_length=response,
+        loss_mask=mask or [1] * response, rollout_logprobs=[-8.0 + rng.random() for _ in range(response)],
+        temperature=temperature, reward=reward,
+        teacher_logprobs=[-7.0 - rng.random() for _ in range(response)] if hint else None, has_hint=hint,
+        policy_version=0, created=0.0, scored=0.0)
+
+
+def mixed_batch() -> list[Sample]:
+    return [sample(1, 12, 5, reward=1.0, temperature=0.7, hint=True),
+            sample(2, 30, 9, reward=-1.0),
+            sample(3, 7, 3, reward=0.0, temperature=1.3, hint=True),
+            sample(4, 21, 14, reward=1.0, mask=[1, 0] * 7)]
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def make(tiny_model, tmp_path):
+    def make(name: str = "state", **cfg) -> Trainer:
+        return Trainer(tiny_model, tmp_path / name, TrainConfig(**{"lr": 1e-3, **cfg}))
+    return make
+
+
+# --- config and packing ----------------------------------------------------------------------
+
+def test_config_defaults_and_validation():
+    cfg = TrainConfig(betas=[0.9, 0.95])
+    assert cfg.betas == (0.9, 0.95) and cfg.lr == 1e-5 and cfg.micro_batch_tokens == 8192
+    for bad in (dict(lr=0), dict(betas=(0.9, 1.0)), dict(aggregation="mean"), dict(ppo_epochs=0),
+                dict(device="tpu"), dict(opd_clip=-1.0), dict(keep_versions=0), dict(micro_batch_tokens=1.5),
+                dict(grad_clip=math.nan), dict(checkpoint_every=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TrainConfig(**bad)
+
+
+def test_pack_sorts_by_length_and_keeps_rows_times_longest_within_budget():
+    assert pack([5, 3, 9, 4, 3], 12) == [[1, 4, 3], [0], [2]]  # 3·4 = 12; then 5 alone (2·9 > 12)
+    assert pack([5, 3, 9, 4, 3], 100) == [[1, 4, 3, 0, 2]]
+    assert pack([50, 3], 10) == [[1], [0]]                      # too long for the budget: alone
+    assert pack([], 10) == []
+
+
+# --- the forward -----------------------------------------------------------------------------
+
+def test_packed_logprobs_equal_one_sample_per_forward(make):
+    trainer = make()
+    samples = mixed_batch()
+    assert len(pack([len(s.tokens) - 1 for s in samples], trainer.cfg.micro_batch_tokens)) == 1
+    packed = trainer.logprobs(samples)
+    with torch.no_grad():
+        for s, got in zip(samples, packed):
+            logits = trainer.model(torch.tensor([s.tokens])).logits[0, :-1]   # position i scores token i + 1
+            want = torch.log_softmax(logits / s.temperature, -1)[-s.response_length:]
+            want = want.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(got), want, rtol=0, atol=1e-6)
+    # micro-batches of one or two rows give the same values
+    small = Trainer(trainer.model_dir, trainer.state_dir.with_name("small"), TrainConfig(micro_batch_tokens=30))
+    for got, want in zip(small.logprobs(samples), packed):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)
+
+
+# --- one step --------------------------------------------------------------------------------
+
+def test_train_step_changes_the_weights_and_reports_finite_metrics(make):
+    trainer = make()
+    before = weights(trainer)
+    m = trainer.train_step(mixed_batch(), "combine")
+    assert not same(before, weights(trainer))
+    assert not m["skipped"] and trainer.step == 1 and m["samples"] == 4
+    assert m["tokens"] == 5 + 9 + 3 + 7                       # loss tokens
+    assert m["forward_tokens"] == 11 + 29 + 6 + 20 and m["micro_batches"] == 1
+    assert m["approx_kl"] == 0.0 and m["clip_fraction"] == 0.0  # ppo_epochs = 1: ratio exactly 1
+    for key in ("loss", "loss_policy", "grad_norm", "entropy", "tis_mean", "adv_mean", "seconds"):
+        assert isinstance(m[key], float) and m[key] == m[key] and abs(m[key]) < 1e6, key
+    json.dumps(m)  # plain values for the pipe
+
+
+def grads_at_step(trainer: Trainer) -> list[torch.Tensor]:
+    """The gradients the optimizer is handed on the next step (clipped, accumulated)."""
+    seen: list[torch.Tensor] = []
+    step = trainer.optimizer.step
+
+    def spy(*a, **kw):
+        seen.extend(p.grad.clone() for p in trainer.params)
+        return step(*a, **kw)
+
+    trainer.optimizer.step = spy
+    return seen
+
+
+def test_micro_batches_add_up_to_the_whole_batch(make):
+    # The loss is normalised over the whole batch, so splitting it changes nothing but rounding.
+    # (Gradients, not weights, are compared: Adam's first step is lr·sign(g), which turns rounding
+    # in a near-zero gradient into a full lr.)
+    for aggregation in ("sample_mean", "token_mean"):
+        one = make(f"one-{aggregation}", aggregation=aggregation, grad_clip=0.0)
+        many = make(f"many-{aggregation}", aggregation=aggregation, grad_clip=0.0, micro_batch_tokens=24)
+        g1, g2 = grads_at_step(one), grads_at_step(many)
+        m1, m2 = one.train_step(mixed_batch(), "combine"), many.train_step(mixed_batch(), "combine")
+        assert m1["micro_batches"] == 1 and m2["micro_batches"] == 3  # [6, 11], [20], [29]
+        assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
+        assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+        assert len(g1) == len(g2) == len(one.params)
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(g1, g2))
+
+
+def test_gradients_are_clipped_to_grad_clip(make):
+    trainer = make(grad_clip=0.5)
+    seen = grads_at_step(trainer)
+    m = trainer.train_step(mixed_batch(), "combine")
+    clipped = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in seen])))
+    assert m["grad_norm"] > 1.0 and clipped == pytest.approx(0.5, rel=1e-5)  # metrics report the norm before
+
+
+@pytest.mark.parametrize("reward", [1.0, -1.0])
+def test_reward_moves_the_response_logprob_its_way(make, reward):
+    trainer = make(lr=1e-3)
+    s = [sample(7, 16, 6, reward=reward)]
+    before = sum(trainer.logprobs(s)[0])
+    trainer.train_step(s, "rl")
+    after = sum(trainer.logprobs(s)[0])
+    assert (after - before) * reward > 0.01
+
+
+def test_ppo_epochs_take_several_steps_against_a_fixed_lp_old(make):
+    trainer = make(ppo_epochs=2)
+    m = trainer.train_step(mixed_batch(), "combine")
+    assert m["epochs"] == 2 and trainer.step == 1
+    assert m["approx_kl"] > 0  # the second epoch's ratio is no longer 1
+    assert int(trainer.optimizer.state[trainer.params[0]]["step"]) == 2
+
+
+def test_kl_term_is_zero_at_the_reference_and_grows_after(make):
+    trainer = make(kl_loss_coef=0.5)
+    assert trainer.train_step(mixed_batch(), "combine")["loss_kl"] == 0.0
+    assert trainer.train_step(mixed_batch(), "combine")["loss_kl"] > 0.0
+
+
+# --- non-finite steps ------------------------------------------------------------------------
+
+def optimizer_state(trainer: Trainer) -> list[torch.Tensor]:
+    return [v.clone() for st in trainer.optimizer.state.values() for v in st.values()]
+
+
+def test_a_non_finite_loss_skips_the_step_and_three_in_a_row_pause(make):
+    trainer = make()
+    trainer.train_step(mixed_batch(), "rl")  # optimizer state exists
+    before, opt_before = weights(trainer), optimizer_state(trainer)
+    poison = mixed_batch() + [sample(9, 10, 4, temperature=1e-40)]  # logits / T overflow: NaN log-probs
+    for k in range(1, 4):
+        m = trainer.train_step(poison, "rl")
+        assert m["skipped"] and "non-finite loss" in m["skip_reason"]
+        assert m["skipped_total"] == k and m["paused"] == (k == 3)
+        assert same(before, weights(trainer))
+        assert all(torch.equal(a, b) for a, b in zip(opt_before, optimizer_state(trainer)))
+        assert all(p.grad is None for p in trainer.params)
+    assert "3 non-finite steps in a row" in trainer.pause_reason and trainer.step == 4
+    with pytest.raises(TrainingPaused):
+        trainer.train_step(mixed_batch(), "rl")
+    trainer.unpause()
+    assert not trainer.train_step(mixed_batch(), "rl")["skipped"]
+
+
+def test_a_non_finite_gradient_skips_and_a_good_step_resets_the_count(make):
+    trainer = make()
+    before = weights(trainer)
+    hook = trainer.params[-1].register_hook(lambda g: torch.full_like(g, float("nan")))
+    for _ in range(2):
+        m = trainer.train_step(mixed_batch(), "rl")
+        assert m["skipped"] and "gradient" in m["skip_reason"] and m["loss"] == m["loss"]
+    assert same(before, weights(trainer))
+    hook.remove()
+    assert not trainer.train_step(mixed_batch(), "rl")["skipped"] and trainer.consecutive_skips == 0
+    hook = trainer.params[-1].register_hook(lambda g: torch.full_like(g, float("inf")))
+    assert trainer.train_step(mixed_batch(), "rl")["skipped"] and not trainer.paused  # 1 in a row, not 3
+
+
+# --- publishing ------------------------------------------------------------------------------
+
+def test_publish_writes_a_loadable_directory_and_keeps_the_last_versions(make, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    trainer = make(keep_versions=2)
+    trainer.train_step(mixed_batch(), "combine")
+    path = trainer.publish(1)
+    assert path == trainer.state_dir / "weights" / "v000001" and trainer.version == 1
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
+        assert (path / name).is_file(), name
+    assert (path / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert same(weights(trainer), {k: v for k, v in loaded.state_dict().items()})
+    for bad in (1, 0):
+        with pytest.raises(ValueError, match="must be an integer above"):
+            trainer.publish(bad)
+    trainer.publish(2)
+    trainer.publish(5)
+    assert sorted(p.name for p in (trainer.state_dir / "weights").iterdir()) == ["v000002", "v000005"]
+
+
+def test_a_failed_publish_leaves_no_directory(make, monkeypatch):
+    trainer = make()
+
+    def broken(dest, **kw):
+        (Path(dest) / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(trainer.model, "save_pretrained", broken)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.publish(1)
+    assert list((trainer.state_dir / "weights").iterdir()) == [] and trainer.version == 0
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+def test_checkpoint_resume_restores_state_and_skips_incomplete_ones(make):
+    trainer = make(checkpoint_every=2)
+    trainer.train_step(mixed_batch(), "combine")
+    trainer.publish(1)
+    assert not trainer.checkpoint_due
+    trainer.publish(2)
+    assert trainer.checkpoint_due
+    trainer.checkpoint({"segment": 3, "offset": 120})
+    assert not trainer.checkpoint_due
+    trainer.checkpoint({"segment": 3, "offset": 121})
+    trainer.checkpoint({"segment": 4, "offset": 0})
+    ckpts = trainer.state_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["ckpt-00000002", "ckpt-00000003"]
+    (ckpts / "ckpt-00000004").mkdir()                        # no `complete` marker: ignored
+    (ckpts / ".ckpt-00000005.tmp-x").mkdir()                 # a crashed write: removed
+    trainer.publish(3)                                        # after the checkpoint, then "crash"
+
+    again = make()
+    assert again.journal_position == {"segment": 4, "offset": 0} and again.step == 1
+    assert again.version == 3                                 # v3 exists on disk: never reused
+    assert same(weights(trainer), weights(again))
+    assert not (ckpts / ".ckpt-00000005.tmp-x").exists()
+    again.checkpoint("next")                                  # keeps the 2 newest complete ones
+    assert sorted(p.name for p in ckpts.iterdir()) == ["ckpt-00000003", "ckpt-00000005"]
+    s1, s2 = trainer.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
+    assert all(torch.equal(s1[i][k], s2[i][k]) for i in s1 for k in s1[i])
+
+
+def test_resume_after_sigkill_matches_a_straight_run_bit_for_bit(tiny_model, tmp_path):
+    n = 3
+
+    def run(state: Path, count: int, out: str, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "tests.trainer_run", str(tiny_model), str(state),
+                                 str(count), str(tmp_path / out), *extra],
+                                cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+    def finish(proc: subprocess.Popen, out: str) -> tuple[dict, dict]:
+        from safetensors.torch import load_file
+        assert proc.wait(timeout=120) == 0
+        return json.loads((tmp_path / f"{out}.json").read_text()), load_file(tmp_path / f"{out}.safetensors")
+
+    straight = run(tmp_path / "a", 2 * n, "straight")
+    first = run(tmp_path / "b", n, "first", "--extra-then-hang")
+    assert first.stdout.readline() == "ready\n"  # n steps checkpointed, one more trained and published
+    os.kill(first.pid, signal.SIGKILL)
+    assert first.wait(timeout=30) == -signal.SIGKILL
+    whole, whole_w = finish(straight, "straight")
+    head = json.loads((tmp_path / "first.json").read_text())
+    tail, tail_w = finish(run(tmp_path / "b", n, "second"), "second")
+
+    assert tail["start_step"] == n and tail["journal_position"] == n
+    assert tail["start_version"] == n + 1                     # the lost step's v4 is never reused
+    assert tail["versions"] == [f"v{v:06d}" for v in range(n + 2, 2 * n + 2)]
+    assert head["losses"] + tail["losses"] == whole["losses"]  # exact float equality
+    assert whole_w.keys() == tail_w.keys() and all(torch.equal(whole_w[k], tail_w[k]) for k in whole_w)
