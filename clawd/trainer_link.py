@@ -90,9 +90,10 @@ class Ready:
 class Trained:
     batch_id: str
     version: int
-    weights_dir: str
+    weights_dir: str | None  # None: the step was skipped (non-finite), nothing to publish
     metrics: dict
     per_sample: list
+    checkpointed: bool = False  # the batch's samples may now be acknowledged in the journal
 
 
 @dataclass(frozen=True)
@@ -465,7 +466,7 @@ class TrainerSupervisor:
                 continue
             if reply["type"] == "trained":
                 return Trained(reply["batch_id"], reply["version"], reply["weights_dir"], reply["metrics"],
-                               reply.get("per_sample", []))
+                               reply.get("per_sample", []), bool(reply.get("checkpointed", False)))
             last = HandlerError(reply["message"], retryable=reply["retryable"], batch_id=batch_id)
             if not last.retryable:
                 raise last

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 from .samples import Sample
 
-DEFAULT_HANDLER: str | None = None  # the real trainer's "module:function", once it exists
+DEFAULT_HANDLER = "clawd.trainer_handler:make"  # the real trainer (clawd/trainer.py)
 
 _PR_SET_PDEATHSIG = 1
 _MAX_SHORT = 0x7FFFFFFF  # multiprocessing sends the 8-byte length only above this
@@ -120,9 +120,11 @@ def handle(handler, msg: dict) -> dict:
         if kind == "train":
             samples = [Sample.from_json(raw) for raw in msg.get("samples", [])]
             out = handler.train(batch_id, msg["version"], samples)
+            weights = out["weights_dir"]  # None: the step was skipped, nothing to publish
             return {"type": "trained", "batch_id": batch_id, "version": msg["version"],
-                    "weights_dir": str(out["weights_dir"]), "metrics": out.get("metrics", {}),
-                    "per_sample": list(out.get("per_sample", []))}
+                    "weights_dir": None if weights is None else str(weights), "metrics": out.get("metrics", {}),
+                    "per_sample": list(out.get("per_sample", [])),
+                    "checkpointed": bool(out.get("checkpointed", False))}
         if kind == "checkpoint":
             path, step = handler.checkpoint()
             return {"type": "checkpointed", "path": str(path), "step": step}

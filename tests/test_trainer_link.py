@@ -149,7 +149,7 @@ async def test_handshake_ping_handler_errors_checkpoint_and_shutdown(tmp_path):
 
     reply = await link.request(train_msg("b1", 1, samples), 30)
     assert reply == {"type": "trained", "batch_id": "b1", "version": 1, "weights_dir": str(tmp_path / "v1"),
-                     "metrics": {"step": 1, "pid": link.pid, "call": 3, "n": 1}, "per_sample": []}
+                     "metrics": {"step": 1, "pid": link.pid, "call": 3, "n": 1}, "per_sample": [], "checkpointed": False}
     ck = await link.checkpoint(10)
     assert ck.step == 1 and json.loads(Path(ck.path).read_text()) == {"step": 1, "version": 1}
     reply = await link.request({"type": "bogus"}, 10)

@@ -1,0 +1,52 @@
+"""The trainer child's handler: `trainer_proc` messages → `Trainer` calls.
+
+Runs only in the spawned trainer process (imports torch through clawd.trainer).
+A train message trains one batch, publishes the new weights as the version the
+daemon asked for, and checkpoints when due, so the reply tells the daemon both
+where the weights are and whether the batch's samples are now safe to
+acknowledge in the journal.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .samples import Sample
+from .trainer import TrainConfig, Trainer
+from .trainer_proc import RetryableError
+
+
+class TrainerHandler:
+    def __init__(self, options: dict):
+        self.mode = options["mode"]
+        self.trainer = Trainer(Path(options["model_dir"]), Path(options["state_dir"]),
+                               TrainConfig(**options.get("train", {})))
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def train(self, batch_id: str, version: int, samples: list[Sample]) -> dict:
+        t = self.trainer
+        if t.paused:
+            raise RetryableError(f"learning paused: {t.pause_reason}")
+        metrics = t.train_step(samples, self.mode)
+        if metrics["skipped"]:
+            # Nothing changed: nothing to publish; the samples are spent (their step was non-finite).
+            t.checkpoint(batch_id)
+            return {"weights_dir": None, "metrics": metrics, "checkpointed": True}
+        weights = t.publish(version)
+        checkpointed = t.checkpoint_due
+        if checkpointed:
+            t.checkpoint(batch_id)
+        return {"weights_dir": str(weights), "metrics": metrics, "checkpointed": checkpointed}
+
+    def checkpoint(self) -> tuple[str, int]:
+        return str(self.trainer.checkpoint(None)), self.trainer.step
+
+
+def make(options: dict) -> TrainerHandler:
+    return TrainerHandler(options)
