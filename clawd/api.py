@@ -22,6 +22,7 @@ from .chat_request import Limits, parse_chat_request
 from .config import Config
 from .engine.supervisor import EngineSupervisor
 from .errors import ApiError
+from .learner import Learner
 from .sample_store import SampleStore
 from .scoring import Scorer
 
@@ -83,7 +84,7 @@ class Authenticator:
 
 
 def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, store: SampleStore | None = None,
-             supervisors: Sequence[EngineSupervisor] = ()) -> web.Application:
+             supervisors: Sequence[EngineSupervisor] = (), learner: Learner | None = None) -> web.Application:
     app = web.Application(middlewares=[openai_errors], client_max_size=cfg.server.max_body_bytes)
     app[CONFIG] = cfg
     app[CHAT] = chat
@@ -146,7 +147,9 @@ def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, st
                                   "engines": {s.role: {"state": s.state.value, "url": s.client.url, "pid": s.pid,
                                                        "restarts": s.restarts} for s in supervisors},
                                   "scoring": scorer.stats.__dict__ if scorer else None,
-                                  "samples": {"waiting": store.waiting, "depth": store.depth} if store else None})
+                                  "samples": {"waiting": store.waiting, "depth": store.depth} if store else None,
+                                  "learner": ({**learner.stats.__dict__, "paused": learner.paused,
+                                               "policy_version": chat.policy.version} if learner else None)})
 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -208,6 +209,76 @@ class JudgeConfig:
 
 
 @dataclass(frozen=True)
+class LearnerConfig:
+    enabled: bool = True
+    rollout_batch_size: int = 16
+    min_batch_size: int = 4
+    rollout_timeout: float = 0.0
+    stall_warn_interval: float = 30.0
+    max_staleness: int = 2
+    train_timeout: float = 1800.0
+    trainer_ready_timeout: float = 600.0
+    publish_timeout: float = 600.0
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        if self.rollout_batch_size < 1:
+            errors["rollout_batch_size"] = "must be at least 1"
+        if not 1 <= self.min_batch_size <= self.rollout_batch_size:
+            errors["min_batch_size"] = "must be in 1..rollout_batch_size"
+        if self.rollout_timeout < 0:
+            errors["rollout_timeout"] = "must be 0 (off) or positive"
+        for name in ("stall_warn_interval", "train_timeout", "trainer_ready_timeout", "publish_timeout"):
+            if getattr(self, name) <= 0:
+                errors[name] = "must be positive"
+        if self.max_staleness < 0:
+            errors["max_staleness"] = "must not be negative"
+        return errors
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Passed as is to the trainer subprocess (clawd/trainer.py checks it again there)."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    tis_cap: float = 2.0
+    aggregation: typing.Literal["sample_mean", "token_mean"] = "sample_mean"
+    kl_loss_coef: float = 0.0
+    entropy_coef: float = 0.0
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+    opd_clip: float = 0.0
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 8192
+    keep_versions: int = 3
+    checkpoint_every: int = 1
+    device: str = "cpu"
+    seed: int = 0
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+        if not self.lr > 0:
+            errors["lr"] = "must be positive"
+        if not 0 < self.eps_clip < 1 or not 0 < self.eps_clip_high:
+            errors["eps_clip"] = "eps_clip must be in (0, 1) and eps_clip_high positive"
+        if self.tis_cap < 1:
+            errors["tis_cap"] = "must be at least 1"
+        for name in ("weight_decay", "grad_clip", "kl_loss_coef", "entropy_coef", "opd_clip"):
+            if getattr(self, name) < 0:
+                errors[name] = "must not be negative"
+        for name in ("ppo_epochs", "micro_batch_tokens", "keep_versions", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                errors[name] = "must be at least 1"
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            errors["device"] = 'must be "cpu", "cuda" or "cuda:N"'
+        return errors
+
+
+@dataclass(frozen=True)
 class JournalConfig:
     fsync: typing.Literal["interval", "always"] = "interval"
     fsync_interval: float = 0.1
@@ -296,6 +367,8 @@ class Config:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     records: RecordsConfig = field(default_factory=RecordsConfig)
     state: StateConfig = field(default_factory=StateConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -22,11 +23,13 @@ from .engine.client import EngineClient
 from .engine.supervisor import EngineSupervisor
 from .journal import Journal
 from .judge_client import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
+from .learner import Learner, Publisher
 from .records import RecordWriter
 from .sample_store import SampleStore
 from .scoring import Scorer
 from .sessions import SessionTable
 from .tokenizer import ChatTokenizer
+from .trainer_link import TrainerSupervisor
 from .turns import SHUTDOWN, FinishedTurn
 
 log = logging.getLogger("clawd")
@@ -63,6 +66,12 @@ async def run(cfg: Config) -> int:
         teacher_engine = reference_engine if cfg.judge.teacher_engine == "reference" else policy_engine
         teacher = Teacher(teacher_engine, policy=_call_policy(cfg))
     scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records)
+    policy = Policy()
+    trainer = learner = None
+    if cfg.learner.enabled:
+        trainer = TrainerSupervisor(_trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
+        learner = Learner(cfg.learner, store, trainer, Publisher(policy_engine, cfg.learner.publish_timeout),
+                          policy)
 
     def on_finished(finished: FinishedTurn) -> None:
         turn_records.write_turn(finished)
@@ -84,12 +93,16 @@ async def run(cfg: Config) -> int:
         exits.callback(turn_records.close)
         exits.callback(judge_records.close)
         async with asyncio.TaskGroup() as tasks:
-            chat = ChatService(cfg, tokenizer, policy_engine, supervisors[0], sessions, on_finished, Policy(),
+            chat = ChatService(cfg, tokenizer, policy_engine, supervisors[0], sessions, on_finished, policy,
                                spawn=tasks.create_task)
             engine_tasks = [tasks.create_task(s.run(), name=f"{s.role}-engine") for s in supervisors]
+            learning = []
+            if learner is not None:
+                learning = [tasks.create_task(trainer.run(), name="trainer"),
+                            tasks.create_task(learner.run(), name="learner")]
             sweeper = tasks.create_task(_expire_sessions(sessions, on_finished, cfg.sessions.sweep_interval),
                                         name="session-sweeper")
-            app = make_app(cfg, chat, scorer=scorer, store=store, supervisors=supervisors)
+            app = make_app(cfg, chat, scorer=scorer, store=store, supervisors=supervisors, learner=learner)
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                    shutdown_timeout=cfg.server.drain_timeout)
             await runner.setup()
@@ -107,12 +120,23 @@ async def run(cfg: Config) -> int:
                 on_finished(finished)
             sweeper.cancel()
             await scorer.close(cfg.server.drain_timeout)  # turns being judged finish or are dropped
+            for task in learning[::-1]:  # a step cut short is replayed from the journal next start
+                task.cancel()
+            if trainer is not None:
+                await trainer.stop()
             for supervisor in supervisors:
                 await supervisor.stop()
             for task in engine_tasks:
                 task.cancel()
     log.info("stopped")
     return 0
+
+
+def _trainer_options(cfg: Config) -> dict:
+    train = dataclasses.asdict(cfg.train)
+    train["opd_clip"] = train["opd_clip"] or None  # 0 in the config file means off
+    return {"mode": cfg.scoring.mode, "model_dir": str(cfg.model_path.resolve()),
+            "state_dir": str(cfg.state_dir.resolve()), "train": train}
 
 
 def _engine_client(cfg: Config, url: str) -> EngineClient:

@@ -133,6 +133,16 @@ class SampleStore:
         self.dropped_stale += len(stale)
         return batch, stale
 
+    def requeue(self, samples: list[Sample]) -> None:
+        """A batch whose step failed goes back to the front of the line, in its order."""
+        ids = {s.sample_id for s in samples}
+        self._in_flight.difference_update(ids)
+        self._waiting = list(samples) + self._waiting
+        for s in samples:
+            self._by_principal[s.principal] += 1
+        self.taken_total -= len(samples)
+        self._changed.set()
+
     async def ack(self, sample_ids) -> int:
         """After the step that consumed them is checkpointed. Also acks earlier stale drops."""
         drops, self._drop_unacked = self._drop_unacked, []

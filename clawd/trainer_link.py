@@ -418,6 +418,11 @@ class TrainerSupervisor:
     def pid(self) -> int | None:
         return self.link.pid if self.alive else None
 
+    @property
+    def version(self) -> int:
+        """The newest weights version the trainer has (restored from its checkpoint at start)."""
+        return self.link.ready.version if self.link is not None and self.link.ready is not None else 0
+
     async def run(self) -> None:
         """The long-lived task: start the child, wait for its end, restart it with backoff."""
         self._running = True

@@ -43,9 +43,10 @@ class Daemon:
     def __init__(self, tmp: Path, sections: dict, *, wait_ready: bool = True, timeout: float = 120):
         self.tmp = Path(tmp)
         self.state = self.tmp / "state"
-        # Tests score with the rules judge in rl mode unless they ask for more: no reference engine.
+        # Tests score with the rules judge in rl mode and do not train unless they ask:
+        # no reference engine, no trainer process.
         cfg = {"server": {"port": 0, "debug_routes": True}, "state": {"dir": str(self.state)},
-               "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}}
+               "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}, "learner": {"enabled": False}}
         for name, table in sections.items():
             cfg[name] = {**cfg.get(name, {}), **table}
         self.config_path = self.tmp / "clawd.toml"
