@@ -32,6 +32,7 @@ model: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/serve.py
 	$(PY) bench/pipeline.py
+	$(PY) bench/trainer.py
 
 clean:
 	rm -rf $(VENV) state/models

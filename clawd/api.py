@@ -149,6 +149,7 @@ def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, st
                                   "scoring": scorer.stats.__dict__ if scorer else None,
                                   "samples": {"waiting": store.waiting, "depth": store.depth} if store else None,
                                   "learner": ({**learner.stats.__dict__, "paused": learner.paused,
+                                               "pause_reason": learner.pause_reason,
                                                "policy_version": chat.policy.version} if learner else None)})
 
     app.router.add_post("/v1/chat/completions", chat_completions)

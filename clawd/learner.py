@@ -81,16 +81,19 @@ class Learner:
         self._running = asyncio.Event()
         self._running.set()
         self._unacked: list[str] = []  # trained, not yet covered by a checkpoint
+        self.pause_reason: str | None = None
 
     @property
     def paused(self) -> bool:
         return not self._running.is_set()
 
-    def pause(self) -> None:
+    def pause(self, reason: str | None = None) -> None:
         """No new step starts; the current one finishes."""
+        self.pause_reason = reason or self.pause_reason or "paused by the operator"
         self._running.clear()
 
     def resume(self) -> None:
+        self.pause_reason = None
         self._running.set()
 
     async def run(self) -> None:
@@ -145,6 +148,10 @@ class Learner:
         if trained.weights_dir is None:
             self.stats.skipped_steps += 1
             log.warning("step %s skipped: %s", batch_id, trained.metrics.get("skip_reason"))
+            if trained.metrics.get("paused"):  # non-finite steps in a row: stop, say so, keep serving
+                self.pause_reason = f"trainer paused: {trained.metrics.get('pause_reason')}"
+                log.error("learning paused: %s", self.pause_reason)
+                self.pause(self.pause_reason)
         else:
             await self._publish(trained.weights_dir, version)
         if trained.checkpointed:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from .samples import Sample
 from .trainer import TrainConfig, Trainer
-from .trainer_proc import RetryableError
 
 
 class TrainerHandler:
@@ -31,8 +30,8 @@ class TrainerHandler:
 
     def train(self, batch_id: str, version: int, samples: list[Sample]) -> dict:
         t = self.trainer
-        if t.paused:
-            raise RetryableError(f"learning paused: {t.pause_reason}")
+        if t.paused:  # the daemon paused on our report and has been resumed by the operator
+            t.unpause()
         metrics = t.train_step(samples, self.mode)
         if metrics["skipped"]:
             # Nothing changed: nothing to publish; the samples are spent (their step was non-finite).
