@@ -294,19 +294,24 @@ class SGLangJudge(Backend):
 
         async def attempt(i: int) -> str:
             # A fresh rid per attempt: a timed-out one may still be in the engine.
-            payload = {"input_ids": ids, "sampling_params": sampling, "rid": f"{rid}.{i}"}
-            try:
-                out = await self.engine.generate(payload)
-            except EngineError as exc:
-                raise engine_failure(exc) from None
-            if aborted(out):
-                raise AttemptFailed("aborted", "engine_errors", retryable=True, detail="aborted by the engine")
+            out = await _generate(self.engine, {"input_ids": ids, "sampling_params": sampling, "rid": f"{rid}.{i}"})
             output_ids = out.get("output_ids") if isinstance(out, dict) else None
             if not isinstance(output_ids, list) or not all(type(t) is int for t in output_ids):
                 raise AttemptFailed("bad_response", "bad_responses", retryable=True, detail="no output_ids")
             return self.tokenizer.decode(output_ids)
 
         return await self._call(attempt)
+
+
+async def _generate(engine: EngineClient, payload: dict) -> dict:
+    """One /generate attempt; engine failures and aborts become retryable attempt failures."""
+    try:
+        out = await engine.generate(payload)
+    except EngineError as exc:
+        raise engine_failure(exc) from None
+    if aborted(out):
+        raise AttemptFailed("aborted", "engine_errors", retryable=True, detail="aborted by the engine")
+    return out
 
 
 class Teacher(Backend):
@@ -333,13 +338,7 @@ class Teacher(Backend):
                        # prefill log-probs are at T = 1; say so for engines that would scale them
                        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
                        "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1}
-            try:
-                out = await self.engine.generate(payload)
-            except EngineError as exc:
-                raise engine_failure(exc) from None
-            if aborted(out):
-                raise AttemptFailed("aborted", "engine_errors", retryable=True, detail="aborted by the engine")
-            return teacher_logprobs(out, response_ids)
+            return teacher_logprobs(await _generate(self.engine, payload), response_ids)
 
         return await self._call(attempt)
 

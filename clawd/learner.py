@@ -48,25 +48,16 @@ class Publisher:
 
     async def publish(self, weights_dir: str, version: int) -> None:
         # Retract parks running requests (they resume on the new weights); nothing is refused.
-        await self._control("/pause_generation", {"mode": "retract"})
+        await self.engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
         try:
-            await self._control("/update_weights_from_disk", {"model_path": weights_dir,
-                                                              "weight_version": str(version)})
+            await self.engine.control("/update_weights_from_disk",
+                                      {"model_path": weights_dir, "weight_version": str(version)}, self.timeout)
         finally:
-            await self._control("/continue_generation", {})
+            await self.engine.control("/continue_generation", {}, self.timeout)
         # The engine's own word on what it serves beats the HTTP status of the update.
         served = (await self.engine.model_info()).get("weight_version")
         if served != str(version):
             raise EngineError(f"engine serves weight_version {served!r} after publishing {version}")
-
-    async def _control(self, path: str, body: dict) -> None:
-        try:
-            resp = await self.engine.session.post(self.engine.url + path, json=body, timeout=self.timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise EngineError(f"{path}: {exc}") from None
-        async with resp:
-            if resp.status != 200:
-                raise EngineError(f"{path} answered {resp.status}: {(await resp.text())[:300]}")
 
 
 class Learner:

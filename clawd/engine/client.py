@@ -162,6 +162,13 @@ class EngineClient:
         except asyncio.TimeoutError:
             raise EngineError("engine timed out mid-stream") from None
 
+    async def control(self, path: str, body: dict, timeout: float) -> None:
+        """A control call (pause, update weights, continue): anything but 200 is an EngineError."""
+        resp = await self._post(path, body, aiohttp.ClientTimeout(total=timeout))
+        async with resp:
+            if resp.status != 200:
+                raise EngineError(f"{path} answered {resp.status}: {(await resp.text())[:300]}")
+
     async def abort(self, rid: str) -> None:
         resp = await self._post("/abort_request", {"rid": rid}, self._short)
         resp.release()
