@@ -26,19 +26,11 @@ from .engine.client import Chunk, EngineClient, EngineError, EngineUnavailable
 from .engine.supervisor import EngineSupervisor
 from .errors import ApiError, bad_request
 from .parsers import Content, Reasoning, ToolCall, make_parser
+from .policy import Policy
 from .sessions import SessionTable
 from .tokenizer import ChatTokenizer, TemplateError
 
 log = logging.getLogger("clawd.chat")
-
-
-@dataclass
-class Policy:
-    """The policy version being served (the learner moves it when a publish is confirmed)."""
-
-    version: int = 0
-    weight_version: str = "0"
-    published_at: float = field(default_factory=time.time)
 
 
 @dataclass

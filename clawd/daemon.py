@@ -17,13 +17,14 @@ import uuid
 from aiohttp import web
 
 from .api import SERVING, make_app
-from .chat import ChatService, Policy
+from .chat import ChatService
 from .config import Config
 from .engine.client import EngineClient
 from .engine.supervisor import EngineSupervisor
 from .journal import Journal
 from .judge_client import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
 from .learner import Learner, Publisher
+from .policy import Policy
 from .records import RecordWriter
 from .sample_store import SampleStore
 from .scoring import Scorer
@@ -31,6 +32,7 @@ from .sessions import SessionTable
 from .tokenizer import ChatTokenizer
 from .trainer_link import TrainerSupervisor
 from .turns import SHUTDOWN, FinishedTurn
+from .weights import restored_weights
 
 log = logging.getLogger("clawd")
 
@@ -42,8 +44,9 @@ async def run(cfg: Config) -> int:
     # Stages, upstream to downstream:
     # model → engines → chat API → sessions → turn records → scoring → journal → sample store.
     tokenizer = ChatTokenizer(cfg.model_path)
+    policy = _restored_policy(state_dir)
     policy_engine = _engine_client(cfg, cfg.engine.url)
-    supervisors = [EngineSupervisor(cfg, policy_engine, "policy")]
+    supervisors = [EngineSupervisor(cfg, policy_engine, "policy", policy)]
     reference_engine = None
     if cfg.reference_engine_needed:
         reference_engine = _engine_client(cfg, cfg.engine.reference_url)
@@ -66,12 +69,11 @@ async def run(cfg: Config) -> int:
         teacher_engine = reference_engine if cfg.judge.teacher_engine == "reference" else policy_engine
         teacher = Teacher(teacher_engine, policy=_call_policy(cfg))
     scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records)
-    policy = Policy()
     trainer = learner = None
     if cfg.learner.enabled:
         trainer = TrainerSupervisor(_trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
         learner = Learner(cfg.learner, store, trainer, Publisher(policy_engine, cfg.learner.publish_timeout),
-                          policy)
+                          policy, state_dir)
 
     def on_finished(finished: FinishedTurn) -> None:
         turn_records.write_turn(finished)
@@ -120,6 +122,8 @@ async def run(cfg: Config) -> int:
                 on_finished(finished)
             sweeper.cancel()
             await scorer.close(cfg.server.drain_timeout)  # turns being judged finish or are dropped
+            if learner is not None:
+                await learner.stop(cfg.server.drain_timeout)  # the step in progress, then a checkpoint
             for task in learning[::-1]:  # a step cut short is replayed from the journal next start
                 task.cancel()
             if trainer is not None:
@@ -130,6 +134,16 @@ async def run(cfg: Config) -> int:
                 task.cancel()
     log.info("stopped")
     return 0
+
+
+def _restored_policy(state_dir) -> Policy:
+    """The newest checkpointed version, served again after a restart (the trainer resumes from it)."""
+    restored = restored_weights(state_dir)
+    if restored is None:
+        return Policy()
+    version, path = restored
+    log.info("serving v%d from %s (the trainer's checkpoint)", version, path)
+    return Policy(version=version, weight_version=str(version), weights_dir=str(path))
 
 
 def _trainer_options(cfg: Config) -> dict:

@@ -6,6 +6,12 @@ and writes the new weights as a Hugging Face directory; the publisher swaps the
 policy engine onto them; only then does the policy version move. Samples are
 acknowledged in the journal once the trainer has checkpointed the step that
 consumed them, so a crash anywhere replays them rather than losing them.
+
+The engine always serves the trainer's state: a failed publish is retried
+before the next step; a (re)started trainer holds its checkpoint's weights, so
+samples trained after that checkpoint wait again and, when those weights are
+not what the engine serves, they are published (as a new version when their
+own directory is gone). Version numbers only go up.
 """
 from __future__ import annotations
 
@@ -15,14 +21,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .chat import Policy
 from .config import LearnerConfig
 from .engine.client import EngineClient, EngineError
+from .policy import Policy
 from .sample_store import SampleStore
 from .samples import Sample
 from .trainer_link import TrainerError, TrainerSupervisor
+from .weights import version_dir
 
 log = logging.getLogger("clawd.learner")
+
+_RETRY_INITIAL = 1.0  # seconds before a failed step or publish is tried again; doubles up to _RETRY_MAX
+_RETRY_MAX = 30.0
 
 
 @dataclass
@@ -36,7 +46,9 @@ class LearnerStats:
     stale_dropped: int = 0
     last_metrics: dict = field(default_factory=dict)
     last_publish_seconds: float = 0.0
+    last_intake_held_seconds: float = 0.0  # engine paused: new requests wait, running ones are parked
     waiting_since: float | None = None
+    requeued_after_restart: int = 0
 
 
 class Publisher:
@@ -46,32 +58,42 @@ class Publisher:
         self.engine = engine
         self.timeout = timeout
 
-    async def publish(self, weights_dir: str, version: int) -> None:
+    async def publish(self, weights_dir: str, version: int) -> float:
+        """Returns the seconds the engine's intake was held (pause to continue)."""
         # Retract parks running requests (they resume on the new weights); nothing is refused.
         await self.engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
+        held = time.monotonic()
         try:
             await self.engine.control("/update_weights_from_disk",
                                       {"model_path": weights_dir, "weight_version": str(version)}, self.timeout)
         finally:
             await self.engine.control("/continue_generation", {}, self.timeout)
+            held = time.monotonic() - held
         # The engine's own word on what it serves beats the HTTP status of the update.
         served = (await self.engine.model_info()).get("weight_version")
         if served != str(version):
             raise EngineError(f"engine serves weight_version {served!r} after publishing {version}")
+        return held
 
 
 class Learner:
     def __init__(self, cfg: LearnerConfig, store: SampleStore, trainer: TrainerSupervisor, publisher: Publisher,
-                 policy: Policy):
+                 policy: Policy, state_dir):
         self.cfg = cfg
         self.store = store
         self.trainer = trainer
         self.publisher = publisher
         self.policy = policy
+        self.state_dir = state_dir
         self.stats = LearnerStats()
         self._running = asyncio.Event()
         self._running.set()
-        self._unacked: list[str] = []  # trained, not yet covered by a checkpoint
+        self._idle = asyncio.Event()  # no step in progress
+        self._idle.set()
+        self._unacked: list[Sample] = []  # trained, not yet covered by a checkpoint
+        self._trainer_pid: int | None = None  # the child whose state _unacked is in
+        self._unpublished: tuple[str, int] | None = None  # (weights_dir, version) the engine should serve
+        self._retry_delay = _RETRY_INITIAL
         self.pause_reason: str | None = None
 
     @property
@@ -90,11 +112,84 @@ class Learner:
     async def run(self) -> None:
         while True:
             await self._running.wait()
+            if not await self._busy(self._serve_trainer_state()):
+                continue
             batch = await self._collect()
             if self.paused:  # paused while waiting: the batch goes back untouched
                 self.store.requeue(batch)
                 continue
-            await self._step(batch)
+            await self._busy(self._step(batch))
+
+    async def _busy(self, work):
+        """Runs `work` as the step in progress that `stop` lets finish."""
+        self._idle.clear()
+        try:
+            return await work
+        finally:
+            self._idle.set()
+
+    async def stop(self, timeout: float) -> None:
+        """Let a step in progress finish (within timeout) and checkpoint what was trained, so its
+        samples are acknowledged now rather than trained again after the restart. The caller then
+        cancels `run`; a step cut short is replayed from the journal on the next start."""
+        self.pause("stopping")
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+                if self._unacked and self.trainer.alive:
+                    await self.trainer.checkpoint(timeout)
+                    await self.store.ack([s.sample_id for s in self._unacked])
+                    self._unacked = []
+        except (TimeoutError, TrainerError) as exc:
+            log.warning("stopping without a final checkpoint (%s); %d trained sample(s) replay at the next start",
+                        exc or "timed out", len(self._unacked))
+
+    async def _serve_trainer_state(self) -> bool:
+        """Before a step, make the engine serve what the trainer holds. False: not yet, try again."""
+        try:
+            ready = await self.trainer.ready_info()
+        except TrainerError as exc:  # no live trainer for a long while: say so, keep waiting
+            log.error("learner waiting for the trainer: %s", exc)
+            await self._backoff()
+            return False
+        if ready.pid != self._trainer_pid:
+            self._trainer_restarted(ready.pid)
+            self._unpublished = None
+            if ready.weights_version != self.policy.version:
+                path = version_dir(self.state_dir, ready.weights_version)
+                if ready.weights_version > self.policy.version and (path / "config.json").is_file():
+                    self._unpublished = (str(path), ready.weights_version)
+                else:  # older (checkpoint_every > 1) or rotated out: the same weights, a new number
+                    version = max(self.policy.version, ready.version) + 1
+                    try:
+                        weights = await self.trainer.publish(version, timeout=self.cfg.publish_timeout)
+                    except TrainerError as exc:
+                        log.error("could not write the trainer's weights as v%d: %s", version, exc)
+                        self._trainer_pid = None  # try the whole thing again
+                        await self._backoff()
+                        return False
+                    self._unpublished = (weights, version)
+        if self._unpublished is not None:
+            if not await self._publish(*self._unpublished):
+                await self._backoff()
+                return False
+            self._unpublished = None
+        self._retry_delay = _RETRY_INITIAL
+        return True
+
+    def _trainer_restarted(self, pid: int) -> None:
+        """A new child resumed from the newest checkpoint: samples trained since are not in it."""
+        if self._trainer_pid is not None and self._unacked:
+            log.warning("trainer restarted from its checkpoint: %d trained sample(s) wait to be trained again",
+                        len(self._unacked))
+            self.stats.requeued_after_restart += len(self._unacked)
+            self.store.requeue(self._unacked)
+            self._unacked = []
+        self._trainer_pid = pid
+
+    async def _backoff(self) -> None:
+        await asyncio.sleep(self._retry_delay)
+        self._retry_delay = min(self._retry_delay * 2, _RETRY_MAX)
 
     async def _collect(self) -> list[Sample]:
         cfg, n = self.cfg, self.cfg.rollout_batch_size
@@ -130,37 +225,42 @@ class Learner:
             self.stats.failed_steps += 1
             log.error("training step failed, its %d samples wait for the next try: %s", len(batch), exc)
             self.store.requeue(batch)
-            await asyncio.sleep(1.0)
+            await self._backoff()
             return
+        ready = self.trainer.ready
+        if ready is not None and ready.pid != self._trainer_pid:  # restarted during the step, which it retried
+            self._trainer_restarted(ready.pid)
         self.stats.steps += 1
         self.stats.samples_trained += len(batch)
         self.stats.last_metrics = trained.metrics
-        self._unacked += [s.sample_id for s in batch]
+        self._unacked += batch
         if trained.weights_dir is None:
             self.stats.skipped_steps += 1
             log.warning("step %s skipped: %s", batch_id, trained.metrics.get("skip_reason"))
             if trained.metrics.get("paused"):  # non-finite steps in a row: stop, say so, keep serving
-                self.pause_reason = f"trainer paused: {trained.metrics.get('pause_reason')}"
+                self.pause(f"trainer paused: {trained.metrics.get('pause_reason')}")
                 log.error("learning paused: %s", self.pause_reason)
-                self.pause(self.pause_reason)
-        else:
-            await self._publish(trained.weights_dir, version)
+        elif not await self._publish(trained.weights_dir, version):
+            self._unpublished = (trained.weights_dir, version)  # retried before the next step
         if trained.checkpointed:
-            await self.store.ack(self._unacked)
+            await self.store.ack([s.sample_id for s in self._unacked])
             self._unacked = []
 
-    async def _publish(self, weights_dir: str, version: int) -> None:
+    async def _publish(self, weights_dir: str, version: int) -> bool:
         started = time.monotonic()
         try:
-            await self.publisher.publish(weights_dir, version)
+            held = await self.publisher.publish(weights_dir, version)
         except EngineError as exc:
-            # The engine keeps serving the previous version; the next step publishes newer weights.
             self.stats.failed_publishes += 1
-            log.error("publishing v%d failed, still serving v%d: %s", version, self.policy.version, exc)
-            return
+            log.error("publishing v%d failed, still serving v%d (retrying): %s", version, self.policy.version, exc)
+            return False
         self.stats.publishes += 1
         self.stats.last_publish_seconds = time.monotonic() - started
+        self.stats.last_intake_held_seconds = held
         self.policy.version = version
         self.policy.weight_version = str(version)
+        self.policy.weights_dir = weights_dir
         self.policy.published_at = time.time()
-        log.info("published v%d in %.2fs (%s)", version, self.stats.last_publish_seconds, weights_dir)
+        log.info("published v%d in %.2fs, intake held %.3fs (%s)", version, self.stats.last_publish_seconds, held,
+                 weights_dir)
+        return True

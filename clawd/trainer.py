@@ -4,7 +4,7 @@ Runs in the trainer subprocess only (it imports torch and transformers); the pip
 `trainer_proc` calls it with decoded `Sample`s. Plain Python in, plain Python out.
 
 Packing. Samples are sorted by length and grouped greedily into micro-batches whose padded size
-(rows × longest input) stays within `micro_batch_tokens`; rows are right-padded and no attention
+(rows × longest input) stays within `micro_batch_tokens` and is at most a quarter padding; rows are right-padded and no attention
 mask is passed. With right padding the causal mask alone keeps every real token from seeing a
 pad (pads come after it), so a row's logits are those of the sample forwarded alone, up to
 float rounding (matmul shapes differ: ~3e-7 on the tiny model's logits with sdpa on CPU). This
@@ -47,13 +47,12 @@ import torch
 
 from . import losses
 from .samples import MODES, Sample
+from .weights import CHECKPOINT_DIR, VERSION_DIR, complete_checkpoints, numbered, version_dir
 
 CHECKPOINT_FORMAT = 1  # bumped when a checkpoint's files change meaning
 CHECKPOINTS_KEPT = 2
 PAUSE_AFTER_SKIPS = 3  # non-finite steps in a row before learning pauses
 
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_CHECKPOINT_DIR = re.compile(r"^ckpt-(\d{8,})$")
 # Files of a model directory that are weights: never copied next to the freshly saved ones.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
@@ -127,16 +126,23 @@ class TrainingPaused(RuntimeError):
 
 # --- packing (pure) --------------------------------------------------------------------------
 
-def pack(lengths: list[int], budget: int) -> list[list[int]]:
+def pack(lengths: list[int], budget: int, max_padding: float = 0.25) -> list[list[int]]:
     """Group sample indices into micro-batches of similar length: sorted by length (ties by
-    index), each group grown while rows × longest length stays within `budget`. A sample longer
-    than the budget goes alone. Deterministic: the same lengths always give the same groups."""
+    index), each group grown while rows × longest length stays within `budget` and padding stays
+    within `max_padding` of that size (a long sample joining short ones pads every one of them:
+    a skewed batch at a large budget was 57% padding without this bound). A sample longer than
+    the budget goes alone. Deterministic: the same lengths always give the same groups."""
     groups: list[list[int]] = []
+    real = 0  # tokens of the open group
     for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:  # ascending: i is the longest
+        n = lengths[i]
+        padded = (len(groups[-1]) + 1) * n if groups else 0  # ascending: i is the longest
+        if groups and padded <= budget and real + n >= (1 - max_padding) * padded:
             groups[-1].append(i)
+            real += n
         else:
             groups.append([i])
+            real = n
     return groups
 
 
@@ -224,14 +230,6 @@ def _atomic_dir(dest: Path, write) -> Path:
     return dest
 
 
-def _numbered(parent: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
-    """(number, path) of the entries of parent whose name matches pattern, oldest first."""
-    if not parent.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in parent.iterdir() if (m := pattern.match(p.name))]
-    return sorted(found)
-
-
 def _remove_temporaries(parent: Path) -> None:
     """Leftovers of a write that a crash interrupted (hidden `.name.tmp-*` directories)."""
     if parent.is_dir():
@@ -277,7 +275,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay)
         self.step = 0                  # batches trained (train_step calls), skipped ones included
-        self.version = 0               # the last published version; model_dir is version 0
+        self.version = 0               # the newest version published: new ones must be above it
+        self.weights_version = 0       # the version the current weights were published as; 0: model_dir
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.paused = False
@@ -447,10 +446,10 @@ class Trainer:
                         and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json")):
                     shutil.copy2(src, tmp / src.name)
 
-        dest = _atomic_dir(self.weights_dir / f"v{version:06d}", write)
-        self.version = version
+        dest = _atomic_dir(version_dir(self.state_dir, version), write)
+        self.version = self.weights_version = version
         self._publishes_since_checkpoint += 1
-        for _, old in _numbered(self.weights_dir, _VERSION_DIR)[:-self.cfg.keep_versions]:
+        for _, old in numbered(self.weights_dir, VERSION_DIR)[:-self.cfg.keep_versions]:
             shutil.rmtree(old)
         return dest
 
@@ -470,11 +469,12 @@ class Trainer:
         from safetensors.torch import save_model
 
         self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-        existing = _numbered(self.checkpoints_dir, _CHECKPOINT_DIR)
+        existing = numbered(self.checkpoints_dir, CHECKPOINT_DIR)
         n = existing[-1][0] + 1 if existing else 1
         np_state, py_state = np.random.get_state(), random.getstate()
         state = {
-            "format": CHECKPOINT_FORMAT, "step": self.step, "version": self.version,
+            "format": CHECKPOINT_FORMAT, "step": self.step, "version": self.weights_version,
+            "newest_version": self.version,
             "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
             "paused": self.paused, "pause_reason": self.pause_reason,
             "journal_position": journal_position, "created": time.time(), "config": asdict(self.cfg),
@@ -496,13 +496,13 @@ class Trainer:
         self.journal_position = journal_position
         self._publishes_since_checkpoint = 0
         keep = self._complete_checkpoints()[-CHECKPOINTS_KEPT:]
-        for _, path in _numbered(self.checkpoints_dir, _CHECKPOINT_DIR):
+        for _, path in numbered(self.checkpoints_dir, CHECKPOINT_DIR):
             if path not in keep:  # older ones, and any without its marker (never ours to resume)
                 shutil.rmtree(path)
         return dest
 
     def _complete_checkpoints(self) -> list[Path]:
-        return [p for _, p in _numbered(self.checkpoints_dir, _CHECKPOINT_DIR) if (p / "complete").is_file()]
+        return complete_checkpoints(self.checkpoints_dir)
 
     def latest_checkpoint(self) -> Path | None:
         """The newest checkpoint directory with its `complete` marker, or None."""
@@ -524,7 +524,7 @@ class Trainer:
             torch.manual_seed(self.cfg.seed)
             random.seed(self.cfg.seed)
             np.random.seed(self.cfg.seed)
-            self.step = self.skipped_steps = self.consecutive_skips = version = 0
+            self.step = self.skipped_steps = self.consecutive_skips = self.weights_version = newest = 0
             self.paused, self.pause_reason, self.journal_position = False, None, None
         else:
             state = json.loads((path / "state.json").read_text())
@@ -546,9 +546,10 @@ class Trainer:
             self.consecutive_skips = state["consecutive_skips"]
             self.paused, self.pause_reason = state["paused"], state["pause_reason"]
             self.journal_position = state["journal_position"]
-            version = state["version"]
+            self.weights_version = state["version"]
+            newest = state["newest_version"]
         # Versions published after that checkpoint may be live on an engine: never reuse them.
-        published = _numbered(self.weights_dir, _VERSION_DIR)
-        self.version = max([version] + [v for v, _ in published])
+        published = numbered(self.weights_dir, VERSION_DIR)
+        self.version = max([self.weights_version, newest] + [v for v, _ in published])
         self._publishes_since_checkpoint = 0
         return self.journal_position

@@ -28,6 +28,10 @@ class TrainerHandler:
     def version(self) -> int:
         return self.trainer.version
 
+    @property
+    def weights_version(self) -> int:
+        return self.trainer.weights_version
+
     def train(self, batch_id: str, version: int, samples: list[Sample]) -> dict:
         t = self.trainer
         if t.paused:  # the daemon paused on our report and has been resumed by the operator
@@ -42,6 +46,13 @@ class TrainerHandler:
         if checkpointed:
             t.checkpoint(batch_id)
         return {"weights_dir": str(weights), "metrics": metrics, "checkpointed": checkpointed}
+
+    def publish(self, version: int) -> str:
+        """After a restart from a checkpoint whose version is no longer published (or is not what
+        the engine serves): the same weights under a new version, and a checkpoint that says so."""
+        weights = self.trainer.publish(version)
+        self.trainer.checkpoint(self.trainer.journal_position)
+        return str(weights)
 
     def checkpoint(self) -> tuple[str, int]:
         return str(self.trainer.checkpoint(None)), self.trainer.step

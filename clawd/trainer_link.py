@@ -83,7 +83,8 @@ class TrainFailed(TrainerError):
 class Ready:
     pid: int
     step: int
-    version: int
+    version: int          # the newest version the trainer has published: new ones go above it
+    weights_version: int  # the version whose weights it holds (its checkpoint's); 0: the base model
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,8 @@ def _answers(request: dict, reply: dict) -> bool:
     if want == "train":
         return kind == "trained" and reply.get("batch_id") == request["batch_id"] \
             and reply.get("version") == request["version"]
+    if want == "publish":
+        return kind == "published" and reply.get("version") == request["version"]
     return want == "checkpoint" and kind == "checkpointed"
 
 
@@ -250,8 +253,9 @@ class TrainerLink:
         if reply["type"] == "error":
             await self._closed.wait()  # it exits 1 after saying why
             raise TrainerError(f"trainer failed to start: {reply['message']}")
-        self.ready = Ready(reply["pid"], reply["step"], reply["version"])
-        log.info("trainer %d ready at step %d, version %d", self._pid, self.ready.step, self.ready.version)
+        self.ready = Ready(reply["pid"], reply["step"], reply["version"], reply["weights_version"])
+        log.info("trainer %d ready at step %d, holding version %d (newest %d)", self._pid, self.ready.step,
+                 self.ready.weights_version, self.ready.version)
         return self.ready
 
     async def request(self, msg: dict, timeout: float | None = None, *, frames: list[bytes] | None = None) -> dict:
@@ -286,6 +290,12 @@ class TrainerLink:
         if reply["type"] == "error":
             raise HandlerError(reply["message"], retryable=reply["retryable"])
         return Checkpointed(reply["path"], reply["step"])
+
+    async def publish(self, version: int, timeout: float | None = None) -> str:
+        reply = await self.request({"type": "publish", "version": version}, timeout)
+        if reply["type"] == "error":
+            raise HandlerError(reply["message"], retryable=reply["retryable"])
+        return reply["weights_dir"]
 
     async def stop(self, timeout: float = 30.0) -> int | None:
         """Ask the child to exit after its current message; SIGTERM, then SIGKILL, if it does not."""
@@ -419,6 +429,11 @@ class TrainerSupervisor:
         return self.link.pid if self.alive else None
 
     @property
+    def ready(self) -> Ready | None:
+        """The live child's handshake, or None while there is none."""
+        return self.link.ready if self.alive else None
+
+    @property
     def version(self) -> int:
         """The newest weights version the trainer has (restored from its checkpoint at start)."""
         return self.link.ready.version if self.link is not None and self.link.ready is not None else 0
@@ -483,6 +498,14 @@ class TrainerSupervisor:
 
     async def checkpoint(self, timeout: float | None = None) -> Checkpointed:
         return await (await self._live_link()).checkpoint(timeout)
+
+    async def publish(self, version: int, timeout: float | None = None) -> str:
+        """The trainer's current weights as a new version (checkpointed with it); its directory."""
+        return await (await self._live_link()).publish(version, timeout)
+
+    async def ready_info(self) -> Ready:
+        """The live child's handshake (waits for one, like `train`)."""
+        return (await self._live_link()).ready
 
     async def ping(self, timeout: float = 10.0) -> float:
         return await (await self._live_link()).ping(timeout)

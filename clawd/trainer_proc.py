@@ -16,17 +16,19 @@ Wire format, shared with `trainer_link` (the daemon side):
   many small JSON documents, and neither side decodes 20 MB in one call.
   `train.samples` elements are exactly `Sample.to_json()`.
 
-Messages: ready{pid, step, version} (child, once), train{batch_id, version,
-samples} -> trained{batch_id, version, weights_dir, metrics, per_sample} or
-error{batch_id, message, retryable}; checkpoint{} -> checkpointed{path, step};
-ping{n} -> pong{n}; shutdown{} -> the child exits 0 (no reply). Every request
-gets exactly one reply, in order.
+Messages: ready{pid, step, version, weights_version} (child, once), train{batch_id,
+version, samples} -> trained{batch_id, version, weights_dir, metrics, per_sample} or
+error{batch_id, message, retryable}; publish{version} -> published{version, weights_dir};
+checkpoint{} -> checkpointed{path, step}; ping{n} -> pong{n}; shutdown{} -> the child
+exits 0 (no reply). Every request gets exactly one reply, in order.
 
-The handler: `factory(options)` returns an object with `step` and `version`
-(restored from its last checkpoint), `train(batch_id, version, samples)` ->
-{"weights_dir": str, "metrics": dict, "per_sample": list (optional)} and
-`checkpoint()` -> (path, step). `version` in `train` is the version the new
-weights will carry. An exception becomes an `error` reply; it is retryable when
+The handler: `factory(options)` returns an object with `step`, `version` (the newest
+version ever published: new ones must be above it) and `weights_version` (the version
+whose weights it holds; 0 = the base model), all restored from its last checkpoint;
+`train(batch_id, version, samples)` -> {"weights_dir": str, "metrics": dict,
+"per_sample": list (optional)}; `publish(version)` -> weights_dir (its current weights
+as a new version, checkpointed) and `checkpoint()` -> (path, step). `version` in
+`train` is the version the new weights will carry. An exception becomes an `error` reply; it is retryable when
 the exception has a true `retryable` attribute (see `RetryableError`).
 """
 from __future__ import annotations
@@ -125,6 +127,9 @@ def handle(handler, msg: dict) -> dict:
                     "weights_dir": None if weights is None else str(weights), "metrics": out.get("metrics", {}),
                     "per_sample": list(out.get("per_sample", [])),
                     "checkpointed": bool(out.get("checkpointed", False))}
+        if kind == "publish":
+            weights = handler.publish(msg["version"])
+            return {"type": "published", "version": msg["version"], "weights_dir": str(weights)}
         if kind == "checkpoint":
             path, step = handler.checkpoint()
             return {"type": "checkpointed", "path": str(path), "step": step}
@@ -139,7 +144,8 @@ def main(conn, options: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
     try:
         handler = load_handler(options.get("handler") or DEFAULT_HANDLER or "")(options)
-        ready = {"type": "ready", "pid": os.getpid(), "step": handler.step, "version": handler.version}
+        ready = {"type": "ready", "pid": os.getpid(), "step": handler.step, "version": handler.version,
+                 "weights_version": handler.weights_version}
     except Exception as exc:
         send_message(conn, _error(None, exc))
         raise SystemExit(1)

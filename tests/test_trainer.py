@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 
 from clawd.samples import Sample
 from clawd.trainer import TrainConfig, Trainer, TrainingPaused, pack
+from clawd.weights import restored_weights
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,7 +70,9 @@ def test_config_defaults_and_validation():
 
 def test_pack_sorts_by_length_and_keeps_rows_times_longest_within_budget():
     assert pack([5, 3, 9, 4, 3], 12) == [[1, 4, 3], [0], [2]]  # 3·4 = 12; then 5 alone (2·9 > 12)
-    assert pack([5, 3, 9, 4, 3], 100) == [[1, 4, 3, 0, 2]]
+    assert pack([5, 3, 9, 4, 3], 100) == [[1, 4, 3, 0], [2]]  # 9 would make 21 of 45 padding
+    assert pack([5, 3, 9, 4, 3], 100, max_padding=0.5) == [[1, 4, 3, 0, 2]]  # 21/45 <= 0.5
+    assert pack([4, 4, 5], 100, max_padding=0.0) == [[0, 1], [2]]
     assert pack([50, 3], 10) == [[1], [0]]                      # too long for the budget: alone
     assert pack([], 10) == []
 
@@ -78,7 +82,8 @@ def test_pack_sorts_by_length_and_keeps_rows_times_longest_within_budget():
 def test_packed_logprobs_equal_one_sample_per_forward(make):
     trainer = make()
     samples = mixed_batch()
-    assert len(pack([len(s.tokens) - 1 for s in samples], trainer.cfg.micro_batch_tokens)) == 1
+    groups = pack([len(s.tokens) - 1 for s in samples], trainer.cfg.micro_batch_tokens)
+    assert groups == [[2, 0], [3, 1]]  # two rows of unequal length each: padding is exercised
     packed = trainer.logprobs(samples)
     with torch.no_grad():
         for s, got in zip(samples, packed):
@@ -101,7 +106,7 @@ def test_train_step_changes_the_weights_and_reports_finite_metrics(make):
     assert not same(before, weights(trainer))
     assert not m["skipped"] and trainer.step == 1 and m["samples"] == 4
     assert m["tokens"] == 5 + 9 + 3 + 7                       # loss tokens
-    assert m["forward_tokens"] == 11 + 29 + 6 + 20 and m["micro_batches"] == 1
+    assert m["forward_tokens"] == 11 + 29 + 6 + 20 and m["micro_batches"] == 2
     assert m["approx_kl"] == 0.0 and m["clip_fraction"] == 0.0  # ppo_epochs = 1: ratio exactly 1
     for key in ("loss", "loss_policy", "grad_norm", "entropy", "tis_mean", "adv_mean", "seconds"):
         assert isinstance(m[key], float) and m[key] == m[key] and abs(m[key]) < 1e6, key
@@ -130,7 +135,7 @@ def test_micro_batches_add_up_to_the_whole_batch(make):
         many = make(f"many-{aggregation}", aggregation=aggregation, grad_clip=0.0, micro_batch_tokens=24)
         g1, g2 = grads_at_step(one), grads_at_step(many)
         m1, m2 = one.train_step(mixed_batch(), "combine"), many.train_step(mixed_batch(), "combine")
-        assert m1["micro_batches"] == 1 and m2["micro_batches"] == 3  # [6, 11], [20], [29]
+        assert m1["micro_batches"] == 2 and m2["micro_batches"] == 3  # [6, 11], [20, 29] and [6, 11], [20], [29]
         assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
         assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
         assert len(g1) == len(g2) == len(one.params)
@@ -266,12 +271,16 @@ def test_checkpoint_resume_restores_state_and_skips_incomplete_ones(make):
     again = make()
     assert again.journal_position == {"segment": 4, "offset": 0} and again.step == 1
     assert again.version == 3                                 # v3 exists on disk: never reused
+    assert again.weights_version == 2                         # but its weights are the checkpoint's
+    assert restored_weights(trainer.state_dir) == (2, trainer.state_dir / "weights" / "v000002")
     assert same(weights(trainer), weights(again))
     assert not (ckpts / ".ckpt-00000005.tmp-x").exists()
     again.checkpoint("next")                                  # keeps the 2 newest complete ones
     assert sorted(p.name for p in ckpts.iterdir()) == ["ckpt-00000003", "ckpt-00000005"]
     s1, s2 = trainer.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
     assert all(torch.equal(s1[i][k], s2[i][k]) for i in s1 for k in s1[i])
+    shutil.rmtree(trainer.state_dir / "weights" / "v000002")  # rotated out: the daemon cannot serve it
+    assert restored_weights(trainer.state_dir) is None
 
 
 def test_resume_after_sigkill_matches_a_straight_run_bit_for_bit(tiny_model, tmp_path):

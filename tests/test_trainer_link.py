@@ -134,7 +134,7 @@ async def test_messages_travel_as_a_head_and_one_frame_per_list_element():
 async def test_handshake_ping_handler_errors_checkpoint_and_shutdown(tmp_path):
     link = TrainerLink(options(tmp_path, script={"1": "raise", "2": "retryable"}))
     ready = await link.start()
-    assert ready == Ready(pid=link.pid, step=0, version=0)
+    assert ready == Ready(pid=link.pid, step=0, version=0, weights_version=0)
     assert link.alive and link.pid != os.getpid()
     assert await link.ping(10) >= 0
 
@@ -152,6 +152,8 @@ async def test_handshake_ping_handler_errors_checkpoint_and_shutdown(tmp_path):
                      "metrics": {"step": 1, "pid": link.pid, "call": 3, "n": 1}, "per_sample": [], "checkpointed": False}
     ck = await link.checkpoint(10)
     assert ck.step == 1 and json.loads(Path(ck.path).read_text()) == {"step": 1, "version": 1}
+    assert await link.publish(2, 10) == str(tmp_path / "v2")  # the same weights as a new version
+    assert json.loads(Path(ck.path).read_text()) == {"step": 1, "version": 2}
     reply = await link.request({"type": "bogus"}, 10)
     assert reply["type"] == "error" and "bogus" in reply["message"]
 
@@ -255,7 +257,7 @@ async def test_sigkill_mid_train_restarts_from_the_checkpoint_and_retries_the_ba
     trained = await training
     assert (trained.batch_id, trained.version, trained.metrics["step"]) == ("b1", 2, 2)
     assert trained.metrics["pid"] == sup.pid != first_pid
-    assert sup.restarts == 1 and sup.link.ready == Ready(pid=sup.pid, step=1, version=1)
+    assert sup.restarts == 1 and sup.link.ready == Ready(pid=sup.pid, step=1, version=1, weights_version=1)
     assert [(c["batch_id"], c["n"]) for c in calls(tmp_path)] == [("b0", 2), ("b1", 2), ("b1", 2)]
     await sup.stop(10)
     await runner

@@ -37,11 +37,13 @@ class Scripted:
         ckpt = self.dir / "checkpoint.json"
         state = json.loads(ckpt.read_text()) if ckpt.exists() else {"step": 0, "version": 0}
         self.step, self.version = state["step"], state["version"]
+        self.weights_version = self.version  # every train call "publishes"
 
     def train(self, batch_id: str, version: int, samples: list[Sample]) -> dict:
         call = len(calls(self.dir)) + 1
         with open(self.dir / "calls.jsonl", "a") as f:
-            f.write(json.dumps({"call": call, "batch_id": batch_id, "pid": os.getpid(), "n": len(samples)}) + "\n")
+            f.write(json.dumps({"call": call, "batch_id": batch_id, "pid": os.getpid(), "n": len(samples),
+                                "t": time.time()}) + "\n")
         action = self.script.get(str(call))
         if action == "exit":
             os._exit(3)
@@ -52,10 +54,15 @@ class Scripted:
         if action == "retryable":
             raise RetryableError("scripted transient failure")
         self.step += 1
-        self.version = version
+        self.version = self.weights_version = version
         return {"weights_dir": str(self.dir / f"v{version}"),
                 "metrics": {"step": self.step, "pid": os.getpid(), "call": call, "n": len(samples)},
                 "per_sample": [json.loads(s.to_json()) for s in samples] if self.echo else []}
+
+    def publish(self, version: int) -> str:
+        self.version = self.weights_version = version
+        self.checkpoint()
+        return str(self.dir / f"v{version}")
 
     def checkpoint(self) -> tuple[str, int]:
         path = self.dir / "checkpoint.json"

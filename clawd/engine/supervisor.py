@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from ..config import Config
-from .client import EngineClient, EngineUnavailable
+from ..policy import Policy
+from .client import EngineClient, EngineError, EngineUnavailable
 
 log = logging.getLogger("clawd.engine")
 
@@ -41,10 +42,12 @@ class EngineState(enum.Enum):
 
 
 class EngineSupervisor:
-    def __init__(self, cfg: Config, client: EngineClient, role: str = "policy"):
+    def __init__(self, cfg: Config, client: EngineClient, role: str = "policy", policy: Policy | None = None):
         self.cfg = cfg
         self.client = client
         self.role = role  # "policy" (serves chat, receives publishes) or "reference" (frozen)
+        # The policy role serves the published version: a (re)started engine loads it, not the base model.
+        self.policy = policy if role == "policy" else None
         self.state = EngineState.STARTING
         self.restarts = 0
         self.ready = asyncio.Event()
@@ -61,16 +64,23 @@ class EngineSupervisor:
     def is_ready(self) -> bool:
         return self.state is EngineState.READY
 
+    def _weights(self) -> tuple[str, str]:
+        """(model directory, weight_version) to start the engine on."""
+        if self.policy is not None and self.policy.weights_dir is not None:
+            return self.policy.weights_dir, self.policy.weight_version
+        return str(Path(self.cfg.model.path).resolve()), "0"
+
     def _command(self) -> tuple[list[str], tuple[int, ...]]:
         eng, model = self.cfg.engine, self.cfg.model
+        weights, weight_version = self._weights()
         if eng.launch == "local":
             if self._sock is None:
                 # The daemon owns the listening socket, so the port survives engine restarts.
                 self._sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
                 self.client.set_url(f"http://127.0.0.1:{self._sock.getsockname()[1]}")
-            argv = [sys.executable, "-m", "clawd.engine.cpu", "--model", str(Path(model.path).resolve()),
+            argv = [sys.executable, "-m", "clawd.engine.cpu", "--model", weights,
                     "--fd", str(self._sock.fileno()), "--seed", str(eng.seed),
-                    "--max-batch-size", str(eng.max_batch_size), "--weight-version", "0"]
+                    "--max-batch-size", str(eng.max_batch_size), "--weight-version", weight_version]
             if eng.cpu_threads:
                 argv += ["--threads", str(eng.cpu_threads)]
             if model.context_length:
@@ -79,8 +89,8 @@ class EngineSupervisor:
             return argv, (self._sock.fileno(),)
         # sglang: a fixed port from engine.url, so clawd's client needs no change.
         port = self.client.url.rsplit(":", 1)[-1]
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(Path(model.path).resolve()),
-                "--host", "127.0.0.1", "--port", port, "--weight-version", "0",
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", weights,
+                "--host", "127.0.0.1", "--port", port, "--weight-version", weight_version,
                 "--incremental-streaming-output", *eng.sglang_args]
         return argv, ()
 
@@ -134,6 +144,7 @@ class EngineSupervisor:
         while not exited.done():
             try:
                 self.info = await self.client.model_info()
+                await self._align()
                 self._set(EngineState.READY)
                 log.info("%s engine ready at %s (weight_version %s)", self.role, self.client.url,
                          self.info.get("weight_version"))
@@ -151,14 +162,29 @@ class EngineSupervisor:
             try:
                 self.info = await self.client.model_info()
                 if self.state is not EngineState.READY:
+                    await self._align()
                     log.info("%s engine at %s is ready", self.role, self.client.url)
                 self._set(EngineState.READY)
-            except EngineUnavailable as exc:
+            except EngineError as exc:
                 if self.state is EngineState.READY:
                     log.error("%s engine at %s is down: %s", self.role, self.client.url, exc)
                 self._set(EngineState.DOWN)
             await asyncio.sleep(self.cfg.engine.health_interval if self.is_ready
                                 else min(self.cfg.engine.health_interval, 1.0))
+
+    async def _align(self) -> None:
+        """An engine that comes up on other weights than the published version (one we do not launch
+        and that restarted on its base model) is moved onto them before it counts as ready."""
+        if self.policy is None or self.policy.weights_dir is None:
+            return
+        if self.info.get("weight_version") != self.policy.weight_version:
+            log.warning("%s engine serves weight_version %r, not the published %s: loading %s", self.role,
+                        self.info.get("weight_version"), self.policy.weight_version, self.policy.weights_dir)
+            await self.client.control("/update_weights_from_disk",
+                                      {"model_path": self.policy.weights_dir,
+                                       "weight_version": self.policy.weight_version},
+                                      self.cfg.learner.publish_timeout)
+            self.info = await self.client.model_info()
 
     def mark_unreachable(self) -> None:
         """A request found the engine gone before the watcher did."""

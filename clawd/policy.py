@@ -1,0 +1,13 @@
+"""The policy version being served: moved by the learner only when the engine confirms a publish."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Policy:
+    version: int = 0
+    weight_version: str = "0"
+    weights_dir: str | None = None  # None: the base model (model.path)
+    published_at: float = field(default_factory=time.time)

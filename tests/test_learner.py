@@ -1,0 +1,156 @@
+"""The learner between a real trainer child (scripted handler), a fake SGLang engine and the real
+journal: failed publishes are retried, a restarted trainer's lost samples wait again, and the
+engine is moved onto what the trainer holds. Version numbers only go up."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from clawd.config import LearnerConfig
+from clawd.engine.client import EngineClient
+from clawd.journal import Journal
+from clawd.learner import Learner, Publisher
+from clawd.policy import Policy
+from clawd.sample_store import SampleStore
+from clawd.trainer_link import TrainerSupervisor
+from tests.fake_sglang import FakeSGLang
+from tests.trainer_handlers import calls, make_sample
+
+
+async def until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def learning(tmp_path, *, script=None, batch=2):
+    """A running learner; yields (learner, store, fake engine, trainer supervisor)."""
+    async with FakeSGLang() as fake:
+        engine = EngineClient(fake.url)
+        await engine.start()
+        journal = Journal(tmp_path / "journal")
+        store = SampleStore(journal)
+        await store.replay()
+        trainer = TrainerSupervisor({"handler": "tests.trainer_handlers:build", "dir": str(tmp_path),
+                                     "script": script or {}}, backoff_initial=0.05)
+        cfg = LearnerConfig(rollout_batch_size=batch, min_batch_size=1, stall_warn_interval=60)
+        learner = Learner(cfg, store, trainer, Publisher(engine, 10), Policy(), tmp_path / "state")
+        tasks = [asyncio.create_task(trainer.run()), asyncio.create_task(learner.run())]
+        try:
+            yield learner, store, fake, trainer
+        finally:
+            for t in tasks[::-1]:
+                t.cancel()
+            await trainer.stop(10)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await engine.close()
+            await journal.close()
+
+
+async def put(store: SampleStore, first: int, n: int, version: int = 0) -> None:
+    for i in range(first, first + n):
+        await store.put(dataclasses.replace(make_sample(i), policy_version=version))
+
+
+async def test_a_failed_publish_is_retried_before_the_next_step(tmp_path):
+    async with learning(tmp_path) as (learner, store, fake, trainer):
+        fake.fail_next(500, {"error": "disk full"}, count=2, path="/update_weights_from_disk")
+        await put(store, 0, 4)  # two batches' worth: the second must wait for the first's publish
+        await until(lambda: learner.policy.version == 2)
+        assert learner.stats.failed_publishes == 2 and learner.stats.publishes == 2
+        assert [u["weight_version"] for u in fake.weight_updates] == ["1", "2"]
+        assert learner.policy.weights_dir == str(tmp_path / "v2")
+        first, second = calls(tmp_path)
+        assert second["t"] - first["t"] > 0.9  # retried at once, then after 1 s; the second step waited for v1
+
+
+async def test_samples_trained_after_the_checkpoint_are_trained_again_when_the_trainer_restarts(tmp_path):
+    # Call 2 kills the child mid-step: the new child resumes without batch 1 (never checkpointed),
+    # the supervisor sends batch 2 again, and batch 1's samples wait for another step.
+    async with learning(tmp_path, script={"2": "exit"}) as (learner, store, fake, trainer):
+        await put(store, 0, 2)
+        await until(lambda: learner.policy.version == 1)
+        await put(store, 2, 2)
+        await until(lambda: learner.stats.steps == 3)
+        assert [c["n"] for c in calls(tmp_path)] == [2, 2, 2, 2]  # b1, b2 (killed), b2 again, b1 again
+        assert learner.stats.requeued_after_restart == 2 and trainer.restarts == 1
+        assert learner.policy.version == 3 and [u["weight_version"] for u in fake.weight_updates] == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("published", [True, False])
+async def test_the_engine_is_moved_onto_the_weights_the_trainer_resumed_with(tmp_path, published):
+    # The trainer resumes holding v5 while the engine serves the base model (v0): before any
+    # step, v5's directory is published if it is still there, else the same weights as v6.
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"step": 3, "version": 5}))
+    if published:
+        (tmp_path / "state" / "weights" / "v000005").mkdir(parents=True)
+        (tmp_path / "state" / "weights" / "v000005" / "config.json").write_text("{}")
+    async with learning(tmp_path) as (learner, store, fake, trainer):
+        want = 5 if published else 6
+        await until(lambda: learner.policy.version == want)
+        path = tmp_path / "state" / "weights" / "v000005" if published else tmp_path / "v6"
+        assert fake.weight_updates == [{"model_path": str(path), "weight_version": str(want)}]
+        assert json.loads((tmp_path / "checkpoint.json").read_text())["version"] == want
+        assert calls(tmp_path) == []  # nothing trained for it
+        await put(store, 0, 2, version=0)  # sampled from the base model: too stale to train on
+        await put(store, 2, 2, version=want)
+        await until(lambda: learner.policy.version == want + 1)
+        assert store.dropped_stale == 2
+
+
+async def test_stop_lets_the_step_finish_and_checkpoints_so_its_samples_are_acked(tmp_path):
+    async with learning(tmp_path) as (learner, store, fake, trainer):
+        await put(store, 0, 2)
+        await until(lambda: learner.policy.version == 1)
+        assert store.depth == 2  # trained, not yet covered by a checkpoint
+        await learner.stop(10)
+        assert store.depth == 0 and learner.paused
+        assert json.loads((tmp_path / "checkpoint.json").read_text()) == {"step": 1, "version": 1}
+
+
+@pytest.mark.parametrize("weights", ["kept", "rotated out"])
+def test_a_restarted_daemon_serves_the_trainers_version_again(tiny_model, tmp_path, weights):
+    from .harness import Daemon
+    import openai
+    sections = {"model": {"path": str(tiny_model), "max_tokens_cap": 4}, "engine": {"launch": "local"},
+                "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1}}
+    daemon = Daemon(tmp_path, sections)
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "Hello"}]
+        reply = client.chat.completions.create(model="m", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Thanks!"}]
+        client.chat.completions.create(model="m", messages=messages, extra_headers={"X-Session-Done": "1"})
+        deadline = time.monotonic() + 120
+        while daemon.get("/ready")[1].get("policy_version") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        assert daemon.stop() == 0
+    if weights == "rotated out":  # the checkpoint's v1 is gone: its weights come back as v2
+        import shutil
+        shutil.rmtree(daemon.state / "weights" / "v000001")
+    want = 1 if weights == "kept" else 2
+    again = Daemon(tmp_path, sections)
+    try:
+        deadline = time.monotonic() + 120
+        while again.get("/ready")[1].get("policy_version") != want:
+            assert time.monotonic() < deadline, again.get("/ready")
+            time.sleep(0.1)
+        info = again.get("/debug/process")[1]["engines"]
+        client = openai.OpenAI(base_url=again.url + "/v1", api_key="none", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}],
+                                       extra_headers={"X-Session-Done": "1"})
+    finally:
+        assert again.stop() == 0
+    served = [t for t in again.records() if t["messages"][0]["content"] == "again"]
+    assert [(t["policy_version"], t["weight_version"]) for t in served] == [(want, str(want))], info
