@@ -23,8 +23,11 @@ from .config import Config
 from .engine.supervisor import EngineSupervisor
 from .errors import ApiError
 from .learner import Learner
+from .metrics import Metrics
+from .pause import PauseState
 from .sample_store import SampleStore
 from .scoring import Scorer
+from .status import Status
 
 log = logging.getLogger("clawd.api")
 
@@ -84,8 +87,12 @@ class Authenticator:
 
 
 def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, store: SampleStore | None = None,
-             supervisors: Sequence[EngineSupervisor] = (), learner: Learner | None = None) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=cfg.server.max_body_bytes)
+             supervisors: Sequence[EngineSupervisor] = (), learner: Learner | None = None,
+             pause: PauseState | None = None, status: Status | None = None,
+             metrics: Metrics | None = None) -> web.Application:
+    # Metrics outermost: it counts the final status, the error middleware's answers and 404s included.
+    middlewares = [openai_errors] if metrics is None else [metrics.middleware, openai_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=cfg.server.max_body_bytes)
     app[CONFIG] = cfg
     app[CHAT] = chat
     app[STARTED] = time.time()
@@ -101,6 +108,10 @@ def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, st
         state = app[SERVING]
         if not state["accepting"]:
             raise ApiError(503, "clawd is shutting down", code="shutting_down", retry_after=5)
+        if pause is not None and pause.serving:
+            raise ApiError(503, "clawd is paused by its operator (clawctl resume)", code="paused", retry_after=30)
+        if status is not None:
+            status.requests.tick()
         if state["in_flight"] >= cfg.server.max_concurrent_requests:
             raise ApiError(429, f"More than {cfg.server.max_concurrent_requests} requests in flight; retry shortly",
                            code="too_many_requests", retry_after=1)
@@ -135,6 +146,9 @@ def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, st
         headers = None if ok else {"Retry-After": "2"}
         return web.json_response(body, status=200 if ok else 503, headers=headers)
 
+    async def metrics_page(request: web.Request) -> web.Response:
+        return metrics.render()
+
     async def debug_process(request: web.Request) -> web.Response:
         # For tests and operators: the daemon's process shape (DESIGN §1).
         # threading is already loaded by asyncio; reading it here adds no threads.
@@ -156,6 +170,9 @@ def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, st
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    if metrics is not None:
+        # No auth, like /health: operators scrape it from localhost (server.host is 127.0.0.1 by default).
+        app.router.add_get("/metrics", metrics_page)
     if cfg.server.debug_routes:
         app.router.add_get("/debug/process", debug_process)
     return app

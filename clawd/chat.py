@@ -41,6 +41,8 @@ class ChatStats:
     excluded: dict[str, int] = field(default_factory=dict)
     aborted: int = 0
     engine_errors: int = 0
+    prompt_tokens: int = 0      # of answered requests, main and side
+    completion_tokens: int = 0
 
 
 class _SessionLocks:
@@ -89,6 +91,8 @@ class ChatService:
         self.context_length = cfg.model.context_length or tokenizer.info.context_length
         self.model_name = cfg.server.served_model_name or cfg.model_path.name
         self._locks = _SessionLocks()
+        # Streamed replies: called with the seconds from `complete` to the first token written (metrics).
+        self.on_first_token: Callable[[float], None] | None = None
 
     # ---- request → engine payload -------------------------------------------------
 
@@ -137,6 +141,7 @@ class ChatService:
 
     async def complete(self, req: ChatRequest, principal: str, request: web.Request) -> web.StreamResponse:
         self.stats.requests += 1
+        started = time.monotonic()
         prompt_ids = self._prompt_ids(req)
         turn_type = req.turn_type or self.cfg.sessions.default_turn_type
         main = turn_type == "main"
@@ -150,7 +155,7 @@ class ChatService:
         payload = {"input_ids": prompt_ids, "rid": rid, "sampling_params": params, "return_logprob": True}
         if not main:
             self.stats.side_turns += 1
-            return await self._serve(req, request, payload, rid, prompt_ids, None)
+            return await self._serve(req, request, payload, rid, prompt_ids, None, started)
 
         lock_key = (principal, req.session_id) if req.session_id is not None else None
         if lock_key:
@@ -160,17 +165,17 @@ class ChatService:
             self._finish(admission.finished)
             capture = _Capture(admission=admission, principal=principal, temperature=temperature,
                                excluded=excluded, version=self.policy.version, req=req)
-            return await self._serve(req, request, payload, rid, prompt_ids, capture)
+            return await self._serve(req, request, payload, rid, prompt_ids, capture, started)
         finally:
             if lock_key:
                 self._locks.release(lock_key)
 
     async def _serve(self, req: ChatRequest, request: web.Request, payload: dict, rid: str,
-                     prompt_ids: list[int], capture: "_Capture | None") -> web.StreamResponse:
+                     prompt_ids: list[int], capture: "_Capture | None", started: float) -> web.StreamResponse:
         out = _Output(self, req, rid)
         try:
             if req.stream:
-                resp = await self._stream(req, request, payload, out)
+                resp = await self._stream(req, request, payload, out, started)
             else:
                 resp = await self._whole(payload, out)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -185,6 +190,8 @@ class ChatService:
             if capture:
                 self.sessions.cancel(capture.admission, time.time())
             raise
+        self.stats.prompt_tokens += len(prompt_ids)
+        self.stats.completion_tokens += len(out.ids)
         if capture and out.failed:  # the client got an error event: no turn to learn from
             self.sessions.cancel(capture.admission, time.time())
         elif capture:
@@ -233,7 +240,8 @@ class ChatService:
             raise ApiError(502, f"The model engine failed: {exc}", code="engine_error",
                            retry_after=exc.retry_after or 1) from None
 
-    async def _stream(self, req: ChatRequest, request: web.Request, payload: dict, out: "_Output") -> web.StreamResponse:
+    async def _stream(self, req: ChatRequest, request: web.Request, payload: dict, out: "_Output",
+                      started: float) -> web.StreamResponse:
         chunks = self.engine.stream(payload)
         # Wait for the engine's first chunk before sending headers, so an engine
         # failure at the start is still a proper 502/503 rather than a broken stream.
@@ -242,6 +250,7 @@ class ChatService:
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         await resp.write(out.sse({"role": "assistant", "content": ""}))
+        first_token = self.on_first_token
         try:
             chunk = first
             while chunk is not None:
@@ -251,6 +260,9 @@ class ChatService:
                 if deltas:  # one write per engine chunk, however many events it makes
                     await resp.write(b"".join(out.sse(d, logprobs=logprobs if i == len(deltas) - 1 else None)
                                               for i, d in enumerate(deltas)))
+                    if first_token is not None:  # once: the client has its first token
+                        first_token(time.monotonic() - started)
+                        first_token = None
                 chunk = await anext(chunks, None)
             if out.engine_finish == "abort":
                 raise EngineError("the engine aborted the request")
@@ -269,6 +281,8 @@ class ChatService:
             tail.append(b"data: " + json.dumps(out.usage_chunk()).encode() + b"\n\n")
         tail.append(b"data: [DONE]\n\n")
         await resp.write_eof(b"".join(tail))
+        if first_token is not None and out.ids:  # the detokenizer held every token back until the end
+            first_token(time.monotonic() - started)
         return resp
 
     # ---- the captured turn ---------------------------------------------------------
@@ -314,6 +328,8 @@ class _Output:
         self.req = req
         self.tok = svc.tok
         self.model = svc.model_name
+        # OpenAI's "backend configuration" field: here, which policy version served the reply.
+        self.fingerprint = f"clawd-v{svc.policy.version}"
         self.completion_id = f"chatcmpl-{rid}"
         self.created = int(time.time())
         self.detok = IncrementalDetokenizer(svc.tok.tokenizer, svc.tok.special_ids)
@@ -391,11 +407,12 @@ class _Output:
         if self.req.logprobs:
             choice["logprobs"] = {"content": self._token_logprobs(self.ids, self.logprobs)}
         return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": self.usage()}
+                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice],
+                "usage": self.usage()}
 
     def sse(self, delta: dict, *, finish: str | None = None, logprobs: list[dict] | None = None) -> bytes:
         chunk = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.model,
+                 "model": self.model, "system_fingerprint": self.fingerprint,
                  "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
                               "finish_reason": finish}]}
         if self.req.include_usage:
@@ -404,4 +421,4 @@ class _Output:
 
     def usage_chunk(self) -> dict:
         return {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage()}
+                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [], "usage": self.usage()}

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.logging.level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .daemon import run  # after logging is set up
+    from .admin import AdminSocketError
     from .journal import JournalError
     try:
         return asyncio.run(run(cfg))
@@ -35,4 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except JournalError as exc:  # corruption before the last segment, or another clawd on this state dir
         logging.getLogger("clawd").error("journal: %s", exc)
+        return 1
+    except AdminSocketError as exc:  # another clawd answers on the socket, or the admin group is missing
+        logging.getLogger("clawd").error("admin: %s", exc)
         return 1

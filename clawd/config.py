@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import re
 import tomllib
 import typing
@@ -349,6 +350,25 @@ class StateConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    socket: str = ""
+    group: str = ""
+    start_paused: typing.Literal["last", True, False] = "last"
+
+    def check(self) -> dict[str, str]:
+        if self.group and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*\$?", self.group):
+            return {"group": "must be a group name"}
+        return {}
+
+    def socket_path(self, state_dir: Path) -> Path:
+        """Explicit path; else the systemd runtime directory; else the state directory."""
+        if self.socket:
+            return Path(self.socket)
+        runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+        return Path(runtime or state_dir) / "clawd.sock"
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     level: typing.Literal["debug", "info", "warning", "error"] = "info"
 
@@ -371,6 +391,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     records: RecordsConfig = field(default_factory=RecordsConfig)
     state: StateConfig = field(default_factory=StateConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str = "<defaults>"
 

@@ -16,6 +16,7 @@ import uuid
 
 from aiohttp import web
 
+from .admin import AdminServer, argument
 from .api import SERVING, make_app
 from .chat import ChatService
 from .config import Config
@@ -24,11 +25,14 @@ from .engine.supervisor import EngineSupervisor
 from .journal import Journal
 from .judge_client import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
 from .learner import Learner, Publisher
+from .metrics import Metrics
+from .pause import PauseState
 from .policy import Policy
 from .records import RecordWriter
 from .sample_store import SampleStore
 from .scoring import Scorer
 from .sessions import SessionTable
+from .status import Status
 from .tokenizer import ChatTokenizer
 from .trainer_link import TrainerSupervisor
 from .turns import SHUTDOWN, FinishedTurn
@@ -75,14 +79,31 @@ async def run(cfg: Config) -> int:
         learner = Learner(cfg.learner, store, trainer, Publisher(policy_engine, cfg.learner.publish_timeout),
                           policy, state_dir)
 
+    pause = PauseState(state_dir / "pause.json", cfg.admin.start_paused)
+    if learner is not None and pause.learning:
+        learner.pause(pause.current.reason)
+    status = Status(cfg, policy, pause, sessions, store, journal, scorer, supervisors, trainer, learner,
+                    started=time.time())
+
+    admin = AdminServer(cfg.admin.socket_path(state_dir), _admin_commands(pause, learner, status),
+                        group=cfg.admin.group)
+
     def on_finished(finished: FinishedTurn) -> None:
         turn_records.write_turn(finished)
+        status.turns.tick()
+        if pause.learning:  # served and recorded, never a sample
+            pause.turns_not_learned += 1
+            return
         scorer.submit(finished)
 
-    stop = asyncio.Event()
+    stop, stop_now = asyncio.Event(), asyncio.Event()
+
+    def on_stop_signal() -> None:  # the first drains; a second cuts the drain short
+        (stop_now if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop_signal)
 
     async with contextlib.AsyncExitStack() as exits:
         for client in {policy_engine, reference_engine} - {None}:
@@ -92,11 +113,15 @@ async def run(cfg: Config) -> int:
             await judge.start()
             exits.push_async_callback(judge.close)
         exits.push_async_callback(journal.close)
+        await admin.start()  # after the journal's lock: a second clawd on this state dir has stopped already
+        exits.push_async_callback(admin.close)
         exits.callback(turn_records.close)
         exits.callback(judge_records.close)
         async with asyncio.TaskGroup() as tasks:
             chat = ChatService(cfg, tokenizer, policy_engine, supervisors[0], sessions, on_finished, policy,
                                spawn=tasks.create_task)
+            metrics = Metrics(chat, scorer=scorer, store=store, learner=learner, supervisors=supervisors,
+                              trainer=trainer, pause=pause)
             engine_tasks = [tasks.create_task(s.run(), name=f"{s.role}-engine") for s in supervisors]
             learning = []
             if learner is not None:
@@ -104,7 +129,8 @@ async def run(cfg: Config) -> int:
                             tasks.create_task(learner.run(), name="learner")]
             sweeper = tasks.create_task(_expire_sessions(sessions, on_finished, cfg.sessions.sweep_interval),
                                         name="session-sweeper")
-            app = make_app(cfg, chat, scorer=scorer, store=store, supervisors=supervisors, learner=learner)
+            app = make_app(cfg, chat, scorer=scorer, store=store, supervisors=supervisors, learner=learner,
+                           pause=pause, status=status, metrics=metrics)
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                    shutdown_timeout=cfg.server.drain_timeout)
             await runner.setup()
@@ -114,26 +140,68 @@ async def run(cfg: Config) -> int:
             log.info("listening on http://%s:%d (model %s, engine %s, mode %s, judge %s)", host, port,
                      cfg.model.path, cfg.engine.launch, cfg.scoring.mode, cfg.judge.backend)
 
+            async def drain() -> None:
+                log.info("stopping: draining requests for up to %.0fs", cfg.server.drain_timeout)
+                app[SERVING]["accepting"] = False
+                await runner.cleanup()  # stops listening, waits for in-flight handlers
+                for finished in sessions.close_all(time.time(), SHUTDOWN):
+                    on_finished(finished)
+                sweeper.cancel()
+                await scorer.close(cfg.server.drain_timeout)  # turns being judged finish or are dropped
+                if learner is not None:
+                    await learner.stop(cfg.server.drain_timeout)  # the step in progress, then a checkpoint
+                for task in learning[::-1]:  # a step cut short is replayed from the journal next start
+                    task.cancel()
+                if trainer is not None:
+                    await trainer.stop()
+                for supervisor in supervisors:
+                    await supervisor.stop()
+                for task in engine_tasks:
+                    task.cancel()
+
             await stop.wait()
-            log.info("stopping: draining requests for up to %.0fs", cfg.server.drain_timeout)
-            app[SERVING]["accepting"] = False
-            await runner.cleanup()  # stops listening, waits for in-flight handlers
-            for finished in sessions.close_all(time.time(), SHUTDOWN):
-                on_finished(finished)
-            sweeper.cancel()
-            await scorer.close(cfg.server.drain_timeout)  # turns being judged finish or are dropped
-            if learner is not None:
-                await learner.stop(cfg.server.drain_timeout)  # the step in progress, then a checkpoint
-            for task in learning[::-1]:  # a step cut short is replayed from the journal next start
-                task.cancel()
-            if trainer is not None:
-                await trainer.stop()
-            for supervisor in supervisors:
-                await supervisor.stop()
-            for task in engine_tasks:
-                task.cancel()
+            draining = tasks.create_task(drain(), name="drain")
+            second = tasks.create_task(stop_now.wait(), name="second-signal")
+            await asyncio.wait([draining, second], return_when=asyncio.FIRST_COMPLETED)
+            second.cancel()
+            if not draining.done():
+                # Cut everything short: children killed, tasks cancelled; the exit stack still closes
+                # (and fsyncs) the journal, so what was not trained replays at the next start.
+                log.warning("second stop signal: stopping now, in-flight requests are cut")
+                if trainer is not None:
+                    trainer.kill()
+                for supervisor in supervisors:
+                    supervisor.kill()
+                for client in {policy_engine, reference_engine} - {None}:
+                    await client.close()  # requests in flight fail at once instead of waiting on the dead engine
+                for task in asyncio.all_tasks() - {asyncio.current_task()}:
+                    task.cancel()
     log.info("stopped")
     return 0
+
+
+def _admin_commands(pause: PauseState, learner: Learner | None, status: Status) -> dict:
+    """What `clawctl` can ask: pause (learning; with serving=true, chat too), resume, status."""
+    async def pause_cmd(request: dict) -> dict:
+        paused = pause.pause(serving=argument(request, "serving", bool, False),
+                             reason=argument(request, "reason", str))
+        if learner is not None:
+            learner.pause(paused.reason)
+        log.warning("paused by clawctl: %s%s", "learning and serving" if paused.serving else "learning",
+                    f" ({paused.reason})" if paused.reason else "")
+        return dataclasses.asdict(paused)
+
+    async def resume_cmd(request: dict) -> dict:
+        resumed = pause.resume()
+        if learner is not None:
+            learner.resume()
+        log.warning("resumed by clawctl")
+        return dataclasses.asdict(resumed)
+
+    async def status_cmd(request: dict) -> dict:
+        return status.snapshot()
+
+    return {"pause": pause_cmd, "resume": resume_cmd, "status": status_cmd}
 
 
 def _restored_policy(state_dir) -> Policy:

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .config import LearnerConfig
 from .engine.client import EngineClient, EngineError
@@ -95,6 +96,7 @@ class Learner:
         self._unpublished: tuple[str, int] | None = None  # (weights_dir, version) the engine should serve
         self._retry_delay = _RETRY_INITIAL
         self.pause_reason: str | None = None
+        self.on_publish: Callable[[float, float], None] | None = None  # (seconds, intake held): metrics
 
     @property
     def paused(self) -> bool:
@@ -257,6 +259,8 @@ class Learner:
         self.stats.publishes += 1
         self.stats.last_publish_seconds = time.monotonic() - started
         self.stats.last_intake_held_seconds = held
+        if self.on_publish is not None:
+            self.on_publish(self.stats.last_publish_seconds, held)
         self.policy.version = version
         self.policy.weight_version = str(version)
         self.policy.weights_dir = weights_dir

@@ -518,6 +518,13 @@ class TrainerSupervisor:
         if self._running:
             await self._finished.wait()
 
+    def kill(self) -> None:
+        """At once, for a forced stop: no checkpoint, no restart."""
+        self._stop.set()
+        self._ready.set()
+        if self.link is not None:
+            self.link.kill()
+
     async def _live_link(self) -> TrainerLink:
         try:
             async with asyncio.timeout(self.wait_ready):

@@ -28,6 +28,7 @@ def test_thanked_turns_are_trained_and_the_engine_serves_the_new_version(tiny_mo
         for i in range(2):
             messages = [{"role": "user", "content": f"Tell me fact {i}."}]
             reply = client.chat.completions.create(model="m", messages=messages)
+            assert reply.system_fingerprint == "clawd-v0"
             messages += [reply.choices[0].message.model_dump(exclude_none=True),
                          {"role": "user", "content": "Thanks, great answer!"}]
             client.chat.completions.create(model="m", messages=messages, extra_headers={"X-Session-Done": "1"})
@@ -39,8 +40,9 @@ def test_thanked_turns_are_trained_and_the_engine_serves_the_new_version(tiny_mo
         assert daemon.get("/ready")[1]["policy_version"] == 1
 
         # Serving goes on, on the new weights; the turn carries the version that served it.
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}],
-                                       extra_headers={"X-Session-Done": "1"})
+        again = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}],
+                                               extra_headers={"X-Session-Done": "1"})
+        assert again.system_fingerprint == "clawd-v1"  # clients can tell which policy answered
         assert daemon.get("/debug/process")[1]["samples"] == {"waiting": 0, "depth": 0}  # acked after checkpoint
     finally:
         assert daemon.stop() == 0

@@ -198,6 +198,12 @@ class EngineSupervisor:
         else:
             self.ready.clear()
 
+    def kill(self) -> None:
+        """At once, for a forced stop: no restart."""
+        self._stopping = True
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
     async def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
         proc = self._proc

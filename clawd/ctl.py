@@ -1,0 +1,238 @@
+"""`bin/clawctl`: pause, resume and inspect a running clawd over its admin socket (DESIGN §8).
+
+Exit status: 0 ok, 1 error (an error reply, bad usage, a malformed reply), 3 clawd is
+not running (no socket file, or nobody listening on it). Kept light: stdlib and
+clawd.config only, so it answers instantly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .admin import AdminError, decode_reply
+from .config import Config, ConfigError, load_config
+
+EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
+RUN_SOCKET = Path("/run/clawd/clawd.sock")  # systemd's RuntimeDirectory, invisible to clawctl's environment
+SYSTEM_CONFIG = Path("/etc/clawd/clawd.toml")
+MAX_REPLY = 16 * 1024 * 1024
+
+
+class NotRunning(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # bad usage is exit 1 here, not argparse's 2
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_ERROR, f"{self.prog}: {message}\n")
+
+
+def find_socket(socket_arg: str | None, config_arg: str | None, environ=os.environ,
+                run_socket: Path = RUN_SOCKET) -> Path:
+    """--socket, then $CLAWD_SOCKET, then the config's [admin] socket (ConfigError if unreadable)."""
+    if socket_arg:
+        return Path(socket_arg)
+    if environ.get("CLAWD_SOCKET"):
+        return Path(environ["CLAWD_SOCKET"])
+    config = config_arg or environ.get("CLAWD_CONFIG")
+    if not config:
+        config = SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else Path("etc/clawd.toml")
+        cfg = load_config(config) if Path(config).exists() else Config()  # no config anywhere: defaults
+    else:
+        cfg = load_config(config)  # named by the operator: it must be there
+    path = cfg.admin.socket_path(cfg.state_dir)
+    if path.parent == cfg.state_dir and run_socket.exists():
+        return run_socket
+    return path
+
+
+def call(path: Path, request: dict, timeout: float) -> dict:
+    """Send one request, return the result (AdminError for an error reply, NotRunning, OSError)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise NotRunning(f"clawd is not running ({path}: {exc.strerror})") from None
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        reply = b""
+        while not reply.endswith(b"\n") and len(reply) < MAX_REPLY:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    if not reply:
+        raise ValueError(f"{path}: clawd closed the connection without a reply (shutting down?)")
+    try:
+        return decode_reply(reply)
+    except ValueError:
+        raise ValueError(f"malformed reply from {path}: {reply[:200]!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    prog = "clawctl"
+    try:
+        path = find_socket(args.socket, args.config)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    request = {"cmd": args.cmd}
+    if args.cmd == "pause":
+        request["serving"] = args.serving
+        if args.reason:
+            request["reason"] = args.reason
+    try:
+        result = call(path, request, args.timeout)
+    except NotRunning as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    except AdminError as exc:
+        print(f"{prog}: {args.cmd}: {exc.message} (error {exc.code})", file=sys.stderr)
+        return EXIT_ERROR
+    except TimeoutError:
+        print(f"{prog}: no reply from {path} within {args.timeout:g}s", file=sys.stderr)
+        return EXIT_ERROR
+    except (OSError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    elif args.cmd == "status":
+        print(format_status(result), end="")
+    else:
+        print(format_pause(result))
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="clawctl", description="Control a running clawd.")
+    _common(parser, top=True)
+    commands = parser.add_subparsers(dest="cmd", required=True, metavar="{pause,resume,status}",
+                                     parser_class=_Parser)
+    pause = commands.add_parser("pause", help="stop learning (serving continues)")
+    pause.add_argument("--serving", action="store_true", help="also refuse new chat requests (503) until resume")
+    pause.add_argument("--reason", help="why, shown by status")
+    resume = commands.add_parser("resume", help="resume learning and serving")
+    status = commands.add_parser("status", help="a summary of what clawd is doing")
+    for sub in (pause, resume, status):
+        _common(sub, top=False)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The options work before or after the command; SUPPRESS keeps the later from undoing the former."""
+    d = (lambda value: value) if top else (lambda value: argparse.SUPPRESS)
+    parser.add_argument("--socket", default=d(None), help="admin socket (default: $CLAWD_SOCKET, else the config's)")
+    parser.add_argument("--config", default=d(None), help="clawd.toml to find the socket in (default: "
+                        f"$CLAWD_CONFIG, else {SYSTEM_CONFIG} if present, else etc/clawd.toml)")
+    parser.add_argument("--json", action="store_true", default=d(False), help="print the result as JSON")
+    parser.add_argument("--timeout", type=float, default=d(5.0), metavar="S",
+                        help="seconds to wait for the reply (default 5)")
+
+
+def format_pause(result: dict) -> str:
+    reason = f" ({result['reason']})" if result.get("reason") else ""
+    if result.get("serving"):
+        return f"paused learning and serving{reason}: new chat requests get 503 until `clawctl resume`"
+    if result.get("learning"):
+        return f"paused learning{reason}: chat is still served, no turn becomes a sample"
+    return "resumed: learning and serving"
+
+
+def human_age(seconds: float) -> str:
+    s = max(0, int(seconds))
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if s >= size:
+            return f"{s // size}{unit} {s % size // sub_size}{sub}"
+    return f"{s}s"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _counts(d: dict | None) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted((d or {}).items())) or "none"
+
+
+def _num(x) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+METRICS = ("loss", "loss_policy", "loss_kl", "loss_entropy", "approx_kl", "clip_fraction", "grad_norm", "tokens")
+
+
+def format_status(snapshot: dict, now: float | None = None) -> str:
+    """`clawctl status`: Status.snapshot() as aligned lines in sections; absent parts read "off"."""
+    now = time.time() if now is None else now
+    get = lambda name: snapshot.get(name) or {}  # noqa: E731
+    lines: list[str] = []
+
+    def section(title, *rows):
+        lines.append(title)
+        lines.extend(f"  {key:<20}{value}" for key, value in rows)
+
+    def ago(t):
+        return "unknown" if t is None else f"{human_age(now - t)} ago"
+
+    paused = get("paused")
+    state = ("learning and serving paused" if paused.get("serving") else
+             "learning paused, serving" if paused.get("learning") else "no")
+    if paused.get("learning"):
+        state += f" since {ago(paused.get('since'))}" + (f": {paused['reason']}" if paused.get("reason") else "")
+    uptime = snapshot.get("uptime_s")
+    section("clawd", ("pid", snapshot.get("pid", "?")), ("up", "?" if uptime is None else human_age(uptime)),
+            ("mode", f"{snapshot.get('mode', '?')} (judge {snapshot.get('judge', '?')})"), ("paused", state))
+    policy = get("policy")
+    section("policy", ("version", f"{policy.get('version', '?')} (weights {policy.get('weight_version', '?')})"),
+            ("published", ago(policy.get("published_at"))), ("weights", policy.get("weights") or "base model"))
+    q = get("queue")
+    section("queue", ("waiting", f"{q.get('waiting', '?')} ({q.get('in_flight', 0)} in flight)"),
+            ("effective", f"{q.get('effective', '?')} / {q.get('batch_size', '?')} toward the next batch"),
+            ("in journal", q.get("journal_live", "?")))
+    rates = get("rates")
+    section("traffic", ("sessions", f"{get('sessions').get('live', '?')} live"),
+            ("requests", f"{rates.get('requests_per_min', 0):.1f}/min"),
+            ("turns", f"{rates.get('turns_per_min', 0):.1f}/min"))
+    sc = get("scoring")
+    section("scoring", ("turns", f"{sc.get('turns', 0)} ({sc.get('pending', 0)} pending)"),
+            ("samples", sc.get("samples", 0)), ("votes", _counts(sc.get("votes"))),
+            ("excluded", _counts(sc.get("excluded"))),
+            ("hints", f"{sc.get('hints_accepted', 0)} accepted of {sc.get('hints_offered', 0)} offered"),
+            ("paused, unlearned", sc.get("not_learned_while_paused", 0)))
+    learner = snapshot.get("learner")
+    if not learner:
+        section("learner", ("state", "off"))
+    else:
+        m = learner.get("last_metrics") or {}
+        last = ", ".join(f"{k} {_num(m[k])}" for k in METRICS if k in m) or "none yet"
+        if m.get("skipped"):
+            last += f" (skipped: {m.get('skip_reason')})"
+        publish = learner.get("last_publish_seconds")
+        section("learner", ("steps", f"{learner.get('steps', 0)} ({learner.get('skipped_steps', 0)} skipped, "
+                                     f"{learner.get('failed_steps', 0)} failed)"),
+                ("publishes", f"{learner.get('publishes', 0)} ({learner.get('failed_publishes', 0)} failed"
+                              + ("" if publish is None else f", last took {publish:.2f}s") + ")"),
+                ("samples trained", learner.get("samples_trained", 0)),
+                ("stale dropped", learner.get("stale_dropped", 0)), ("last step", last))
+    engines = snapshot.get("engines") or {}
+    section("engines", *[(role, f"{e.get('state', '?')}, pid {e.get('pid') or '-'}, {e.get('restarts', 0)} restarts")
+                         for role, e in sorted(engines.items())] or [("state", "off")])
+    trainer = snapshot.get("trainer")
+    section("trainer", ("state", "off") if not trainer else
+            ("state", f"{'alive' if trainer.get('alive') else 'down'}, pid {trainer.get('pid') or '-'}, "
+                      f"step {_num(trainer.get('step', '-'))}, {trainer.get('restarts', 0)} restarts"))
+    j = get("journal")
+    section("journal", ("size", human_bytes(j.get("size_bytes", 0))),
+            ("records", f"{j.get('live', '?')} live in {j.get('segments', '?')} segment(s)"))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,298 @@
+"""`GET /metrics` (issue 5 part 4): the exposition text on fake stages, the request middleware, and an
+end-to-end run in which every required metric appears and the ones the run moves have moved."""
+from __future__ import annotations
+
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import openai
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from clawd.api import make_app
+from clawd.chat import ChatStats
+from clawd.config import ApiKey, AuthConfig, Config
+from clawd.learner import LearnerStats
+from clawd.metrics import Metrics
+from clawd.pause import PauseState
+from clawd.scoring import ScoringStats
+
+from .harness import Daemon
+
+# ---- fakes: the attributes Metrics reads, nothing more --------------------------------------
+
+
+@dataclass
+class FakePolicy:
+    version: int = 0
+    published_at: float | None = None
+
+
+@dataclass
+class FakeChat:
+    stats: ChatStats = field(default_factory=ChatStats)
+    sessions: list = field(default_factory=list)
+    policy: FakePolicy = field(default_factory=FakePolicy)
+    on_first_token: object = None
+
+
+@dataclass
+class FakeScorer:
+    mode: str = "rl"
+    stats: ScoringStats = field(default_factory=ScoringStats)
+
+
+@dataclass
+class FakeJournal:
+    counts: dict
+
+    def stats(self) -> dict:
+        return self.counts
+
+
+@dataclass
+class FakeStore:
+    journal: FakeJournal
+    waiting: int = 0
+    in_flight: int = 0
+    depth: int = 0
+    dropped_stale: int = 0
+    acked_total: int = 0
+
+
+@dataclass
+class FakeLearner:
+    stats: LearnerStats = field(default_factory=LearnerStats)
+
+
+@dataclass
+class FakeSupervisor:
+    role: str
+    restarts: int
+    is_ready: bool
+
+
+@dataclass
+class FakeTrainer:
+    restarts: int = 0
+    alive: bool = True
+
+
+def values(text: str) -> dict[tuple, float]:
+    """{(sample name, sorted label items): value} of an exposition page."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def families(text: str) -> set[str]:
+    return set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+
+
+# ---- the page on fake stages ----------------------------------------------------------------
+
+def test_stage_metrics_are_read_at_scrape_time(tmp_path):
+    chat = FakeChat(stats=ChatStats(main_turns=5, side_turns=2, aborted=1, prompt_tokens=120, completion_tokens=48),
+                    sessions=["a", "b", "c"], policy=FakePolicy(version=4, published_at=1_700_000_000.0))
+    scorer = FakeScorer(mode="combine", stats=ScoringStats(
+        submitted=5, emitted=3, pending=1, excluded={"no_next_state": 2}, kinds={"opd": 1, "opd+rl": 2},
+        votes={"+1": 2, "-1": 1, "failed": 1}, hints_offered=4, hints_accepted=3))
+    store = FakeStore(FakeJournal({"bytes": 4096, "records": 7, "fsyncs": 6, "truncations": 0, "live": 2,
+                                   "segments": 1}), waiting=1, in_flight=1, depth=2, dropped_stale=1, acked_total=1)
+    learner = FakeLearner(LearnerStats(steps=2, skipped_steps=1, publishes=1, samples_trained=2, stale_dropped=1,
+                                       last_metrics={"loss": -0.25, "loss_policy": -0.5, "loss_kl": 0.25,
+                                                     "grad_norm": 1.5, "approx_kl": 0.125, "skipped": False}))
+    pause = PauseState(tmp_path / "pause.json", False)
+    pause.pause(reason="test")
+    pause.turns_not_learned = 2
+    metrics = Metrics(chat, scorer=scorer, store=store, learner=learner, trainer=FakeTrainer(restarts=2),
+                      supervisors=[FakeSupervisor("policy", 1, True), FakeSupervisor("reference", 0, False)],
+                      pause=pause)
+    chat.stats.main_turns += 1  # read when scraped, not when built
+    chat.on_first_token(0.2)    # Metrics hooks the chat service's first-token callback
+    metrics.observe_publish(1.5, 0.02)
+
+    text = metrics.render().text
+    lines = set(text.splitlines())
+    for line in [
+        'clawd_turns_total{type="main"} 6.0',
+        'clawd_turns_total{type="side"} 2.0',
+        "clawd_prompt_tokens_total 120.0",
+        "clawd_completion_tokens_total 48.0",
+        "clawd_live_sessions 3.0",
+        "clawd_aborted_requests_total 1.0",
+        "clawd_policy_version 4.0",
+        "clawd_policy_published_timestamp_seconds 1.7e+09",
+        'clawd_paused{what="learning"} 1.0',
+        'clawd_paused{what="serving"} 0.0',
+        "clawd_turns_not_learned_total 2.0",
+        'clawd_judge_votes_total{vote="+1"} 2.0',
+        'clawd_judge_votes_total{vote="failed"} 1.0',
+        'clawd_samples_total{kind="opd+rl",mode="combine"} 2.0',
+        'clawd_samples_excluded_total{mode="combine",reason="no_next_state"} 2.0',
+        "clawd_hints_offered_total 4.0",
+        "clawd_hints_accepted_total 3.0",
+        "clawd_scoring_pending 1.0",
+        "clawd_queue_waiting 1.0",
+        "clawd_queue_depth 2.0",
+        "clawd_samples_stale_dropped_total 1.0",
+        "clawd_journal_written_bytes_total 4096.0",
+        "clawd_train_steps_total 2.0",
+        "clawd_train_steps_skipped_total 1.0",
+        "clawd_publishes_total 1.0",
+        'clawd_train_loss{part="total"} -0.25',
+        'clawd_train_loss{part="policy"} -0.5',
+        'clawd_train_loss{part="kl"} 0.25',
+        "clawd_train_grad_norm 1.5",
+        'clawd_engine_restarts_total{role="policy"} 1.0',
+        'clawd_engine_ready{role="reference"} 0.0',
+        "clawd_trainer_restarts_total 2.0",
+        "clawd_trainer_up 1.0",
+        'clawd_time_to_first_token_seconds_bucket{le="0.1"} 0.0',
+        'clawd_time_to_first_token_seconds_bucket{le="0.25"} 1.0',
+        "clawd_publish_duration_seconds_count 1.0",
+        "clawd_publish_duration_seconds_sum 1.5",
+        'clawd_publish_intake_held_seconds_bucket{le="0.025"} 1.0',
+        "# HELP clawd_live_sessions Sessions open in the session table.",
+        "# TYPE clawd_samples_total counter",
+    ]:
+        assert line in lines, line
+    # No loss part the step did not report; no sample of a step metric it lacks; no _created series.
+    assert 'part="entropy"' not in text and "_created" not in text
+    assert not [line for line in lines if line.startswith("clawd_train_clip_fraction")]
+    assert all(f"# HELP {name} " in text for name in families(text))
+
+
+def test_stages_left_out_leave_their_metrics_out():
+    text = Metrics(FakeChat()).render().text
+    assert "clawd_live_sessions 0.0" in text and "clawd_policy_published_timestamp_seconds" not in text
+    assert not any(name.startswith(("clawd_train_", "clawd_queue_", "clawd_trainer_", "clawd_judge_"))
+                   for name in families(text))
+
+
+def test_each_app_has_its_own_registry():
+    a, b = Metrics(FakeChat()), Metrics(FakeChat())
+    a.observe_publish(1.0, 0.1)
+    assert "clawd_publish_duration_seconds_count 1.0" in a.render().text
+    assert "clawd_publish_duration_seconds_count 0.0" in b.render().text
+
+
+# ---- the route and the middleware -----------------------------------------------------------
+
+async def test_requests_are_counted_by_matched_route_and_final_status():
+    cfg = Config(auth=AuthConfig(keys=(ApiKey("ops", "sk-metrics-test"),)))
+    metrics = Metrics(FakeChat())
+    client = TestClient(TestServer(make_app(cfg, FakeChat(), metrics=metrics)))
+    await client.start_server()
+    try:
+        assert (await client.get("/health")).status == 200
+        assert (await client.get("/v1/models")).status == 401            # the error middleware's answer
+        for path in ("/nope", "/%ff/x?y", "/v1/models/../../etc"):        # random paths: one label
+            assert (await client.get(path)).status == 404
+        assert (await client.get("/v1/chat/completions")).status == 405
+        resp = await client.get("/metrics")                               # no key needed, like /health
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/plain; version=1.0.0; charset=utf-8"
+        got = values(await resp.text())
+    finally:
+        await client.close()
+    assert got[("clawd_http_requests_total", (("route", "/health"), ("status", "200")))] == 1
+    assert got[("clawd_http_requests_total", (("route", "/v1/models"), ("status", "401")))] == 1
+    assert got[("clawd_http_requests_total", (("route", "unmatched"), ("status", "404")))] == 3
+    assert got[("clawd_http_requests_total", (("route", "unmatched"), ("status", "405")))] == 1
+    assert got[("clawd_http_request_duration_seconds_count", (("route", "unmatched"),))] == 4
+    assert {dict(labels)["route"] for name, labels in got if name == "clawd_http_requests_total"} == {
+        "/health", "/v1/models", "unmatched"}  # this scrape is counted once it is answered
+
+
+async def test_no_metrics_route_without_metrics():
+    client = TestClient(TestServer(make_app(Config(), FakeChat())))
+    await client.start_server()
+    try:
+        assert (await client.get("/metrics")).status == 404
+    finally:
+        await client.close()
+
+
+# ---- end to end -----------------------------------------------------------------------------
+
+REQUIRED = [  # the issue's list, in its order
+    "clawd_http_requests_total", "clawd_http_request_duration_seconds", "clawd_time_to_first_token_seconds",
+    "clawd_prompt_tokens_total", "clawd_completion_tokens_total", "clawd_live_sessions", "clawd_turns_total",
+    "clawd_judge_votes_total", "clawd_samples_total", "clawd_samples_excluded_total",
+    "clawd_hints_offered_total", "clawd_hints_accepted_total", "clawd_queue_depth", "clawd_train_steps_total",
+    "clawd_train_loss", "clawd_policy_version", "clawd_samples_stale_dropped_total",
+    "clawd_publish_duration_seconds", "clawd_engine_restarts_total", "clawd_trainer_restarts_total",
+]
+THANKS = "Thanks, that's perfect."
+
+
+def scrape(daemon: Daemon) -> str:
+    with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        return resp.read().decode()
+
+
+def total(got: dict, name: str, **labels) -> float:
+    """The sum over the samples of `name` whose labels include `labels`."""
+    return sum(v for (n, ls), v in got.items() if n == name and labels.items() <= dict(ls).items())
+
+
+def test_every_metric_appears_and_moves_with_a_run(tiny_model, tmp_path):
+    daemon = Daemon(tmp_path, {
+        "model": {"path": str(tiny_model), "max_tokens_cap": 8},
+        "engine": {"launch": "local"},
+        "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1}})
+    try:
+        before_text = scrape(daemon)
+        before = values(before_text)
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Say something short."}]
+        reply = client.chat.completions.create(model="m", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": THANKS}]
+        # The thanks judges the first turn (+1: a sample, trained and published); this streamed turn ends it.
+        stream = client.chat.completions.create(model="m", messages=messages, stream=True,
+                                                extra_headers={"X-Session-Done": "1"})
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) is not None
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "aside"}],
+                                       extra_headers={"X-Turn-Type": "side"})
+        try:
+            urllib.request.urlopen(daemon.url + "/no/such/route", timeout=10)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 404
+        deadline = time.monotonic() + 120
+        while daemon.get("/debug/process")[1]["learner"]["publishes"] < 1:
+            assert time.monotonic() < deadline, daemon.get("/debug/process")[1]
+            time.sleep(0.1)
+        after_text = scrape(daemon)
+        after = values(after_text)
+        threads = daemon.get("/debug/process")[1]["threads"]
+    finally:
+        assert daemon.stop() == 0
+
+    assert threads == 1  # prometheus_client started nothing
+    assert [name for name in REQUIRED if name not in families(before_text)] == []
+    assert [name for name in REQUIRED if name not in families(after_text)] == []
+
+    def moved(name: str, **labels) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    chat = "/v1/chat/completions"
+    assert moved("clawd_http_requests_total", route=chat, status="200") == 3
+    assert moved("clawd_http_requests_total", route="unmatched", status="404") == 1
+    assert moved("clawd_http_request_duration_seconds_count", route=chat) == 3
+    assert moved("clawd_time_to_first_token_seconds_count") == 1
+    assert moved("clawd_prompt_tokens_total") > 0 and moved("clawd_completion_tokens_total") > 0
+    assert moved("clawd_turns_total", type="main") == 2 and moved("clawd_turns_total", type="side") == 1
+    assert moved("clawd_judge_votes_total", vote="+1") == 1
+    assert moved("clawd_samples_total", mode="rl") == 1
+    assert moved("clawd_samples_excluded_total", mode="rl", reason="session_done") == 1  # its last turn
+    assert moved("clawd_train_steps_total") >= 1
+    assert moved("clawd_samples_trained_total") >= 1
+    assert moved("clawd_policy_version") >= 1
+    assert moved("clawd_publish_duration_seconds_count") >= 1 and moved("clawd_publish_intake_held_seconds_count") >= 1
+    assert ("clawd_train_loss", (("part", "total"),)) in after
+    assert total(after, "clawd_live_sessions") == 0  # the session ended with its last turn
+    assert total(after, "clawd_engine_ready", role="policy") == 1 and total(after, "clawd_trainer_up") == 1
