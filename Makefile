@@ -30,10 +30,7 @@ model: $(STAMP)
 	$(PY) -m clawd.models default $(MODEL_DIR)
 
 bench: $(STAMP)
-	$(PY) bench/serve.py
-	$(PY) bench/pipeline.py
-	$(PY) bench/trainer.py
-	$(PY) bench/swap.py
+	$(PY) bench/all.py
 
 clean:
 	rm -rf $(VENV) state/models
