@@ -168,7 +168,9 @@ def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, st
                                   "samples": {"waiting": store.waiting, "depth": store.depth} if store else None,
                                   "learner": ({**learner.stats.__dict__, "paused": learner.paused,
                                                "pause_reason": learner.pause_reason,
-                                               "policy_version": chat.policy.version} if learner else None)})
+                                               "policy_version": chat.policy.version} if learner else None),
+                                  "trainer": ({"pid": learner.trainer.pid, "alive": learner.trainer.alive,
+                                               "restarts": learner.trainer.restarts} if learner else None)})
 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

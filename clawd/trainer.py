@@ -449,8 +449,9 @@ class Trainer:
         dest = _atomic_dir(version_dir(self.state_dir, version), write)
         self.version = self.weights_version = version
         self._publishes_since_checkpoint += 1
-        for _, old in numbered(self.weights_dir, VERSION_DIR)[:-self.cfg.keep_versions]:
-            shutil.rmtree(old)
+        for v, old in numbered(self.weights_dir, VERSION_DIR)[:-self.cfg.keep_versions]:
+            if v != self._checkpointed_version:  # a restart serves that one again (weights.restored_weights)
+                shutil.rmtree(old)
         return dest
 
     @property
@@ -495,6 +496,7 @@ class Trainer:
         dest = _atomic_dir(self.checkpoints_dir / f"ckpt-{n:08d}", write)
         self.journal_position = journal_position
         self._publishes_since_checkpoint = 0
+        self._checkpointed_version = self.weights_version
         keep = self._complete_checkpoints()[-CHECKPOINTS_KEPT:]
         for _, path in numbered(self.checkpoints_dir, CHECKPOINT_DIR):
             if path not in keep:  # older ones, and any without its marker (never ours to resume)
@@ -551,5 +553,6 @@ class Trainer:
         # Versions published after that checkpoint may be live on an engine: never reuse them.
         published = numbered(self.weights_dir, VERSION_DIR)
         self.version = max([self.weights_version, newest] + [v for v, _ in published])
+        self._checkpointed_version = self.weights_version
         self._publishes_since_checkpoint = 0
         return self.journal_position

@@ -234,6 +234,10 @@ def test_publish_writes_a_loadable_directory_and_keeps_the_last_versions(make, t
     trainer.publish(2)
     trainer.publish(5)
     assert sorted(p.name for p in (trainer.state_dir / "weights").iterdir()) == ["v000002", "v000005"]
+    trainer.checkpoint()  # holds v5: kept while newer versions rotate, since a restart serves it again
+    for v in (6, 7, 8):
+        trainer.publish(v)
+    assert sorted(p.name for p in (trainer.state_dir / "weights").iterdir()) == ["v000005", "v000007", "v000008"]
 
 
 def test_a_failed_publish_leaves_no_directory(make, monkeypatch):

@@ -88,7 +88,8 @@ class EngineClient:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "EngineClient.start() was not called"
+        if self._session is None:  # not started yet, or closed by a forced stop: calls fail like a down engine
+            raise EngineUnavailable("the engine client is closed")
         return self._session
 
     async def _post(self, path: str, payload: dict, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
