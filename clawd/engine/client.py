@@ -97,10 +97,10 @@ class EngineClient:
             return await self.session.post(self.url + path, json=payload, headers=self._headers, timeout=timeout)
         except aiohttp.ClientConnectorError as exc:
             raise EngineUnavailable(f"engine unreachable: {exc}") from None
+        except asyncio.TimeoutError:  # before OSError: on 3.11 TimeoutError is one
+            raise EngineError("engine did not answer in time", status=503, retry_after=2) from None
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:
             raise EngineError(f"engine connection failed: {exc}", retry_after=1) from None
-        except asyncio.TimeoutError:
-            raise EngineError("engine did not answer in time", status=503, retry_after=2) from None
 
     async def _check(self, resp: aiohttp.ClientResponse) -> None:
         if resp.status == 200:
@@ -174,14 +174,15 @@ class EngineClient:
         resp = await self._post("/abort_request", {"rid": rid}, self._short)
         resp.release()
 
-    async def model_info(self) -> dict:
+    async def model_info(self, timeout: float | None = None) -> dict:
+        """Liveness and what the engine serves; `timeout` for a caller that expects it busy."""
+        limit = self._short if timeout is None else aiohttp.ClientTimeout(total=timeout)
         try:
-            async with self.session.get(self.url + "/model_info", headers=self._headers,
-                                        timeout=self._short) as resp:
+            async with self.session.get(self.url + "/model_info", headers=self._headers, timeout=limit) as resp:
                 if resp.status != 200:
                     raise EngineUnavailable(f"/model_info answered {resp.status}")
                 return await resp.json(content_type=None)
+        except asyncio.TimeoutError:  # before OSError: on 3.11 TimeoutError is one
+            raise EngineUnavailable("engine did not answer /model_info in time") from None
         except (aiohttp.ClientError, ConnectionError, OSError, ValueError) as exc:
             raise EngineUnavailable(f"engine unreachable: {exc}") from None
-        except asyncio.TimeoutError:
-            raise EngineUnavailable("engine did not answer /model_info in time") from None

@@ -1,0 +1,248 @@
+"""Learning, mode by mode: the same simulated users in rl, opd and combine, several seeds, step by step.
+
+For each mode and seed, one fresh clawd (the CPU engine, the `rules` judge, the learner on)
+and the simulated users of clawd/sim (personas, multi-turn sessions of every style, tool
+calls, the official `openai` client). The run goes in lockstep, one training step at a time:
+
+    users talk until the learner has a batch  →  hold the users between requests  →
+    the step trains and publishes  →  evaluate  →  release the users
+
+The evaluation set is fixed: each persona's first --probes questions, each with its own
+sampling seed, never trained on (`X-Clawd-No-Train`), so every step of every mode and seed
+sees the same prompts and the same random draws, and only the weights differ. Its
+satisfaction rate is printed after every step, per mode, as the mean ± std over the seeds
+(and min–max); the headline per mode is satisfaction after the last step / before the first.
+
+Profiles (`--model`): `tiny` (default), the random-weight test model, whose only learnable
+preference is its length (a persona wanting 3–4 words, at 8 tokens a reply: about half the
+base model's replies qualify); `smollm2`, the default model with the demo's personas (slow:
+about a minute a step on 2 cores). In opd mode the rules judge's hint is the user's
+correction and the teacher is the policy shown it: a model that cannot read the hint (the
+tiny one) gives OPD nothing to learn from, which the table shows.
+
+    .venv/bin/python bench/learning.py                  # tiny model, 3 modes × 3 seeds; writes bench/results/learning.json
+    .venv/bin/python bench/learning.py --modes rl --seeds 1 --steps 5
+    .venv/bin/python bench/learning.py --model smollm2 --steps 8 --seeds 2
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from clawd.sim.launch import Clawd  # noqa: E402
+from clawd.sim.personas import persona  # noqa: E402
+from clawd.sim.users import Users, rate  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+MODES = ("rl", "opd", "combine")
+PROFILES = {
+    "tiny": {"personas": "terse", "max_tokens": 8, "temperature": 1.0, "lr": 3e-2, "batch": 8, "steps": 20,
+             "probes": 48, "concurrency": 4, "eval_every": 1},
+    "smollm2": {"personas": "brief,plain", "max_tokens": 48, "temperature": 0.7, "lr": 5e-5, "batch": 8,
+                "steps": 8, "probes": 16, "concurrency": 4, "eval_every": 2},
+}
+
+
+def tiny_model() -> Path:
+    """The tiny test model, built once into the git-ignored results folder (as bench/swap.py does)."""
+    path = RESULTS / "tiny-model"
+    if not (path / "tokenizer.json").exists():
+        subprocess.run([sys.executable, "-m", "clawd.models", "tiny", str(path)], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="tiny, smollm2, or a model directory (with the smollm2 profile)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated (default rl,opd,combine)")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N per mode (default 3)")
+    for name, kind in (("steps", int), ("batch", int), ("lr", float), ("max_tokens", int), ("probes", int),
+                       ("temperature", float), ("concurrency", int), ("eval_every", int)):
+        ap.add_argument("--" + name.replace("_", "-"), type=kind, help="default: the profile's")
+    ap.add_argument("--personas", help="default: the profile's")
+    ap.add_argument("--teacher", choices=("policy", "reference"), default="policy",
+                    help="opd/combine teacher engine (default policy: no second engine)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for clawd's engine and trainer")
+    ap.add_argument("--out", default=str(RESULTS / "learning.json"))
+    args = ap.parse_args(argv)
+    profile = PROFILES["tiny" if args.model == "tiny" else "smollm2"]
+    for key, value in profile.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.mode_list or any(m not in MODES for m in args.mode_list):
+        ap.error(f"--modes must name some of {', '.join(MODES)}")
+    if min(args.seeds, args.steps, args.batch, args.probes, args.concurrency, args.max_tokens, args.eval_every) < 1:
+        ap.error("--seeds, --steps, --batch, --probes, --concurrency, --max-tokens and --eval-every must be at least 1")
+    try:
+        args.persona_list = [persona(p.strip()) for p in args.personas.split(",") if p.strip()]
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.model == "tiny":
+        args.model_dir = tiny_model()
+    else:
+        args.model_dir = ROOT / "state/models/SmolLM2-135M-Instruct" if args.model == "smollm2" else Path(args.model)
+        if not (args.model_dir / "config.json").exists():
+            ap.error(f"no model at {args.model_dir} (make model)")
+    return args
+
+
+async def one_run(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> dict:
+    """One mode, one seed: [(steps, versions, satisfaction)] from step 0 to args.steps, plus the daemon's counts."""
+    clawd = Clawd(run_dir, {
+        "model": {"path": str(args.model_dir), "max_tokens_cap": args.max_tokens},
+        # As in the demo: room for the post-swap /model_info check on a busy CPU engine (clawd/sim/demo.py).
+        "engine": {"launch": "local", "cpu_threads": args.threads, "seed": seed, "connect_timeout": 30.0},
+        "scoring": {"mode": mode},
+        "judge": {"backend": "rules", "teacher_engine": args.teacher},
+        "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1},
+        "train": {"lr": args.lr, "seed": seed, "checkpoint_every": 1000, "keep_versions": 2},
+        "sessions": {"session_idle_timeout": 120.0, "sweep_interval": 2.0},
+    }, threads=args.threads)
+    users: Users | None = None
+    points: list[dict] = []
+    try:
+        await clawd.start()
+        users = Users(clawd.url, args.persona_list, seed=seed, concurrency=args.concurrency,
+                      max_tokens=args.max_tokens, temperature=args.temperature)
+        points.append(await evaluate(clawd, users, args))
+        users.gate.clear()
+        driving = asyncio.create_task(users.run())
+        while points[-1]["steps"] < args.steps:
+            done = points[-1]["steps"]
+            users.gate.set()
+            await until_batch_taken(clawd, users, driving, args.batch, done)
+            users.gate.clear()
+            await users.quiet()
+            if not await clawd.settle(timeout=600):
+                raise RuntimeError(f"the learner did not settle; clawd's log:\n{clawd.tail()}")
+            steps = clawd.status()["learner"]["steps"]
+            if steps % args.eval_every == 0 or steps >= args.steps:
+                points.append(await evaluate(clawd, users, args))
+            else:
+                points.append({"steps": steps, "versions": [], "satisfied": None, "words": None})
+        users.stop()
+        await driving
+        status = clawd.status()
+    finally:
+        if users is not None:
+            await users.close()
+        code = await clawd.stop()
+    return {"points": points, "exit": code, "errors": users.errors, "sessions": len(users.sessions),
+            "ended": users.ended, "scoring": status["scoring"], "learner": status["learner"]}
+
+
+async def until_batch_taken(clawd: Clawd, users: Users, driving: asyncio.Task, batch: int, done: int) -> None:
+    """Poll until the learner has a full batch (or has taken it): the users then stop for the step."""
+    while True:
+        st = clawd.status()
+        learner = st["learner"]
+        if (st["queue"]["effective"] >= batch or learner["steps"] > done or learner["waiting_since"] is None):
+            return
+        if driving.done():
+            driving.result()
+            raise RuntimeError("the users stopped")
+        if not clawd.alive():
+            raise RuntimeError(f"clawd exited; its log:\n{clawd.tail()}")
+        await asyncio.sleep(0.05)
+
+
+async def evaluate(clawd: Clawd, users: Users, args: argparse.Namespace) -> dict:
+    replies = await users.evaluate(args.probes, seed=1)  # the same evaluation set for every mode and seed
+    steps = clawd.status()["learner"]["steps"]
+    return {"steps": steps, "versions": sorted({r.version for r in replies if r.version is not None}),
+            "satisfied": rate(replies), "words": statistics.fmean(r.words for r in replies)}
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def table(results: dict, modes: list[str], steps: int) -> str:
+    """Satisfaction per step: mean ± std over seeds (min–max), one column per mode."""
+    head = f"{'step':>4}  " + "  ".join(f"{m:^25s}" for m in modes)
+    lines = [head, "-" * len(head)]
+    for s in range(steps + 1):
+        if not any(str(s) in results[m]["by_step"] for m in modes):
+            continue  # not evaluated after this step (--eval-every)
+        cells = []
+        for m in modes:
+            row = results[m]["by_step"].get(str(s))
+            cells.append(f"{'-':^25s}" if row is None else
+                         f"{row['mean']:.2f} ± {row['std']:.2f} ({row['min']:.2f}–{row['max']:.2f})".center(25))
+        lines.append(f"{s:>4}  " + "  ".join(cells))
+    lines.append("")
+    for m in modes:
+        r = results[m]
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        lines.append(f"{m:8s} satisfaction {r['before']:.2f} -> {r['after']:.2f}: after / before {ratio}"
+                     f"  (seeds: {', '.join(f'{a:.2f}' for a in r['after_by_seed'])})")
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    scratch = Path(tempfile.mkdtemp(prefix="clawd-learn-"))  # short paths: the admin socket lives here
+    print(f"learning bench: {args.model_dir.name}, personas {args.personas}, {args.steps} steps of {args.batch} "
+          f"samples, lr {args.lr:g}, max_tokens {args.max_tokens}, T {args.temperature}, "
+          f"{args.probes} probes/persona, seeds 1..{args.seeds}, load {os.getloadavg()[0]:.1f}", flush=True)
+    results, failures = {}, []
+    try:
+        for mode in args.mode_list:
+            runs = {}
+            for seed in range(1, args.seeds + 1):
+                t = time.monotonic()
+                run = await one_run(args, mode, seed, scratch / f"{mode}-{seed}")
+                runs[seed] = run
+                curve = " ".join("-" if p["satisfied"] is None else f"{p['satisfied']:.2f}" for p in run["points"])
+                print(f"{mode:8s} seed {seed}: {curve}  ({time.monotonic() - t:.0f} s, "
+                      f"{run['sessions']} sessions, {len(run['errors'])} errors, exit {run['exit']})", flush=True)
+                if run["exit"] != 0 or run["errors"]:
+                    failures.append(f"{mode} seed {seed}: exit {run['exit']}, errors {run['errors'][:3]}")
+            by_step: dict[str, dict] = {}
+            for s in range(args.steps + 1):
+                vals = [p["satisfied"] for r in runs.values() for p in r["points"]
+                        if p["steps"] == s and p["satisfied"] is not None]
+                if vals:
+                    by_step[str(s)] = spread(vals)
+            before = statistics.fmean(r["points"][0]["satisfied"] for r in runs.values())
+            after_by_seed = [r["points"][-1]["satisfied"] for r in runs.values()]
+            after = statistics.fmean(after_by_seed)
+            results[mode] = {"by_step": by_step, "before": before, "after": after, "after_by_seed": after_by_seed,
+                             "ratio": after / before if before else None, "runs": runs}
+    finally:
+        shutil.rmtree(scratch)
+    print("\nsatisfaction on the evaluation set after each step (mean ± std over seeds, min–max)\n")
+    print(table(results, args.mode_list, args.steps))
+    out = {"model": str(args.model_dir), "profile": args.model, "personas": args.personas, "steps": args.steps,
+           "batch": args.batch, "lr": args.lr, "max_tokens": args.max_tokens, "temperature": args.temperature,
+           "probes_per_persona": args.probes, "seeds": args.seeds, "teacher": args.teacher,
+           "wall_s": round(time.monotonic() - started, 1), "cores": os.cpu_count(), "modes": results,
+           "failures": failures}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\n{time.monotonic() - started:.0f} s; wrote {args.out}")
+    for f in failures:
+        print("FAILED:", f, file=sys.stderr)
+    return 1 if failures else 0
+
+
+def main() -> int:
+    return asyncio.run(main_async(parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

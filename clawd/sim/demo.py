@@ -1,0 +1,435 @@
+"""`make demo`: watch clawd learn from simulated users, live, then a plot and a summary.
+
+    python -m clawd.sim.demo [--minutes 14] [--concurrency 8] [--seed 1] [--model DIR] ...
+
+It starts clawd as `make run` would, on the default model (SmolLM2-135M-Instruct on
+clawd's CPU engine) with the `rules` judge and the learner on, on a fresh state
+directory under --out. Then:
+
+1. before: a fixed evaluation set, --probes questions per persona, each with its own
+   sampling seed, never trained on (`X-Clawd-No-Train`), all served by version 0;
+2. learning: simulated users (clawd/sim/users.py) talk to clawd until the time budget
+   (or --steps) is reached, while the terminal shows the policy version, training
+   steps, effective samples toward the next batch, hint acceptance, and per version
+   the users' satisfaction and the judge's mean reward;
+3. after: the same evaluation set on the last version;
+4. `learning.png` (satisfaction and mean reward per policy version, and each persona's
+   satisfaction before and after) and `summary.json` in --out, with every reply in
+   `replies.jsonl` and clawd's log in `clawd.log`.
+
+The users' satisfaction per version counts every answer served by that version (a
+retry after a correction included); the before/after figures per persona come from the
+evaluation set, where the prompts and the random draws are the same on both sides.
+The judge's mean reward per version is read from clawd's own records: the reward of
+every sample made from a turn served by that version.
+
+The defaults (rl mode, lr 5e-5, 8 samples a step, 48 tokens a reply at T 0.7, personas
+`brief` and `plain`) take 13.5 min on 2 cores for about 40 training steps; a run there took
+the evaluation set from 38% satisfied (brief 6%, plain 69%) to 100% (brief's answers from
+32 words to 6, plain's still ~40 words, without lists). Larger budgets, other personas
+(`--personas brief:15,plain,pythonista,curious`), modes (`--mode combine`) or models scale it up.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..ctl import NotRunning
+from .launch import Clawd
+from .personas import PERSONAS, persona
+from .users import Reply, Users, by_persona, by_version, rate
+
+DEFAULT_MODEL = "state/models/SmolLM2-135M-Instruct"
+DEFAULT_PERSONAS = "brief,plain"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m clawd.sim.demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})")
+    ap.add_argument("--minutes", type=float, default=14.0,
+                    help="time budget for the whole demo, start to plot (default 14)")
+    ap.add_argument("--steps", type=int, default=0, help="stop the users after this many training steps (0: time only)")
+    ap.add_argument("--concurrency", type=int, default=8, help="simulated users at once (default 8)")
+    ap.add_argument("--seed", type=int, default=1, help="seeds the sessions, the engine and the trainer (default 1)")
+    ap.add_argument("--personas", default=DEFAULT_PERSONAS,
+                    help=f"comma-separated, name[:param] (default {DEFAULT_PERSONAS}; known: {', '.join(PERSONAS)})")
+    ap.add_argument("--mode", choices=("rl", "opd", "combine"), default="rl", help="clawd's scoring mode (default rl)")
+    ap.add_argument("--teacher", choices=("policy", "reference"), default="policy",
+                    help="teacher engine in opd/combine: 'reference' starts a second engine (default policy)")
+    ap.add_argument("--lr", type=float, default=5e-5, help="learning rate (default 5e-5)")
+    ap.add_argument("--batch", type=int, default=8, help="effective samples per training step (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=48, help="tokens per reply (default 48)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="the users' sampling temperature (default 0.7)")
+    ap.add_argument("--probes", type=int, default=16,
+                    help="evaluation questions per persona, before and after (default 16)")
+    ap.add_argument("--tool-share", type=float, default=0.15, help="share of sessions offered a tool (default 0.15)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for clawd's engine and trainer (default 1)")
+    ap.add_argument("--idle-timeout", type=float, default=20.0, help="seconds before abandoned sessions close (default 20)")
+    ap.add_argument("--out", default="state/demo", help="where the plot, summary and clawd's state go (default state/demo)")
+    ap.add_argument("--keep-weights", action="store_true",
+                    help="keep the published weights and checkpoints (~2.7 GB for SmolLM2); records are always kept")
+    args = ap.parse_args(argv)
+    for name in ("minutes", "concurrency", "batch", "max_tokens", "probes", "lr", "idle_timeout"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    try:
+        args.persona_list = [persona(p.strip()) for p in args.personas.split(",") if p.strip()]
+    except ValueError as exc:
+        ap.error(str(exc))
+    if not args.persona_list:
+        ap.error("no personas")
+    if not (Path(args.model) / "config.json").exists():
+        ap.error(f"no model at {args.model} (run `make model` first)")
+    return args
+
+
+def clawd_sections(args: argparse.Namespace, state_dir: Path) -> dict[str, dict[str, Any]]:
+    """The daemon's config: `make run`'s defaults but for what the demo needs."""
+    return {
+        "model": {"path": str(Path(args.model).resolve()), "max_tokens_cap": args.max_tokens},
+        # The check after a weight swap reads /model_info with a timeout of max(connect_timeout, 5 s); a CPU engine
+        # re-prefilling the requests the swap retracted can take longer on 2 cores, and the swap is then redone.
+        "engine": {"launch": "local", "cpu_threads": args.threads, "seed": args.seed, "connect_timeout": 30.0},
+        "scoring": {"mode": args.mode},
+        "judge": {"backend": "rules", "teacher_engine": args.teacher},
+        "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1},
+        # Checkpoints of a 135M model and its optimizer cost seconds each: one at the end is plenty.
+        "train": {"lr": args.lr, "seed": args.seed, "checkpoint_every": 1000, "keep_versions": 2},
+        "sessions": {"session_idle_timeout": args.idle_timeout, "sweep_interval": 2.0},
+        "state": {"dir": str(state_dir)},
+    }
+
+
+def clock(seconds: float) -> str:
+    return f"{int(seconds // 60):2d}:{int(seconds % 60):02d}"
+
+
+def pct(x: float | None) -> str:
+    return "  - " if x is None else f"{100 * x:3.0f}%"
+
+
+class Judged:
+    """The judge's rewards per policy version, from clawd's turn and judge records (read as they grow)."""
+
+    def __init__(self, clawd: Clawd):
+        self.clawd = clawd
+        self.version: dict[tuple[str, int], int] = {}      # (session, turn) -> policy version
+        self.rewards: list[tuple[tuple[str, int], float]] = []
+
+    def refresh(self) -> None:
+        self.version = {(r["session_id"], r["turn_index"]): r["policy_version"] for r in self.clawd.records("turns")}
+        self.rewards = [((r["session_id"], r["turn_index"]), float(r["reward"]))
+                        for r in self.clawd.records("judge") if r.get("emitted")]
+
+    def by_version(self) -> dict[int, dict[str, float]]:
+        out: dict[int, list[float]] = {}
+        for key, reward in self.rewards:
+            if key in self.version:
+                out.setdefault(self.version[key], []).append(reward)
+        return {v: {"samples": len(r), "reward": sum(r) / len(r)} for v, r in sorted(out.items())}
+
+
+class Display:
+    """Live progress: one status line (redrawn in place on a terminal) and one line per finished version."""
+
+    def __init__(self, users: Users, clawd: Clawd, judged: Judged, started: float, mode: str):
+        self.users, self.clawd, self.judged, self.started, self.mode = users, clawd, judged, started, mode
+        self.tty = sys.stdout.isatty()
+        self.version = 0
+        self.last_line = 0.0
+        self.status: dict = {}
+
+    def poll(self) -> None:
+        try:
+            self.status = self.clawd.status()
+        except (NotRunning, OSError) as exc:
+            raise RuntimeError(f"clawd's admin socket stopped answering ({exc}); its log:\n{self.clawd.tail()}") from None
+        version = self.status["policy"]["version"]
+        if version != self.version:
+            self.judged.refresh()
+            for v in range(self.version, version):
+                self.finished(v, version)
+            self.version = version
+        self.line()
+
+    def finished(self, v: int, now_serving: int) -> None:
+        row = by_version(self.users.replies).get(v)
+        judge = self.judged.by_version().get(v)
+        if self.tty:
+            print("\r\033[K", end="")
+        if row is None:
+            print(f"{clock(time.monotonic() - self.started)}  v{v} -> v{now_serving}: no answers served by v{v}")
+            return
+        personas = "  ".join(f"{p} {pct(s)}" for p, s in row["personas"].items())
+        reward = f"{judge['reward']:+.2f} over {judge['samples']} samples" if judge else "-"
+        print(f"{clock(time.monotonic() - self.started)}  v{v} -> v{now_serving}: {row['answers']:3d} answers, "
+              f"satisfied {pct(row['satisfied'])} (first try {pct(row['first_try'])}), judge reward {reward}"
+              f"  | {personas}", flush=True)
+
+    def line(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.tty and not force and now - self.last_line < 15:
+            return
+        self.last_line = now
+        st = self.status
+        learner = st.get("learner") or {}
+        queue, scoring = st["queue"], st["scoring"]
+        recent = [r for r in self.users.replies if r.kind == "answer"][-40:]
+        corrections = sum(1 for r in self.users.replies if r.satisfied is False)
+        hints = (f"hints {scoring['hints_accepted']}/{corrections} corrections" if self.mode != "rl"
+                 else "hints unused (rl)")
+        text = (f"{clock(now - self.started)}  v{st['policy']['version']}  steps {learner.get('steps', 0)}"
+                f"  batch {queue['effective']}/{queue['batch_size']}  sessions {len(self.users.sessions)}"
+                f" (live {st['sessions']['live']})  answers {sum(1 for r in self.users.replies if r.kind == 'answer')}"
+                f"  satisfied, last 40: {pct(rate(recent))}  {hints}")
+        if self.tty:
+            print("\r\033[K" + text, end="", flush=True)
+        else:
+            print(text, flush=True)
+
+    def done(self) -> None:
+        if self.tty:
+            print()
+
+
+async def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    out = Path(args.out)
+    run_dir = out / "clawd"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # every demo starts from the base model
+    out.mkdir(parents=True, exist_ok=True)
+    clawd = Clawd(run_dir, clawd_sections(args, (run_dir / "state").resolve()), threads=args.threads)
+    names = ", ".join(f"{p.name} ({p.preference})" for p in args.persona_list)
+    print(f"clawd demo: {Path(args.model).name} on the CPU engine, mode {args.mode}, rules judge, "
+          f"lr {args.lr:g}, batch {args.batch}, max_tokens {args.max_tokens}, {args.concurrency} users, "
+          f"seed {args.seed}, budget {args.minutes:g} min\npersonas: {names}", flush=True)
+    await clawd.start()
+    print(f"{clock(time.monotonic() - started)}  clawd ready at {clawd.url} (log: {clawd.log_path})", flush=True)
+    # One or two questions a session (and a retry after a correction) keep prompts, and training steps, short.
+    users = Users(clawd.url, args.persona_list, seed=args.seed, concurrency=args.concurrency,
+                  max_tokens=args.max_tokens, temperature=args.temperature, questions=(1, 2),
+                  tool_share=args.tool_share, keep_text=True)
+    judged = Judged(clawd)
+    try:
+        t = time.monotonic()
+        before = await users.evaluate(args.probes, seed=args.seed)
+        eval_seconds = time.monotonic() - t
+        print(f"{clock(time.monotonic() - started)}  before: {len(before)} evaluation answers on "
+              f"v{_versions(before)}, satisfied {pct(rate(before))}  | "
+              + "  ".join(f"{p} {pct(x['satisfied'])}" for p, x in by_persona(before).items()), flush=True)
+
+        display = Display(users, clawd, judged, started, args.mode)
+        # The users stop early enough for the last evaluation and the plot to fit the budget.
+        # A step still training when they stop gets time to publish: as long as the last one took.
+        def deadline() -> float:
+            step = ((display.status.get("learner") or {}).get("last_metrics") or {}).get("seconds", 30.0)
+            return started + args.minutes * 60 - 1.5 * eval_seconds - step - 20
+
+        def enough() -> bool:
+            steps = (display.status.get("learner") or {}).get("steps", 0)
+            return time.monotonic() > deadline() or (args.steps > 0 and steps >= args.steps)
+
+        async def watch() -> None:
+            while True:
+                display.poll()
+                if not clawd.alive():
+                    raise RuntimeError(f"clawd exited ({clawd.proc.returncode}); its log:\n{clawd.tail()}")
+                await asyncio.sleep(2)
+
+        watcher = asyncio.create_task(watch())
+        driving = asyncio.create_task(users.run(until=enough))
+        done, _ = await asyncio.wait([watcher, driving], return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:  # clawd went away: stop the users and say why
+            users.stop()
+            await driving
+            watcher.result()
+        watcher.cancel()
+        # A step may still be training on the last samples: let it publish, so one version answers all probes.
+        step_seconds = ((display.status.get("learner") or {}).get("last_metrics") or {}).get("seconds", 60.0)
+        if not await clawd.settle(min(2 * step_seconds + 30, max(started + args.minutes * 60 - time.monotonic()
+                                                                  - 1.5 * eval_seconds, 5))):
+            print("\nthe learner was still busy: the evaluation may straddle a publish", flush=True)
+        display.poll()
+        display.line(force=True)
+        display.done()
+
+        after = await users.evaluate(args.probes, seed=args.seed)
+        print(f"{clock(time.monotonic() - started)}  after: {len(after)} evaluation answers on "
+              f"v{_versions(after)}, satisfied {pct(rate(after))}  | "
+              + "  ".join(f"{p} {pct(x['satisfied'])}" for p, x in by_persona(after).items()), flush=True)
+        status = clawd.status()
+    finally:
+        await users.close()
+        code = await clawd.stop()
+    judged.refresh()
+    if not args.keep_weights:  # a few GB of tensors; the records, the journal and the log stay
+        for name in ("weights", "checkpoints"):
+            if (clawd.state / name).exists():
+                shutil.rmtree(clawd.state / name)
+    summary = summarize(args, users, before, after, judged, status, code, time.monotonic() - started)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(out / "replies.jsonl", "w") as f:
+        for r in before + users.replies + after:
+            f.write(json.dumps(r.to_json()) + "\n")
+    png = plot(summary, out / "learning.png")
+    print_summary(summary, out, png)
+    if code != 0:
+        print(f"clawd exited with {code}; its log: {clawd.log_path}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _versions(replies: list[Reply]) -> str:
+    vs = sorted({r.version for r in replies if r.version is not None})
+    return ",".join(map(str, vs)) if vs else "?"
+
+
+def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after: list[Reply], judged: Judged,
+              status: dict, code: int, seconds: float) -> dict[str, Any]:
+    versions = by_version(users.replies)
+    rewards = judged.by_version()
+    for v, row in versions.items():
+        row["judge"] = rewards.get(v)
+    b, a = by_persona(before), by_persona(after)
+    last = max(versions) if versions else 0  # the last version that answered the users
+    personas = {}
+    for p in args.persona_list:
+        personas[p.name] = {
+            "preference": p.preference,
+            "before": {"version": 0, **b.get(p.name, {})},
+            "after": {"version": _versions([r for r in after if r.persona == p.name]), **a.get(p.name, {})},
+            "live_v0": versions.get(0, {}).get("personas", {}).get(p.name),
+            "live_last": versions.get(last, {}).get("personas", {}).get(p.name),
+        }
+    learner = status.get("learner") or {}
+    examples = []
+    after_by_key = {(r.persona, r.question): r for r in after}
+    for p in args.persona_list:  # per persona, the first question the evaluation answered better after
+        for r in before:
+            later = after_by_key.get((r.persona, r.question))
+            if r.persona == p.name and later is not None and later.satisfied and not r.satisfied:
+                examples.append({"persona": p.name, "question": p.questions[r.question % len(p.questions)],
+                                 "before": r.text, "after": later.text, "after_version": later.version})
+                break
+    return {
+        "model": str(args.model), "mode": args.mode, "judge": "rules", "seed": args.seed, "lr": args.lr,
+        "batch": args.batch, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+        "temperature": args.temperature, "probes_per_persona": args.probes,
+        "seconds": round(seconds, 1),
+        "satisfaction": {"before": rate(before), "after": rate(after), "after_version": _versions(after),
+                         "live_v0": versions.get(0, {}).get("satisfied"), "live_last": versions.get(last, {}).get("satisfied"),
+                         "live_last_version": last, "last_version": status["policy"]["version"]},
+        "personas": personas,
+        "versions": {str(v): row for v, row in versions.items()},
+        "daemon": {"exit": code, "steps": learner.get("steps"), "publishes": learner.get("publishes"),
+                   "failed_publishes": learner.get("failed_publishes"), "stale_dropped": learner.get("stale_dropped"),
+                   "samples_trained": learner.get("samples_trained"), "votes": status["scoring"]["votes"],
+                   "excluded": status["scoring"]["excluded"], "hints_accepted": status["scoring"]["hints_accepted"]},
+        "users": {"sessions": len(users.sessions), "ended": users.ended, "errors": users.errors[:20],
+                  "styles": _count(p.style for p in users.sessions),
+                  "tool_sessions": sum(p.tools for p in users.sessions),
+                  "streamed_sessions": sum(p.stream for p in users.sessions),
+                  "replies": _count(r.kind for r in users.replies)},
+        "examples": examples,
+    }
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def plot(summary: dict[str, Any], path: Path) -> Path | None:
+    """The PNG: left, satisfaction and the judge's mean reward per version; right, each persona before/after."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no PNG: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {int(v): row for v, row in summary["versions"].items()}
+    vs = sorted(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    sizes = [12 + 2 * rows[v]["answers"] for v in vs]
+    left.plot(vs, [rows[v]["satisfied"] for v in vs], color="tab:blue", lw=1.5)
+    left.scatter(vs, [rows[v]["satisfied"] for v in vs], s=sizes, color="tab:blue", label="users satisfied (live)")
+    left.set_xlabel("policy version")
+    left.set_ylabel("satisfaction rate")
+    left.set_ylim(-0.02, 1.02)
+    sat = summary["satisfaction"]
+    after_v = [int(x) for x in str(sat["after_version"]).split(",") if x.isdigit()]
+    if sat["before"] is not None:
+        left.scatter([0], [sat["before"]], marker="*", s=180, color="tab:green", zorder=5, label="evaluation set")
+    if sat["after"] is not None and after_v:
+        left.scatter([max(after_v)], [sat["after"]], marker="*", s=180, color="tab:green", zorder=5)
+    reward_axis = left.twinx()
+    rv = [v for v in vs if rows[v].get("judge")]
+    reward_axis.plot(rv, [rows[v]["judge"]["reward"] for v in rv], color="tab:red", lw=1.2, ls="--",
+                     marker="o", ms=3, label="judge's mean reward")
+    reward_axis.set_ylim(-1.04, 1.04)
+    reward_axis.set_ylabel("mean reward")
+    handles = left.get_legend_handles_labels()[0] + reward_axis.get_legend_handles_labels()[0]
+    left.legend(handles, [h.get_label() for h in handles], loc="lower right", fontsize=8)
+    left.set_title(f"{Path(summary['model']).name}, mode {summary['mode']}, rules judge: marker size = answers")
+
+    names = list(summary["personas"])
+    before = [summary["personas"][n]["before"].get("satisfied") or 0 for n in names]
+    after = [summary["personas"][n]["after"].get("satisfied") or 0 for n in names]
+    xs = range(len(names))
+    right.bar([x - 0.2 for x in xs], before, width=0.4, color="tab:gray", label="v0")
+    right.bar([x + 0.2 for x in xs], after, width=0.4, color="tab:green",
+              label=f"v{summary['satisfaction']['after_version']}")
+    right.set_xticks(list(xs), [f"{n}\n{summary['personas'][n]['preference']}" for n in names], fontsize=8)
+    right.set_ylim(0, 1.02)
+    right.set_title("evaluation set, per persona")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def print_summary(summary: dict[str, Any], out: Path, png: Path | None) -> None:
+    sat = summary["satisfaction"]
+    print(f"\nafter {clock(summary['seconds'])}: {summary['daemon']['steps']} training steps, "
+          f"last version v{sat['last_version']}; {summary['users']['sessions']} sessions "
+          f"{summary['users']['ended']}, {len(summary['users']['errors'])} errors")
+    print(f"{'persona':12s} {'preference':24s} {'v0':>5s} {'v' + str(sat['after_version']):>6s}   (evaluation set)")
+    for name, p in summary["personas"].items():
+        print(f"{name:12s} {p['preference']:24s} {pct(p['before'].get('satisfied')):>5s} {pct(p['after'].get('satisfied')):>6s}")
+    print(f"{'all':12s} {'':24s} {pct(sat['before']):>5s} {pct(sat['after']):>6s}")
+    print(f"live: satisfied {pct(sat['live_v0'])} of answers served by v0, {pct(sat['live_last'])} by "
+          f"v{sat['live_last_version']}")
+    for ex in summary["examples"]:
+        print(f"\n{ex['persona']}: {ex['question']}\n  v0:  {_one_line(ex['before'])}\n"
+              f"  v{ex['after_version']}: {_one_line(ex['after'])}")
+    print(f"wrote {out / 'summary.json'}" + (f", {png}" if png else ""))
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return asyncio.run(run(args))
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Starting a clawd for the demo and the learning bench: a config from a dict, a log file, its status.
+
+The daemon runs as `python -m clawd --config FILE` in its own process, exactly as
+an operator runs it; its log goes to a file. `status()` asks the admin socket
+what `clawctl status --json` shows.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..ctl import NotRunning, call
+
+_LISTENING = re.compile(r"listening on (http://\S+)")
+PR_SET_PDEATHSIG = 1
+MAX_SOCKET_PATH = 107  # bytes in sun_path, less the terminating NUL
+
+
+def to_toml(sections: dict[str, dict[str, Any]]) -> str:
+    """TOML for a config of tables of scalars, lists and inline tables (all clawd's config needs)."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a TOML basic string
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        raise TypeError(f"no TOML for {v!r}")
+    out = []
+    for name, table in sections.items():
+        out.append(f"[{name}]")
+        out += [f"{k} = {value(v)}" for k, v in table.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the demo dies, even by SIGKILL (Linux prctl)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+class Clawd:
+    """One clawd process on a fresh state directory under `run_dir`.
+
+    `threads` sets OMP_NUM_THREADS for the daemon (its CPU engine and trainer inherit it):
+    on 2 cores one thread each keeps the engine and the trainer from stalling each other.
+    """
+
+    def __init__(self, run_dir: Path, sections: dict[str, dict[str, Any]], *, threads: int | None = 1):
+        self.run_dir = Path(run_dir).resolve()
+        self.state = self.run_dir / "state"
+        self.log_path = self.run_dir / "clawd.log"
+        cfg = {"server": {"port": 0}, "state": {"dir": str(self.state)}}
+        for name, table in sections.items():
+            cfg[name] = {**cfg.get(name, {}), **table}
+        self.socket = Path(cfg.get("admin", {}).get("socket") or self.state / "clawd.sock")
+        if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:
+            raise ValueError(f"admin socket path too long for a Unix socket: {self.socket} (use a shorter run dir)")
+        self.config = cfg
+        self.threads = threads
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    async def start(self, timeout: float = 600) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / "clawd.toml"
+        config_path.write_text(to_toml(self.config))
+        env = dict(os.environ)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        root = Path(__file__).resolve().parents[2]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        with open(self.log_path, "w") as log:
+            # Its own session: a Ctrl-C in the terminal reaches the demo alone, which stops clawd cleanly;
+            # and clawd gets SIGTERM if the demo dies without doing so.
+            self.proc = subprocess.Popen([sys.executable, "-m", "clawd", "--config", str(config_path)],
+                                         cwd=self.run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        while not self.url:
+            m = _LISTENING.search(self.log_path.read_text(errors="replace"))
+            if m:
+                self.url = m.group(1)
+            else:
+                self._check_alive(deadline, "listening")
+                await asyncio.sleep(0.2)
+        while True:
+            try:
+                ready = self.status()["engines"]["policy"]["state"] == "ready"
+            except (NotRunning, OSError):
+                ready = False  # the socket is not there yet
+            if ready:
+                return
+            self._check_alive(deadline, "ready")
+            await asyncio.sleep(0.5)
+
+    def _check_alive(self, deadline: float, what: str) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"clawd exited ({self.proc.returncode}) before {what}; its log:\n{self.tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"clawd not {what} in time; its log:\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def status(self, timeout: float = 5.0) -> dict:
+        """`clawctl status --json`: the daemon's own snapshot, from its admin socket."""
+        return call(self.socket, {"cmd": "status"}, timeout)
+
+    def command(self, cmd: str, **args: Any) -> dict:
+        return call(self.socket, {"cmd": cmd, **args}, 5.0)
+
+    async def settle(self, timeout: float) -> bool:
+        """Once no chat traffic comes in: wait until nothing is being scored and the learner waits for
+        samples with fewer than a batch queued (no step in progress, none about to start). False on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            learner = st.get("learner")
+            if (st["scoring"]["pending"] == 0 and st["queue"]["effective"] < st["queue"]["batch_size"]
+                    and (learner is None or learner["waiting_since"] is not None)):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.5)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def stop(self, timeout: float = 60) -> int:
+        """SIGTERM and wait (SIGKILL after `timeout`); the exit status."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def records(self, kind: str) -> list[dict]:
+        """The daemon's records of one kind ("turns", "judge"), complete lines only."""
+        out = []
+        for path in sorted((self.state / "records").glob(f"{kind}-*.jsonl")):
+            # What follows the last newline is a line still being written: not yet a record.
+            complete = path.read_text().rpartition("\n")[0]
+            out += [json.loads(line) for line in complete.split("\n") if line.strip()]
+        return out

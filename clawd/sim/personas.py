@@ -1,0 +1,223 @@
+"""Simulated users' personas: a verifiable preference each, and the words they answer with (pure).
+
+A persona asks questions from its own list and judges every text reply with a
+checker: a pure function of the reply's text. A reply that satisfies it is
+thanked; one that does not is corrected in words that say what was wanted, so a
+judge that extracts hints from the user's next message gets a usable one.
+
+The words are written for clawd's `rules` judge (clawd/judging.py): every thank-you
+matches a positive phrase and no negative one; every correction opens with "No,"
+(a negative phrase), so the judge scores the reply -1 and keeps the whole
+correction as the hint. tests/test_sim.py checks each message against `rules_vote`.
+
+Every persona first wants an answer at all: a reply under `min_words` words
+(MIN_WORDS unless said otherwise) is corrected whatever its preference (an empty
+reply must never be the easy way to be thanked for brevity). `plain` wants at least
+8: without that floor the demo's policy learnt to answer every question "The answer
+is X", which has no list and is short, and pleased both personas.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+MIN_WORDS = 3
+NOT_AN_ANSWER = "No, that's not an answer. Please answer the question in a full sentence."
+KINDS = ("under_words", "no_lists", "ends_with_question", "uses_term")
+
+# A list item: a line that starts with a bullet, or with a number or letter and "." or ")".
+_LIST_ITEM = re.compile(r"^\s*(?:[-*+\u2022\u25e6\u2013]|\d{1,3}[.)]|[a-zA-Z][.)])\s+\S", re.MULTILINE)
+_CLOSERS = "\"'\u201d\u2019)]*_ \t\r\n"  # closing quotes, brackets and markup after a final "?"
+
+THANKS = (
+    "Thanks, that's just what I needed.",
+    "Thank you, perfect.",
+    "Great, thanks!",
+    "Thanks, that works for me.",
+)
+
+
+def too_short(n: int) -> str:
+    """The correction of an answer under a persona's own `min_words` (above MIN_WORDS)."""
+    return f"No, that's too short. Please answer in full sentences, at least {n} words."
+
+
+def word_count(text: str) -> int:
+    """Words as a reader counts them: runs of non-space characters."""
+    return len(text.split())
+
+
+def has_list(text: str) -> bool:
+    """Does the text hold a bulleted or numbered list (one item is enough)?"""
+    return _LIST_ITEM.search(text) is not None
+
+
+def ends_with_question(text: str) -> bool:
+    """Is the last thing in the text a question mark (closing quotes and brackets aside)?"""
+    return text.rstrip(_CLOSERS).endswith("?")
+
+
+def uses_term(text: str, term: str) -> bool:
+    """Does the text use the term as a whole word, in any case?"""
+    return re.search(r"(?<!\w)" + re.escape(term) + r"(?!\w)", text, re.IGNORECASE) is not None
+
+
+@dataclass(frozen=True)
+class Persona:
+    """One kind of user: what it asks about and what it wants from every reply.
+
+    kind/param: "under_words" N (fewer than N words), "no_lists", "ends_with_question",
+    "uses_term" TERM. A reply under `min_words` words is no answer to any of them.
+    """
+    name: str
+    kind: str
+    param: int | str | None
+    questions: tuple[str, ...]
+    min_words: int = MIN_WORDS
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"persona {self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if self.min_words < 1:
+            raise ValueError(f"persona {self.name}: min_words must be at least 1")
+        if self.kind == "under_words" and not (isinstance(self.param, int) and self.param > self.min_words):
+            raise ValueError(f"persona {self.name}: under_words needs an integer above {self.min_words}")
+        if self.kind == "uses_term" and not (isinstance(self.param, str) and self.param.strip()):
+            raise ValueError(f"persona {self.name}: uses_term needs a term")
+        if not self.questions:
+            raise ValueError(f"persona {self.name}: needs at least one question")
+
+    @property
+    def preference(self) -> str:
+        """The preference in a few words, for tables and plots."""
+        least = f", {self.min_words}+ words" if self.min_words > MIN_WORDS else ""
+        return {"under_words": f"under {self.param} words", "no_lists": "no lists",
+                "ends_with_question": "ends with a question",
+                "uses_term": f"uses the term {self.param!r}"}[self.kind] + least
+
+    def prefers(self, text: str) -> bool:
+        """The preference alone, on a reply that is an answer."""
+        return _CHECKS[self.kind](text, self.param)
+
+    def satisfied(self, text: str) -> bool:
+        """Would this user thank this reply?"""
+        return word_count(text) >= self.min_words and self.prefers(text)
+
+    def correction(self, text: str) -> str:
+        """What the user says to a reply that does not satisfy them: the hint is in the words."""
+        words = word_count(text)
+        if words < min(self.min_words, MIN_WORDS):
+            return NOT_AN_ANSWER
+        if words < self.min_words:
+            return too_short(self.min_words)
+        return _CORRECTIONS[self.kind](self.param)
+
+
+_CHECKS: dict[str, Callable[[str, object], bool]] = {
+    "under_words": lambda text, n: word_count(text) < n,
+    "no_lists": lambda text, _: not has_list(text),
+    "ends_with_question": lambda text, _: ends_with_question(text),
+    "uses_term": lambda text, term: uses_term(text, term),
+}
+_CORRECTIONS: dict[str, Callable[[object], str]] = {
+    "under_words": lambda n: f"No, that's too long. Please answer in under {n} words.",
+    "no_lists": lambda _: "No, please don't use lists. Answer in plain sentences, without bullets or numbering.",
+    "ends_with_question": lambda _: "No, you forgot to ask me something back. End your answer with a question.",
+    "uses_term": lambda term: f"No, you didn't use the term {term}. Please use the word {term} in your answer.",
+}
+
+
+def thanks(i: int) -> str:
+    """The i-th thank-you (they vary so sessions do not all read alike)."""
+    return THANKS[i % len(THANKS)]
+
+
+def follow_up(persona: Persona, text: str, *, next_question: str | None, retry: bool, i: int = 0) -> tuple[bool, str | None]:
+    """(satisfied, the user's next message) after the reply `text`.
+
+    Satisfied: thanks, then the next question if there is one. Not satisfied and
+    `retry`: the correction alone (the user wants the same question answered again).
+    Not satisfied, no retry: the correction, then the next question. None when
+    there is nothing left to say (satisfied or not, no next question and no retry):
+    a session that ends there without a last word leaves its last reply unjudged.
+    """
+    ok = persona.satisfied(text)
+    if ok:
+        said = thanks(i)
+        return True, f"{said} Next question: {next_question}" if next_question else said
+    said = persona.correction(text)
+    if retry:
+        return False, said
+    return False, f"{said} Anyway, next question: {next_question}" if next_question else said
+
+
+# --- the catalogue -------------------------------------------------------------------------------
+
+FACTS = (
+    "What is the capital of Italy?", "How many legs does a spider have?", "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water?", "What colour is a ripe banana?", "How many days are in a leap year?",
+    "What is the largest planet in the solar system?", "What language is spoken in Brazil?",
+    "What is the chemical symbol for gold?", "How many continents are there?", "What do bees make?",
+    "What is the tallest animal?", "Which ocean is the largest?", "What is frozen water called?",
+    "How many hours are in a day?", "What gas do plants take in?",
+)
+TIPS = (
+    "What are some tips for sleeping better?", "What are good ways to save money?",
+    "What are some ways to stay focused while studying?", "What should I pack for a beach trip?",
+    "What are some healthy breakfast ideas?", "What are good habits for a new programmer?",
+    "What are some ways to reduce stress?", "What should I know before adopting a dog?",
+    "What are some tips for a job interview?", "What are easy ways to exercise at home?",
+    "What are some tips for learning to cook?", "What are good ways to make new friends?",
+)
+GENERAL = (
+    "What is the capital of France?", "Why is the sky blue?", "What is photosynthesis?",
+    "How far away is the Moon?", "What is a prime number?", "Why do cats purr?",
+    "What is gravity?", "How do bees make honey?", "What causes rain?", "What is an atom?",
+    "Why is the sea salty?", "What is a black hole?", "How does a rainbow form?",
+    "What is the largest ocean?", "Why do leaves change colour in autumn?", "What is DNA?",
+)
+HOW_TO = (
+    "How do I boil an egg?", "How can I sleep better?", "How do I learn a new language?",
+    "How do I make a cup of tea?", "How can I save money each month?", "How do I start running?",
+    "How do I take care of a houseplant?", "How do I write a good email?",
+    "How do I prepare for a job interview?", "How can I focus while studying?",
+    "How do I clean a laptop keyboard?", "How do I plan a weekend trip?",
+)
+CHAT = (
+    "I just got back from a walk in the park.", "I'm thinking about learning to paint.",
+    "I had pasta for dinner tonight.", "My friend recommended a new book to me.",
+    "I'm planning to visit the mountains this summer.", "I started a small vegetable garden.",
+    "I watched a documentary about whales yesterday.", "I'm trying to drink more water.",
+)
+CODING = (
+    "How do I reverse a list?", "How do I read a file line by line?", "How do I sort a dictionary by value?",
+    "How do I check if a string is empty?", "How do I count words in a text?",
+    "How do I get the current date?", "How do I remove duplicates from a list?",
+    "How do I join two strings?",
+)
+
+PERSONAS: dict[str, Persona] = {p.name: p for p in (
+    Persona("brief", "under_words", 20, FACTS),
+    Persona("plain", "no_lists", None, TIPS, min_words=8),  # a real answer, not "The answer is X."
+    Persona("terse", "under_words", 3, GENERAL, min_words=1),
+    Persona("curious", "ends_with_question", None, CHAT),
+    Persona("pythonista", "uses_term", "Python", CODING),
+)}
+
+
+def persona(spec: str) -> Persona:
+    """A persona by name, with an optional parameter: "brief", "brief:20", "pythonista:Rust"."""
+    name, _, param = spec.partition(":")
+    if name not in PERSONAS:
+        raise ValueError(f"unknown persona {name!r}; known: {', '.join(PERSONAS)}")
+    base = PERSONAS[name]
+    if not param:
+        return base
+    if base.kind == "under_words":
+        if not param.isdigit():
+            raise ValueError(f"persona {name}: {param!r} is not a word count")
+        return Persona(base.name, base.kind, int(param), base.questions, base.min_words)
+    if base.kind == "uses_term":
+        return Persona(base.name, base.kind, param, base.questions, base.min_words)
+    raise ValueError(f"persona {name} takes no parameter")

@@ -1,0 +1,369 @@
+"""Simulated users (clawd/sim): personas' checkers and words, session plans, and a short run on a real daemon."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from clawd import judging
+from clawd.sim import personas as P
+from clawd.sim.launch import to_toml
+from clawd.sim.users import (STYLES, TOOLS, Reply, Users, by_persona, by_version, plan_sessions, rate, tool_result,
+                             version_of)
+
+from .harness import Daemon
+
+# ---- checkers -----------------------------------------------------------------------------------
+
+
+def test_word_count():
+    assert P.word_count("") == 0
+    assert P.word_count("  Paris.  ") == 1
+    assert P.word_count("The capital of France is Paris.") == 6
+    assert P.word_count("one\ntwo\tthree  four") == 4
+    assert P.word_count("e.g. x-ray, 3.14 🙂") == 4
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Boil water, add the egg, wait ten minutes.", False),
+    ("Steps:\n- boil water\n- add the egg", True),
+    ("* one\n* two", True),
+    ("\u2022 a bullet", True),
+    ("1. Boil water.\n2. Add the egg.", True),
+    ("Then:\n  3) wait", True),
+    ("a) first", True),
+    ("It costs $3 - not much.", False),        # a dash inside a line
+    ("Version 2.0 is out.", False),           # a number not starting a line
+    ("-5 degrees outside", False),            # no space after the dash
+    ("---\nA rule, not a list.", False),
+    ("In 2024. we moved", False),             # four digits is a year, not an item number
+])
+def test_has_list(text, expected):
+    assert P.has_list(text) is expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("How are you?", True),
+    ("Nice. Want to hear more?  \n", True),
+    ('She asked "why?"', True),
+    ("Isn't that lovely?)", True),
+    ("Really? No.", False),
+    ("Is it ? ok", False),
+    ("", False),
+    ("Paris.", False),
+])
+def test_ends_with_question(text, expected):
+    assert P.ends_with_question(text) is expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Use Python for that.", True),
+    ("python is fine", True),
+    ("In PYTHON: print(x)", True),
+    ("Pythonic code", False),
+    ("CPython", False),
+    ("a python_script.py", False),   # the underscore makes it part of a longer word
+    ("(Python)", True),
+])
+def test_uses_term(text, expected):
+    assert P.uses_term(text, "Python") is expected
+
+
+def test_uses_term_escapes_the_term():
+    assert P.uses_term("I write C++ daily", "C++")
+    assert not P.uses_term("I write C daily", "C++")
+
+
+# ---- personas -----------------------------------------------------------------------------------
+
+BRIEF = P.Persona("brief", "under_words", 5, ("Q?",))
+
+
+def test_under_words_boundary():
+    assert BRIEF.satisfied("one two three four")          # 4 < 5
+    assert not BRIEF.satisfied("one two three four five")  # 5 is not under 5
+    assert not BRIEF.satisfied("one two")                  # under MIN_WORDS: not an answer
+    assert BRIEF.preference == "under 5 words"
+
+
+def test_every_persona_wants_an_answer_first():
+    for p in P.PERSONAS.values():
+        assert not p.satisfied("")
+        short = " ".join(["Python?"] * (p.min_words - 1))  # too few words, whatever the preference
+        assert not p.satisfied(short)
+        assert p.correction(short) == (P.NOT_AN_ANSWER if p.min_words <= P.MIN_WORDS else P.too_short(p.min_words))
+    plain = P.PERSONAS["plain"]
+    assert plain.correction("Sure thing") == P.NOT_AN_ANSWER
+    assert plain.correction("The answer is sleep.") == "No, that's too short. Please answer in full sentences, at least 8 words."
+    assert plain.satisfied("Keep a regular bedtime and avoid screens before sleep.")
+    assert P.MIN_WORDS == 3 and P.PERSONAS["terse"].min_words == 1
+    assert P.PERSONAS["terse"].satisfied("Rome.") and not P.PERSONAS["brief"].satisfied("Rome.")
+    assert P.PERSONAS["brief"].correction("Sure thing") == P.NOT_AN_ANSWER
+
+
+def test_min_words_validation():
+    with pytest.raises(ValueError, match="min_words"):
+        P.Persona("x", "no_lists", None, ("Q?",), min_words=0)
+    with pytest.raises(ValueError, match="integer above 1"):
+        P.Persona("x", "under_words", 1, ("Q?",), min_words=1)
+
+
+def test_catalogue_preferences_and_corrections():
+    got = {name: (p.preference, p.correction("This reply has more than enough words in it.")) for name, p in P.PERSONAS.items()}
+    assert got == {
+        "brief": ("under 20 words", "No, that's too long. Please answer in under 20 words."),
+        "terse": ("under 3 words", "No, that's too long. Please answer in under 3 words."),
+        "plain": ("no lists, 8+ words",
+                  "No, please don't use lists. Answer in plain sentences, without bullets or numbering."),
+        "curious": ("ends with a question",
+                    "No, you forgot to ask me something back. End your answer with a question."),
+        "pythonista": ("uses the term 'Python'",
+                       "No, you didn't use the term Python. Please use the word Python in your answer."),
+    }
+
+
+def test_catalogue_checks():
+    plain, curious, py = P.PERSONAS["plain"], P.PERSONAS["curious"], P.PERSONAS["pythonista"]
+    assert plain.satisfied("Boil it for ten minutes, then cool it in cold water.")
+    assert not plain.satisfied("Do this:\n1. Boil it for ten minutes.\n2. Eat it.")
+    assert curious.satisfied("That sounds fun. What will you paint?") and not curious.satisfied("That sounds fun.")
+    assert py.satisfied("In Python, use reversed(x).") and not py.satisfied("Use reversed(x) for that.")
+
+
+def test_persona_spec():
+    assert P.persona("brief") is P.PERSONAS["brief"]
+    assert P.persona("brief:30").param == 30 and P.persona("brief:30").questions == P.FACTS
+    assert P.persona("terse:4").min_words == 1
+    assert P.persona("pythonista:Rust").param == "Rust"
+    for bad, message in [("nobody", "unknown persona"), ("brief:x", "not a word count"),
+                         ("plain:3", "takes no parameter"), ("brief:3", "integer above 3")]:
+        with pytest.raises(ValueError, match=message):
+            P.persona(bad)
+
+
+def test_persona_validation():
+    with pytest.raises(ValueError, match="kind"):
+        P.Persona("x", "shouting", None, ("Q?",))
+    with pytest.raises(ValueError, match="needs a term"):
+        P.Persona("x", "uses_term", " ", ("Q?",))
+    with pytest.raises(ValueError, match="at least one question"):
+        P.Persona("x", "no_lists", None, ())
+
+
+def test_follow_up_messages():
+    short, long = "Paris is the capital.", "Paris is the capital of France, a big country."
+    assert P.follow_up(BRIEF, short, next_question="Why?", retry=False, i=0) == (
+        True, "Thanks, that's just what I needed. Next question: Why?")
+    assert P.follow_up(BRIEF, short, next_question=None, retry=False, i=1) == (True, "Thank you, perfect.")
+    assert P.follow_up(BRIEF, long, next_question=None, retry=True) == (
+        False, "No, that's too long. Please answer in under 5 words.")
+    assert P.follow_up(BRIEF, long, next_question="Why?", retry=False) == (
+        False, "No, that's too long. Please answer in under 5 words. Anyway, next question: Why?")
+    assert P.thanks(5) == P.THANKS[1]
+
+
+# The rules judge must read the users' words as meant: +1 for thanks, -1 with the correction as hint.
+def _rules(said: str, previous: str = "What is gravity?") -> tuple[int, str | None]:
+    turn = SimpleNamespace(messages=[{"role": "user", "content": previous}])
+    return judging.rules_vote(turn, [{"role": "user", "content": said}])
+
+
+def test_the_rules_judge_reads_every_thanks_as_positive():
+    questions = [q for p in P.PERSONAS.values() for q in p.questions]
+    for i, q in itertools.product(range(len(P.THANKS)), questions):
+        assert _rules(P.follow_up(BRIEF, "Paris is big.", next_question=q, retry=False, i=i)[1]) == (1, None)
+        assert _rules(P.thanks(i), previous=q) == (1, None)
+
+
+def test_the_rules_judge_reads_every_correction_as_negative_with_it_as_hint():
+    for p in list(P.PERSONAS.values()):
+        for text in ("", "1. one\n2. two three four five six seven " * 8):
+            if p.satisfied(text):
+                continue
+            said = p.correction(text)
+            assert _rules(said) == (-1, said)
+            assert judging.accept_hint(said) == said
+            for q in p.questions:  # moving on after a failed retry: still negative, the whole message the hint
+                moved = P.follow_up(p, text, next_question=q, retry=False)[1]
+                assert _rules(moved, previous=said) == (-1, moved)
+
+
+# ---- users (pure parts) ---------------------------------------------------------------------------
+
+def test_version_of():
+    assert version_of("clawd-v0") == 0 and version_of("clawd-v12") == 12
+    assert version_of(None) is None and version_of("fp_44709d6fcb") is None and version_of("clawd-v") is None
+
+
+def test_tool_result():
+    assert json.loads(tool_result("lookup", '{"query": " bees "}')) == {
+        "query": "bees", "summary": "The encyclopedia has a short article on bees."}
+    assert json.loads(tool_result("search", "{}")) == {"error": "unknown tool 'search'"}
+    assert json.loads(tool_result("lookup", "{not json")) == {"error": "arguments are not JSON"}
+    assert json.loads(tool_result("lookup", '{"q": 1}')) == {"error": "lookup needs a query"}
+    assert json.loads(tool_result("lookup", None)) == {"error": "arguments are not JSON"}
+    # The rules judge reads these as the tool working, or not.
+    assert not judging.is_tool_error(tool_result("lookup", '{"query": "bees"}'))
+    assert judging.is_tool_error(tool_result("search", "{}"))
+    assert TOOLS[0]["function"]["name"] == "lookup"
+
+
+def test_plans_cycle_personas_and_styles_and_repeat_with_the_seed():
+    ps = [P.PERSONAS["brief"], P.PERSONAS["plain"]]
+    plans = list(itertools.islice(plan_sessions(ps, seed=3), 16))
+    assert [p.persona.name for p in plans[:4]] == ["brief", "plain", "brief", "plain"]
+    assert [p.style for p in plans[:8:2]] == ["stitched", "headed", "stitched_done", "headed_abandoned"]
+    assert [(p.identity, p.ending) for p in plans[1:8:2]] == list(STYLES)
+    assert plans == list(itertools.islice(plan_sessions(ps, seed=3), 16))
+    assert plans != list(itertools.islice(plan_sessions(ps, seed=4), 16))
+    for p in plans:
+        assert 1 <= len(p.questions) <= 3 and len(set(p.questions)) == len(p.questions)
+        assert set(p.questions) <= set(p.persona.questions)
+        assert not (p.tools and p.stream)
+    assert plans[0].session_id is None and plans[0].headers() == {}
+    assert plans[0].headers(closing=True) == {"X-Session-Done": "1"}
+    assert plans[2].session_id == "sim-3-2"
+    assert plans[2].headers(closing=True) == {"X-Session-Id": "sim-3-2", "X-Session-Done": "1"}
+    assert plans[2].user == "sim-3-2-brief"
+    assert len({p.request_seed(0) for p in plans}) == 16
+    with pytest.raises(ValueError):
+        next(plan_sessions([], seed=0))
+    with pytest.raises(ValueError):
+        next(plan_sessions(ps, seed=0, questions=(2, 1)))
+
+
+def _reply(version, persona, satisfied, kind="answer", attempt=0, words=10):
+    return Reply(0, persona, "headed", kind, 1, 0, attempt, version, satisfied, words, 12, "stop", 0.1)
+
+
+def test_summaries():
+    replies = [_reply(0, "brief", False), _reply(0, "brief", True, attempt=1), _reply(0, "plain", True),
+               _reply(0, "plain", None, kind="tool_call"), _reply(1, "brief", True), _reply(None, "brief", True),
+               _reply(1, "plain", None, kind="closing")]
+    assert rate(replies[:3]) == pytest.approx(2 / 3) and rate([]) is None
+    assert [r.reward for r in replies[:4]] == [-1, 1, 1, None]
+    assert by_version(replies) == {
+        0: {"answers": 3, "satisfied": pytest.approx(2 / 3), "reward": pytest.approx(1 / 3), "first_try": 0.5,
+            "first_try_answers": 2, "personas": {"brief": 0.5, "plain": 1.0}},
+        1: {"answers": 1, "satisfied": 1.0, "reward": 1.0, "first_try": 1.0, "first_try_answers": 1,
+            "personas": {"brief": 1.0}}}
+    assert by_persona(replies) == {"brief": {"n": 4, "satisfied": 0.75, "words": 10.0},
+                                   "plain": {"n": 1, "satisfied": 1.0, "words": 10.0}}
+
+
+def test_to_toml():
+    assert to_toml({"a": {"x": 1, "s": "q\"", "b": True, "l": [1, "two"], "t": {"k": 0.5}}, "b": {}}) == (
+        '[a]\nx = 1\ns = "q\\""\nb = true\nl = [1, "two"]\nt = { k = 0.5 }\n\n[b]\n')
+
+
+# ---- users against a real daemon ------------------------------------------------------------------
+
+SHORT, LONG = "Rome is the capital.", "Rome is the capital city of Italy, and it is very old indeed."
+LOOKUP_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"query": "spiders"}}\n</tool_call>'
+
+
+class ScriptedModel:
+    """The fake engine's answers: to a question, a lookup call when tools are offered, then (or without
+    tools) a long answer; to a correction, a short answer."""
+
+    def __init__(self, tiny_model):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+        self.eos = self.tok.token_to_id("<|im_end|>")
+
+    def __call__(self, input_ids, sampling_params):
+        prompt = self.tok.decode(input_ids, skip_special_tokens=False)
+        turns = prompt.split("<|im_start|>user")[1:]  # tool results are rendered as user turns too
+        said = [t for t in turns if "<tool_response>" not in t][-1]
+        if "too long" in said:
+            text = SHORT
+        elif "# Tools" in prompt and "<tool_response>" not in turns[-1]:
+            text = LOOKUP_CALL
+        else:
+            text = LONG
+        return self.tok.encode(text, add_special_tokens=False).ids + [self.eos]
+
+
+async def test_users_form_the_sessions_they_mean(tiny_model, tmp_path):
+    from .fake_sglang import FakeSGLang
+    from .harness import wait_ready_async
+    brief = P.Persona("brief", "under_words", 5, P.FACTS)
+    plans = list(itertools.islice(plan_sessions([brief], seed=5, tool_share=0.5, stream_share=0.5), 8))
+    assert {p.style for p in plans} == {"stitched", "headed", "stitched_done", "headed_abandoned"}
+    assert any(p.tools for p in plans) and any(p.stream for p in plans) and any(len(p.questions) > 1 for p in plans)
+    script = ScriptedModel(tiny_model)
+    async with FakeSGLang(responder=script, eos_id=script.eos) as fake:
+        daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model)},
+                                   "engine": {"launch": "none", "url": fake.url, "health_interval": 0.2},
+                                   "sessions": {"session_idle_timeout": 1.0, "sweep_interval": 0.2}},
+                        wait_ready=False)
+        try:
+            await wait_ready_async(daemon)
+            users = Users(daemon.url, [brief], seed=5, concurrency=4, keep_text=True)
+            await asyncio.gather(*(users.session(p) for p in plans))
+            probe = await users.probe(brief, 0, seed=3)
+            await asyncio.sleep(2.0)  # the abandoned sessions reach their idle timeout
+            await users.close()
+        finally:
+            assert daemon.stop() == 0
+    assert users.errors == [] and users.ended == {"done": 4, "abandoned": 4}
+    assert {r.version for r in users.replies} == {0}
+    assert probe.kind == "probe" and probe.satisfied is False and probe.version == 0
+
+    turns, judged = daemon.records(), daemon.records("judge")
+    assert all(t["principal"] != "sim-probe" for t in turns)  # probes are side turns: never in the records
+    verdicts = {(j["session_id"], j["turn_index"]): j for j in judged}
+    for plan in plans:
+        mine = sorted((t for t in turns if t["principal"] == plan.user), key=lambda t: t["turn_index"])
+        replies = [r for r in users.replies if r.session == plan.index]
+        assert [t["turn_index"] for t in mine] == list(range(len(replies)))
+        sid = {t["session_id"] for t in mine}
+        assert len(sid) == 1, plan  # one conversation, with or without a header
+        sid = sid.pop()
+        assert sid == plan.session_id if plan.identity == "headed" else not sid.startswith("sim-")
+        assert mine[-1]["next_state"] is None
+        assert mine[-1]["reason"] == ("session_done" if plan.ending == "done" else "idle_timeout")
+        assert all(t["next_state"] and t["reason"] is None for t in mine[:-1])
+        # The answers: long first (corrected), short after a correction (thanked).
+        answers = [r for r in replies if r.kind == "answer"]
+        assert [r.satisfied for r in answers] == [False, True] * len(plan.questions), [r.text for r in answers]
+        assert replies[-1].kind == ("closing" if plan.ending == "done" else "answer")
+        assert [r.kind == "tool_call" for r in replies].count(True) == (len(plan.questions) if plan.tools else 0)
+        for r, t in zip(replies, mine):
+            verdict = verdicts[(sid, t["turn_index"])]
+            if t is mine[-1]:
+                assert not verdict["emitted"] and verdict["reason"] == t["reason"]
+            elif r.kind == "tool_call":  # a tool that answered says nothing about the call: score 0
+                assert t["next_state"][0]["role"] == "tool" and verdict["reason"] == "score_zero"
+                assert json.loads(t["next_state"][0]["content"])["query"] == "spiders"
+            else:  # the rules judge read the user's words as the user meant them
+                assert verdict["emitted"] and verdict["reward"] == r.reward
+                assert verdict["hint"] is None  # rl mode asks for no hint
+
+
+async def test_users_see_the_policy_version_move(tiny_model, tmp_path):
+    """The CPU engine on the tiny model, the learner on: replies carry the version that served them."""
+    daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 8},
+                               "engine": {"launch": "local", "seed": 1},
+                               "learner": {"enabled": True, "rollout_batch_size": 4, "min_batch_size": 1},
+                               "train": {"lr": 3e-2, "checkpoint_every": 1000}})
+    try:
+        users = Users(daemon.url, [P.PERSONAS["terse"]], seed=2, concurrency=4, max_tokens=8)
+
+        async def one_step() -> None:  # until a reply served by a published version came back
+            for _ in range(900):
+                if any(r.version for r in users.replies):
+                    break
+                await asyncio.sleep(0.1)
+            users.stop()
+        await asyncio.gather(users.run(), one_step())
+        await users.close()
+    finally:
+        assert daemon.stop() == 0
+    assert users.errors == []
+    versions = by_version(users.replies)
+    assert 0 in versions and max(versions) >= 1, versions
+    assert all(r.version is not None for r in users.replies)
