@@ -42,6 +42,8 @@ from .weights import restored_weights
 
 log = logging.getLogger("clawd")
 
+_FORCED_STOP_GRACE = 3.0  # seconds the drain may still take after a second stop signal
+
 
 async def run(cfg: Config) -> int:
     state_dir = cfg.state_dir
@@ -190,6 +192,9 @@ async def run(cfg: Config) -> int:
                     supervisor.kill()
                 for client in {policy_engine, reference_engine} - {None}:
                     await client.close()  # requests in flight fail at once instead of waiting on the dead engine
+                # With nothing left to wait on, the drain ends by itself (handlers answer, aiohttp closes
+                # them in order); whatever still waits after a moment is cancelled.
+                await asyncio.wait([draining], timeout=_FORCED_STOP_GRACE)
                 for task in asyncio.all_tasks() - {asyncio.current_task()}:
                     task.cancel()
     log.info("stopped")
