@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from clawd.models import cached_tiny_model  # noqa: E402
 from clawd.sim.launch import Clawd  # noqa: E402
 from clawd.sim.personas import persona  # noqa: E402
 from clawd.sim.users import Users, rate  # noqa: E402
@@ -55,12 +55,8 @@ PROFILES = {
 
 
 def tiny_model() -> Path:
-    """The tiny test model, built once into the git-ignored results folder (as bench/swap.py does)."""
-    path = RESULTS / "tiny-model"
-    if not (path / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "clawd.models", "tiny", str(path)], check=True, cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return path
+    """The tiny test model, built once into the git-ignored results folder."""
+    return cached_tiny_model(RESULTS / "tiny-model")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -39,6 +39,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from clawd.models import cached_tiny_model  # noqa: E402
 from clawd.tokenizer import ChatTokenizer  # noqa: E402
 
 FAKE = ROOT / "tests" / "fake_sglang.py"
@@ -409,12 +410,8 @@ def table(results: dict, judged: list[str]) -> str:
 
 
 def tiny_model() -> Path:
-    """The tiny test model, built once (torch, in a subprocess) into the git-ignored results folder."""
-    path = ROOT / "bench" / "results" / "tiny-model"
-    if not (path / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "clawd.models", "tiny", str(path)], check=True, cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return path
+    """The tiny test model, built once into the git-ignored results folder."""
+    return cached_tiny_model(ROOT / "bench" / "results" / "tiny-model")
 
 
 def main(argv: list[str] | None = None) -> int:

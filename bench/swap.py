@@ -27,7 +27,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +38,7 @@ import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from clawd.models import cached_tiny_model  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -46,12 +46,8 @@ PUBLISHED = re.compile(r"clawd.learner: published v(\d+) in ([0-9.]+)s, intake h
 
 
 def tiny_model() -> Path:
-    """The tiny test model, built once (as bench/serve.py does) into the git-ignored results folder."""
-    path = RESULTS / "tiny-model"
-    if not (path / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "clawd.models", "tiny", str(path)], check=True, cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return path
+    """The tiny test model, built once into the git-ignored results folder."""
+    return cached_tiny_model(RESULTS / "tiny-model")
 
 
 def user(n: int, url: str, max_tokens: int, stop: threading.Event, out: list[dict]) -> None:

@@ -274,6 +274,17 @@ def _tokenizer_config(tok, *, tokenizer_class: str, eos: str, pad: str, bos: str
     }
 
 
+def cached_tiny_model(dest: Path) -> Path:
+    """The tiny model at `dest`, built there once, in a subprocess so the caller never imports torch."""
+    import subprocess
+
+    dest = Path(dest)
+    if not (dest / "tokenizer.json").exists():
+        subprocess.run([sys.executable, "-m", "clawd.models", "tiny", str(dest)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return dest
+
+
 def build_tiny_model(dest: Path, *, seed: int = 0) -> Path:
     """Build the tiny Qwen2 test model into `dest` (replacing an earlier build); return `dest`."""
     import torch

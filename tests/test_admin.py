@@ -265,7 +265,7 @@ async def test_peer_check_lets_in_the_configured_group(open_dir):
     try:
         group = grp.getgrgid(NOBODY).gr_name
     except KeyError:
-        pytest.skip(f"no group with gid {NOBODY} on this host")
+        pytest.skip(reason=f"no group with gid {NOBODY} on this host")
     srv = AdminServer(open_dir / "clawd.sock", COMMANDS, group=group)
     await srv.start()
     try:
