@@ -80,8 +80,8 @@ async def run(cfg: Config) -> int:
     trainer = learner = None
     if cfg.learner.enabled:
         trainer = TrainerSupervisor(_trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
-        learner = Learner(cfg.learner, store, trainer, Publisher(policy_engine, cfg.learner.publish_timeout),
-                          policy, state_dir)
+        publisher = Publisher(policy_engine, cfg.learner.publish_timeout, ready=supervisors[0].ready)
+        learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir)
 
     pause = PauseState(state_dir / "pause.json", cfg.admin.start_paused)
     if learner is not None and pause.learning:
@@ -191,9 +191,10 @@ async def run(cfg: Config) -> int:
                 for supervisor in supervisors:
                     supervisor.kill()
                 for client in {policy_engine, reference_engine} - {None}:
-                    await client.close()  # requests in flight fail at once instead of waiting on the dead engine
-                # With nothing left to wait on, the drain ends by itself (handlers answer, aiohttp closes
-                # them in order); whatever still waits after a moment is cancelled.
+                    client.refuse("clawd is stopping")  # a new call would wait on the dead engine's socket
+                # Requests in flight end as their engine's connection drops (a stream with an error event,
+                # a whole reply with 502), so the drain ends by itself; whatever still waits after a moment
+                # is cancelled. (Cancelling aiohttp's shutdown while a handler runs makes it log a traceback.)
                 await asyncio.wait([draining], timeout=_FORCED_STOP_GRACE)
                 for task in asyncio.all_tasks() - {asyncio.current_task()}:
                     task.cancel()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .config import LearnerConfig
-from .engine.client import EngineClient, EngineError
+from .engine.client import EngineClient, EngineError, EngineUnavailable
 from .policy import Policy
 from .sample_store import SampleStore
 from .samples import Sample
@@ -55,12 +55,21 @@ class LearnerStats:
 class Publisher:
     """Moves the policy engine onto a published directory (DESIGN §14 'Versions and the swap')."""
 
-    def __init__(self, engine: EngineClient, timeout: float):
+    def __init__(self, engine: EngineClient, timeout: float, ready: asyncio.Event | None = None):
         self.engine = engine
         self.timeout = timeout
+        self.ready = ready  # the engine supervisor's: set while the engine is up and on the published weights
 
     async def publish(self, weights_dir: str, version: int) -> float:
         """Returns the seconds the engine's intake was held (pause to continue)."""
+        if self.ready is not None and not self.ready.is_set():
+            # A starting engine's socket already accepts (the daemon owns it): calls sent now would be
+            # served, out of order with the supervisor's own checks, once it is up. Wait for it instead.
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await self.ready.wait()
+            except TimeoutError:
+                raise EngineUnavailable(f"the engine is not ready after {self.timeout:.0f}s") from None
         # Retract parks running requests (they resume on the new weights); nothing is refused.
         await self.engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
         held = time.monotonic()
@@ -206,6 +215,9 @@ class Learner:
             if fresh >= n or (timed_out and fresh >= cfg.min_batch_size):
                 batch, stale = self.store.take_batch(n, current_version=version, max_staleness=cfg.max_staleness)
                 self.stats.stale_dropped += len(stale)
+                if stale:  # acked with the next checkpoint: they will never be trained
+                    log.info("dropped %d stale sample(s): more than %d versions behind v%d", len(stale),
+                             cfg.max_staleness, version)
                 if batch:
                     self.stats.waiting_since = None
                     return batch

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from clawd.config import LearnerConfig
-from clawd.engine.client import EngineClient
+from clawd.engine.client import EngineClient, EngineUnavailable
 from clawd.journal import Journal
 from clawd.learner import Learner, Publisher
 from clawd.policy import Policy
@@ -80,8 +80,8 @@ async def test_samples_trained_after_the_checkpoint_are_trained_again_when_the_t
         await put(store, 0, 2)
         await until(lambda: learner.policy.version == 1)
         await put(store, 2, 2)
-        await until(lambda: learner.stats.steps == 3)
-        assert [c["n"] for c in calls(tmp_path)] == [2, 2, 2, 2]  # b1, b2 (killed), b2 again, b1 again
+        await until(lambda: learner.policy.version == 3)  # the third step's publish, not just its step
+        assert learner.stats.steps == 3 and [c["n"] for c in calls(tmp_path)] == [2, 2, 2, 2]  # b1, b2 (killed), b2 again, b1 again
         assert learner.stats.requeued_after_restart == 2 and trainer.restarts == 1
         assert learner.policy.version == 3 and [u["weight_version"] for u in fake.weight_updates] == ["1", "2", "3"]
 
@@ -154,3 +154,29 @@ def test_a_restarted_daemon_serves_the_trainers_version_again(tiny_model, tmp_pa
         assert again.stop() == 0
     served = [t for t in again.records() if t["messages"][0]["content"] == "again"]
     assert [(t["policy_version"], t["weight_version"]) for t in served] == [(want, str(want))], info
+
+
+async def test_a_publish_waits_for_the_engine_to_be_ready_and_gives_up_after_its_timeout(tmp_path):
+    """The daemon owns the engine's socket, so a starting engine already accepts: a publish sent then would be
+    served once it is up, interleaved with the supervisor's own alignment. The publisher sends nothing until
+    the supervisor says ready, and a publish that waited its whole timeout fails (to be retried) untouched."""
+    async with FakeSGLang() as fake:
+        engine = EngineClient(fake.url)
+        await engine.start()
+        try:
+            ready = asyncio.Event()
+            weights = tmp_path / "v000001"
+            publishing = asyncio.create_task(Publisher(engine, 10, ready=ready).publish(str(weights), 1))
+            await asyncio.sleep(0.3)
+            assert not publishing.done() and fake.calls == []
+            ready.set()
+            await asyncio.wait_for(publishing, 10)
+            assert [path for path, _ in fake.calls] == ["/pause_generation", "/update_weights_from_disk",
+                                                       "/continue_generation"]
+            fake.calls.clear()
+            ready.clear()
+            with pytest.raises(EngineUnavailable, match="not ready"):
+                await Publisher(engine, 0.2, ready=ready).publish(str(weights), 2)
+            assert fake.calls == []
+        finally:
+            await engine.close()

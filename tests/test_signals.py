@@ -142,7 +142,9 @@ def test_sigterm_under_load_completes_in_flight_and_exits_clean(tiny_model, tmp_
     published = [int(v) for v in re.findall(r"published v(\d+) ", "".join(daemon.lines))]
     ckpt = newest_checkpoint(daemon.state)
     assert ckpt["step"] == len(published) and ckpt["version"] == published[-1]  # the last step, checkpointed
-    assert len(scan.acked) == 2 * ckpt["step"]  # full batches of 2, every trained sample acked
+    # full batches of 2, every trained sample acked, and so is every stale one dropped on the way
+    stale = sum(int(n) for n in re.findall(r"dropped (\d+) stale sample", "".join(daemon.lines)))
+    assert len(scan.acked) == 2 * ckpt["step"] + stale
     assert expected_weight_version(daemon.state) == str(published[-1])
 
     monkeypatch.setenv(LIFE, tag + "-restart")
@@ -163,7 +165,8 @@ class SecondSignalCrash(AssertionError):
 
 def test_second_sigterm_exits_promptly(tiny_model, tmp_path, monkeypatch):
     """With a stream in flight that would take about a minute (drain_timeout 120 s), a second SIGTERM during
-    the drain makes the daemon exit within 5 s, and cleanly: exit code 0 and no traceback (daemon.run returns 0
+    the drain makes the daemon exit within 5 s, and cleanly: the stream ends with an error event, exit code 0
+    and no traceback (daemon.run returns 0
     on that path). Its children are gone, the journal ends on a whole record, and a restart replays every
     sample written (none was trained: the learner is off) with no truncation."""
     tag = uuid.uuid4().hex
@@ -195,6 +198,8 @@ def test_second_sigterm_exits_promptly(tiny_model, tmp_path, monkeypatch):
     print(f"\nexit {code} {took:.1f}s after the second SIGTERM; the stream: {long.error or long.finish_reason}")
     assert took < 5
     assert long.finish_reason != "length"  # cut, not finished
+    # and cut cleanly: the stream's last event is an error the client can read, not a broken connection
+    assert long.error is not None and "failed mid-stream" in long.error, long.error
     assert wait_until(lambda: not tagged_processes(LIFE, tag), 5), tagged_processes(LIFE, tag)
 
     scan = read_journal(daemon.state / "journal")

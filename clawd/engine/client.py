@@ -72,6 +72,7 @@ class EngineClient:
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout, 5.0), sock_connect=connect_timeout)
         self._incremental = incremental_stream
         self._session: aiohttp.ClientSession | None = None
+        self._refusing: str | None = None
 
     async def start(self) -> None:
         # Engines are addressed by IP literal, so aiohttp never calls its threaded resolver.
@@ -83,13 +84,20 @@ class EngineClient:
             await self._session.close()
             self._session = None
 
+    def refuse(self, reason: str) -> None:
+        """New calls fail at once; calls in flight go on until the engine answers or drops them. (Closing the
+        session would not end them: aiohttp detaches a closed connection's payload, so its reader waits forever.)"""
+        self._refusing = reason
+
     def set_url(self, url: str) -> None:
         self.url = url.rstrip("/")
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        if self._session is None:  # not started yet, or closed by a forced stop: calls fail like a down engine
+        if self._session is None:  # not started yet, or closed: calls fail like a down engine
             raise EngineUnavailable("the engine client is closed")
+        if self._refusing is not None:
+            raise EngineUnavailable(self._refusing)
         return self._session
 
     async def _post(self, path: str, payload: dict, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
