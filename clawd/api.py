@@ -27,7 +27,7 @@ from .metrics import Metrics
 from .pause import PauseState
 from .sample_store import SampleStore
 from .scoring import Scorer
-from .status import Status
+from .status import Status, finite
 
 log = logging.getLogger("clawd.api")
 
@@ -157,7 +157,7 @@ def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, st
         # For tests and operators: the daemon's process shape (DESIGN §1).
         # threading is already loaded by asyncio; reading it here adds no threads.
         threads = sys.modules["threading"].active_count()
-        return web.json_response({"pid": os.getpid(), "threads": threads,
+        return web.json_response(finite({"pid": os.getpid(), "threads": threads,
                                   "torch_imported": "torch" in sys.modules, "engine_url": chat.engine.url, "engine_pid": chat.supervisor.pid,
                                   "engine_restarts": chat.supervisor.restarts,
                                   "transformers_imported": "transformers" in sys.modules,
@@ -170,7 +170,7 @@ def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, st
                                                "pause_reason": learner.pause_reason,
                                                "policy_version": chat.policy.version} if learner else None),
                                   "trainer": ({"pid": learner.trainer.pid, "alive": learner.trainer.alive,
-                                               "restarts": learner.trainer.restarts} if learner else None)})
+                                               "restarts": learner.trainer.restarts} if learner else None)}))
 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -160,7 +160,8 @@ class Scorer:
         if self.judge is None:
             vote, rules_hint = J.rules_vote(turn, next_state)
             votes = (vote,) if wants_rl else ()
-            hint_votes = ((vote, rules_hint),) if wants_hint else ()
+            # As a hint judge would vote: +1 "the next state holds a hint", -1 "it does not".
+            hint_votes = ((1 if rules_hint else -1, rules_hint),) if wants_hint else ()
             rl_vote = vote if wants_rl else None
             hint = rules_hint if wants_hint else None  # already length-checked by rules_vote
             raw: list[str | None] = []

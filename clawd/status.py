@@ -6,6 +6,7 @@ owns nothing but the per-minute rate windows the chat path ticks.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -49,6 +50,18 @@ class Rate:
             self._buckets.popleft()
 
 
+def finite(value):
+    """`value` as strict JSON can carry it: non-finite floats (a step with no loss tokens reports NaN)
+    become None; Python's json would write `NaN`, which jq and JavaScript reject."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 @dataclass
 class Status:
     cfg: Config
@@ -72,7 +85,7 @@ class Status:
         paused = self.pause.current
         learning_reason = learner.pause_reason if learner is not None and learner.paused else None
         sc = self.scorer.stats
-        return {
+        return finite({
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
             "mode": cfg.scoring.mode,
@@ -103,7 +116,7 @@ class Status:
                 "alive": trainer.alive, "pid": trainer.pid, "restarts": trainer.restarts,
                 "step": trainer.ready.step if trainer.ready else None, "version": trainer.version},
             "journal": {**self.journal.stats(), "size_bytes": _tree_size(self.journal.directory)},
-        }
+        })
 
 
 def _tree_size(path) -> int:

@@ -83,3 +83,33 @@ async def test_backlog_beyond_max_pending_is_excluded(tmp_path):
     assert s.stats.pending == 2 and s.stats.excluded == {"scoring_backlog": 1}
     await s.close(timeout=0.05)
     await store.journal.close()
+
+
+class FixedTeacher:
+    """The teacher's interface: a log-prob per response token."""
+
+    async def logprobs(self, prompt_ids, response_ids, **_):
+        return [-0.1] * len(response_ids)
+
+
+async def test_rules_judge_counts_the_hints_it_offers_and_accepts_like_a_hint_judge(tiny_model, tmp_path):
+    """With the rules judge in combine mode, a correction's hint is both offered and accepted (the rules'
+    hint vote is +1 when the next state holds a hint, as a hint judge's would be); thanks offer none."""
+    from clawd.tokenizer import ChatTokenizer
+    cfg = config_from_dict({"scoring": {"mode": "combine"}, "judge": {"backend": "rules"}})
+    store = SampleStore(Journal(tmp_path / "journal"))
+    await store.replay()
+    s = Scorer(cfg, tokenizer=ChatTokenizer(tiny_model), judge=None, teacher=FixedTeacher(), store=store,
+               records=RecordWriter(tmp_path / "records", kind="judge"))
+    correction, thanks = _finished(0), _finished(1)
+    correction.next_state[0]["content"] = "No, that is wrong. Please answer in one short sentence."
+    thanks.next_state[0]["content"] = "Thanks, that helps!"
+    s.submit(correction)
+    s.submit(thanks)
+    async with asyncio.timeout(10):
+        while s.stats.pending:
+            await asyncio.sleep(0.01)
+    assert s.stats.hints_offered == 1 and s.stats.hints_accepted == 1
+    assert s.stats.votes == {"-1": 1, "+1": 1} and s.stats.emitted == 2
+    await s.close(timeout=1)
+    await store.journal.close()
