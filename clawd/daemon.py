@@ -42,7 +42,7 @@ from .weights import restored_weights
 
 log = logging.getLogger("clawd")
 
-_FORCED_STOP_GRACE = 3.0  # seconds the drain may still take after a second stop signal
+_FORCED_STOP_GRACE = 1.0  # after a second stop signal: seconds for each stage of cutting the drain short
 
 
 async def run(cfg: Config) -> int:
@@ -183,23 +183,34 @@ async def run(cfg: Config) -> int:
             await asyncio.wait([draining, second], return_when=asyncio.FIRST_COMPLETED)
             second.cancel()
             if not draining.done():
-                # Cut everything short: children killed, tasks cancelled; the exit stack still closes
-                # (and fsyncs) the journal, so what was not trained replays at the next start.
-                log.warning("second stop signal: stopping now, in-flight requests are cut")
-                if trainer is not None:
-                    trainer.kill()
-                for supervisor in supervisors:
-                    supervisor.kill()
-                for client in {policy_engine, reference_engine} - {None}:
-                    client.refuse("clawd is stopping")  # a new call would wait on the dead engine's socket
-                # Requests in flight end as their engine's connection drops (a stream with an error event,
-                # a whole reply with 502), so the drain ends by itself; whatever still waits after a moment
-                # is cancelled. (Cancelling aiohttp's shutdown while a handler runs makes it log a traceback.)
-                await asyncio.wait([draining], timeout=_FORCED_STOP_GRACE)
-                for task in asyncio.all_tasks() - {asyncio.current_task()}:
-                    task.cancel()
+                await _cut_short(draining, trainer, supervisors, {policy_engine, reference_engine} - {None}, runner)
     log.info("stopped")
     return 0
+
+
+async def _cut_short(draining: asyncio.Task, trainer: TrainerSupervisor | None, supervisors, engine_clients,
+                     runner: web.AppRunner) -> None:
+    """The second stop signal: end the drain now. The exit stack still closes (and fsyncs) the journal,
+    so what was not trained replays at the next start."""
+    log.warning("second stop signal: stopping now, in-flight requests are cut")
+    if trainer is not None:
+        trainer.kill()
+    for supervisor in supervisors:
+        supervisor.kill()
+    for client in engine_clients:
+        client.refuse("clawd is stopping")  # a new call would wait on the dead engine's socket
+    # Requests waiting on an engine end as its connection drops (a stream with an error event, a whole
+    # reply with 502); the drain then goes on by itself.
+    await asyncio.wait([draining], timeout=_FORCED_STOP_GRACE)
+    if not draining.done() and runner.server is not None:
+        # Still open: requests that wait on their client (a body never finished, a stream not read). Cut
+        # their connections; aiohttp ends their handlers as for a client that hung up. Cancelling its
+        # shutdown while a handler still runs would instead make it log an InvalidStateError traceback.
+        for connection in runner.server.connections:
+            connection.force_close()
+        await asyncio.wait([draining], timeout=_FORCED_STOP_GRACE)
+    for task in asyncio.all_tasks() - {asyncio.current_task()}:  # the rest of the drain (judge, learner)
+        task.cancel()
 
 
 def _startup_budget(cfg: Config) -> float:

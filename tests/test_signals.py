@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -103,9 +104,7 @@ def test_sigterm_under_load_completes_in_flight_and_exits_clean(tiny_model, tmp_
         long.join(30)
     finally:
         load.stop()
-        if daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait()
+        _reap(daemon)
     daemon._reader.join(5)
     outcomes = load.snapshot()
     kinds = {k: sum(o.kind == k for o in outcomes) for k in (OK, REFUSED, STATUS, NO_RESPONSE, BROKEN)}
@@ -160,7 +159,20 @@ def test_sigterm_under_load_completes_in_flight_and_exits_clean(tiny_model, tmp_
 
 
 class SecondSignalCrash(AssertionError):
-    """The daemon exited promptly after a second SIGTERM, but not cleanly (an exit code other than 0, a traceback)."""
+    """The daemon exited promptly once its drain was cut, but not cleanly (an exit code other than 0, a traceback)."""
+
+
+def _reap(daemon: Daemon) -> None:
+    """A daemon the test left running (it failed) is killed, so no process outlives the test."""
+    if daemon.proc.poll() is None:
+        daemon.proc.kill()
+        daemon.proc.wait()
+
+
+def _assert_exited_cleanly(daemon: Daemon, code: int) -> None:
+    crash = [line for line in daemon.lines if "Traceback" in line or "Unhandled" in line]
+    if code != 0 or crash:
+        raise SecondSignalCrash(f"exit code {code}; {''.join(crash[-3:])}")
 
 
 def test_second_sigterm_exits_promptly(tiny_model, tmp_path, monkeypatch):
@@ -190,9 +202,7 @@ def test_second_sigterm_exits_promptly(tiny_model, tmp_path, monkeypatch):
         code = daemon.proc.wait(10)
         took = time.monotonic() - second
     finally:
-        if daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait()
+        _reap(daemon)
         long.join(30)
     daemon._reader.join(5)
     print(f"\nexit {code} {took:.1f}s after the second SIGTERM; the stream: {long.error or long.finish_reason}")
@@ -213,6 +223,41 @@ def test_second_sigterm_exits_promptly(tiny_model, tmp_path, monkeypatch):
     assert int(re.search(r"journal: (\d+) sample", replay).group(1)) == 2
     assert not [line for line in again.lines if TIDY.search(line)]
 
-    crash = [line for line in daemon.lines if "Traceback" in line]
-    if code != 0 or crash:
-        raise SecondSignalCrash(f"exit code {code}; {''.join(crash[-3:])}")
+    _assert_exited_cleanly(daemon, code)
+
+
+def _stalled_request(daemon: Daemon) -> socket.socket:
+    """A client that sent its headers and part of its body, then stalls: only a cut connection ends its handler."""
+    stalled = socket.create_connection(("127.0.0.1", int(daemon.url.rsplit(":", 1)[1])))
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "Hi"}]}'
+    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (len(body) + 100) + body)
+    time.sleep(0.5)  # the handler is reading the body
+    return stalled
+
+
+@pytest.mark.parametrize("ending", ["second SIGTERM", "drain timeout"])
+def test_a_request_that_never_finishes_sending_is_cut_cleanly(tiny_model, tmp_path, ending):
+    """A stalled upload holds a handler that no engine can end. The drain waits for it until the drain timeout
+    (3 s here) or a second SIGTERM, then cuts it: exit 0 soon after, no traceback."""
+    drain = 120.0 if ending == "second SIGTERM" else 3.0
+    daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model)}, "engine": {"launch": "local"},
+                               "server": {"drain_timeout": drain}})
+    stalled = _stalled_request(daemon)
+    try:
+        daemon.proc.send_signal(signal.SIGTERM)
+        daemon.wait_for(r"stopping: draining", 10)
+        time.sleep(0.5)
+        assert daemon.proc.poll() is None  # the drain waits for the stalled request
+        if ending == "second SIGTERM":
+            daemon.proc.send_signal(signal.SIGTERM)
+        cut = time.monotonic()
+        code = daemon.proc.wait(drain + 10)
+        took = time.monotonic() - cut
+    finally:
+        stalled.close()
+        _reap(daemon)
+    daemon._reader.join(5)
+    print(f"\nexit {code} {took:.1f}s after the {ending}")
+    assert took < (5 if ending == "second SIGTERM" else drain + 5)
+    _assert_exited_cleanly(daemon, code)
