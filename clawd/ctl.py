@@ -166,6 +166,8 @@ def _counts(d: dict | None) -> str:
 
 
 def _num(x) -> str:
+    if x is None:  # the snapshot's null for a non-finite value (a step with no loss tokens)
+        return "n/a"
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 

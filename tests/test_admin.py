@@ -410,6 +410,8 @@ def test_format_status_with_parts_off_or_missing():
     assert "engines\n  state               off\n" in text
     assert "  paused              no\n" in text
     assert format_status({}, now=NOW).count("state               off") == 3  # an empty snapshot still renders
+    no_loss = {**SNAPSHOT["learner"], "last_metrics": {"loss": None, "tokens": 0.0}}  # NaN arrives as null
+    assert "  last step           loss n/a, tokens 0\n" in format_status({**SNAPSHOT, "learner": no_loss}, now=NOW)
 
 
 def test_small_formatters():
