@@ -143,8 +143,8 @@ async def run(cfg: Config) -> int:
                                         name="session-sweeper")
             app = make_app(cfg, chat, scorer=scorer, store=store, supervisors=supervisors, learner=learner,
                            pause=pause, status=status, metrics=metrics, auth=auth)
-            runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                   shutdown_timeout=cfg.server.drain_timeout)
+            runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.server.drain_timeout,
+                                   **metrics.runner_options())
             await runner.setup()
             site = web.TCPSite(runner, cfg.server.host, cfg.server.port, backlog=1024)
             await site.start()

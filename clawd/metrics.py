@@ -12,10 +12,12 @@ nothing here starts a thread: the page is rendered inside the request handler.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,6 +30,7 @@ PUBLISH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 HELD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 UNMATCHED = "unmatched"  # the route label of a request no route matched (404, 405)
+UNPARSED = "unparsed"    # the route label of a request aiohttp answered itself, before any route (bad HTTP: 400)
 CLIENT_CLOSED = "499"    # the status label of a request whose client left first (nginx's code for it)
 
 # The last step's loss and its parts (trainer.train_step's metric keys) → the `part` label.
@@ -42,6 +45,7 @@ STEP_GAUGES = {"grad_norm": ("clawd_train_grad_norm", "Gradient norm of the last
 disable_created_metrics()
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+COUNTED = web.RequestKey("clawd_metrics_counted", bool)  # set by the middleware on the requests it counts
 
 
 def route_label(request: web.Request) -> str:
@@ -89,6 +93,7 @@ class Metrics:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Outermost: it sees the status the client gets, error middleware and 404s included."""
         started = time.monotonic()
+        request[COUNTED] = True
         status = "500"  # an exception no middleware turned into a response: aiohttp answers 500
         try:
             resp = await handler(request)
@@ -104,6 +109,19 @@ class Metrics:
             route = route_label(request)
             self.requests.labels(route, status).inc()
             self.latency.labels(route).observe(time.monotonic() - started)
+
+    def runner_options(self) -> dict:
+        """AppRunner options that count what the middleware never sees: requests aiohttp answers itself
+        because they are not HTTP it can parse. Its access-log hook is the one place those replies pass
+        (it is called only when given a logger; this one writes nothing)."""
+        requests = self.requests
+
+        class CountUnparsed(AbstractAccessLogger):
+            def log(self, request, response, time) -> None:
+                if COUNTED not in request:
+                    requests.labels(UNPARSED, str(response.status)).inc()
+
+        return {"access_log": logging.getLogger("clawd.access"), "access_log_class": CountUnparsed}
 
 
 class StageCollector(Collector):

@@ -2,6 +2,7 @@
 end-to-end run in which every required metric appears and the ones the run moves have moved."""
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import urllib.error
@@ -205,6 +206,27 @@ async def test_requests_are_counted_by_matched_route_and_final_status():
     assert got[("clawd_http_request_duration_seconds_count", (("route", "unmatched"),))] == 4
     assert {dict(labels)["route"] for name, labels in got if name == "clawd_http_requests_total"} == {
         "/health", "/v1/models", "unmatched"}  # this scrape is counted once it is answered
+
+
+async def test_requests_aiohttp_answers_itself_are_counted_as_unparsed():
+    """Bad HTTP never reaches a route or the middleware: aiohttp answers 400 itself. It is still counted."""
+    metrics = Metrics(FakeChat())
+    server = TestServer(make_app(Config(), FakeChat(), metrics=metrics))
+    await server.start_server(**metrics.runner_options())  # as the daemon starts its runner
+    client = TestClient(server)
+    try:
+        for garbage in (b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header Line\r\n\r\n"):
+            reader, writer = await asyncio.open_connection(server.host, server.port)
+            writer.write(garbage)
+            assert (await reader.readline()).split()[1] == b"400"
+            writer.close()
+        assert (await client.get("/health")).status == 200
+        got = values(await (await client.get("/metrics")).text())
+    finally:
+        await client.close()
+    assert got[("clawd_http_requests_total", (("route", "unparsed"), ("status", "400")))] == 2
+    assert got[("clawd_http_requests_total", (("route", "/health"), ("status", "200")))] == 1
+    assert ("clawd_http_requests_total", (("route", "unparsed"), ("status", "200"))) not in got
 
 
 async def test_no_metrics_route_without_metrics():
