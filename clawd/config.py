@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
 import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -409,6 +411,28 @@ class Config:
         judge = self.judge.backend == "sglang" and self.judge.engine == "reference"
         teacher = self.scoring.mode != "rl" and self.judge.teacher_engine == "reference"
         return judge or teacher
+
+
+def to_toml(sections: dict[str, dict[str, Any]]) -> str:
+    """TOML for a config of tables of scalars, lists and inline tables (all clawd's config needs)."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a TOML basic string
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        raise TypeError(f"no TOML for {v!r}")
+    out = []
+    for name, table in sections.items():
+        out.append(f"[{name}]")
+        out += [f"{k} = {value(v)}" for k, v in table.items()]
+        out.append("")
+    return "\n".join(out)
 
 
 def load_config(path: str | Path) -> Config:

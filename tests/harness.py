@@ -12,29 +12,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from clawd.config import to_toml
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def to_toml(cfg: dict) -> str:
-    """Enough TOML for test configs: tables of scalars and lists."""
-    def value(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
-        raise TypeError(v)
-    lines = []
-    for section, table in cfg.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {value(v)}" for k, v in table.items()]
-        lines.append("")
-    return "\n".join(lines)
 
 
 class Daemon:

@@ -7,11 +7,11 @@ import tomllib
 
 import pytest
 
-from clawd.config import ApiKey, Config, config_from_dict
+from clawd.config import ApiKey, Config, config_from_dict, to_toml
 from clawd.reload import (RELOADABLE, ReloadPlan, ReloadTargets, apply_reload, changed_keys, in_effect,
                           load_for_reload, plan_reload, reload)
 
-from .harness import Daemon, to_toml
+from .harness import Daemon
 
 BASE = config_from_dict({"judge": {"backend": "rules"}, "state": {"dir": "/var/lib/clawd"}}, source="a.toml")
 

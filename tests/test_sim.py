@@ -10,7 +10,7 @@ import pytest
 
 from clawd import judging
 from clawd.sim import personas as P
-from clawd.sim.launch import to_toml
+from clawd.config import to_toml
 from clawd.sim.users import (STYLES, TOOLS, Reply, Users, by_persona, by_version, plan_sessions, rate, tool_result,
                              version_of)
 
