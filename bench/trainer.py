@@ -50,7 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clawd.samples import Sample  # noqa: E402
-from clawd.trainer import TrainConfig, Trainer, pack  # noqa: E402
+from clawd.trainer.step import TrainConfig, Trainer, pack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TARGET_OVERHEAD = 1.15

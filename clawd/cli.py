@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from .config import ConfigError, load_config
+from clawd.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "etc/clawd.toml"
 
@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=cfg.logging.level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .daemon import run  # after logging is set up
-    from .admin import AdminSocketError
-    from .journal import JournalError
+    from clawd.daemon import run  # after logging is set up
+    from clawd.ops.admin import AdminSocketError
+    from clawd.learning.journal import JournalError
     try:
         return asyncio.run(run(cfg))
     except FileNotFoundError as exc:

@@ -241,7 +241,7 @@ class LearnerConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Passed as is to the trainer subprocess (clawd/trainer.py checks it again there)."""
+    """Passed as is to the trainer subprocess (clawd/trainer/step.py checks it again there)."""
 
     lr: float = 1e-5
     weight_decay: float = 0.0

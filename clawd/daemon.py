@@ -16,29 +16,29 @@ import uuid
 
 from aiohttp import web
 
-from .admin import AdminServer, argument
-from . import systemd
-from .api import SERVING, Authenticator, make_app
-from .chat import ChatService
-from .config import Config
-from .engine.client import EngineClient
-from .engine.supervisor import EngineSupervisor
-from .journal import Journal
-from .judge_client import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
-from .learner import Learner, Publisher
-from .metrics import Metrics
-from .pause import PauseState
-from .policy import Policy
-from .records import RecordWriter
-from .reload import ReloadTargets, reload
-from .sample_store import SampleStore
-from .scoring import Scorer
-from .sessions import SessionTable
-from .status import Status
-from .tokenizer import ChatTokenizer
-from .trainer_link import TrainerSupervisor
-from .turns import SHUTDOWN, FinishedTurn
-from .weights import restored_weights
+from clawd.ops.admin import AdminServer, argument
+from clawd.ops import systemd
+from clawd.serving.api import SERVING, Authenticator, make_app
+from clawd.serving.completion import ChatService
+from clawd.config import Config
+from clawd.engine.client import EngineClient
+from clawd.engine.supervisor import EngineSupervisor
+from clawd.learning.journal import Journal
+from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
+from clawd.learning.learner import Learner, Publisher
+from clawd.ops.metrics import Metrics
+from clawd.ops.pause import PauseState
+from clawd.served import Policy
+from clawd.serving.records import RecordWriter
+from clawd.ops.reload import ReloadTargets, reload
+from clawd.learning.store import SampleStore
+from clawd.scoring.scorer import Scorer
+from clawd.serving.sessions import SessionTable
+from clawd.ops.status import Status
+from clawd.serving.tokenizer import ChatTokenizer
+from clawd.trainer.link import TrainerSupervisor
+from clawd.turns import SHUTDOWN, FinishedTurn
+from clawd.weights import restored_weights
 
 log = logging.getLogger("clawd")
 

@@ -3,7 +3,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from clawd.models import build_tiny_model, prepare_default_model
+from clawd.tools.models import build_tiny_model, prepare_default_model
 
 # CI runs a fixed set of examples (the same on every run, so a submission's result never
 # depends on a draw); developers' runs explore new random examples each time.

@@ -87,7 +87,7 @@ class Daemon:
 
     def samples(self) -> list:
         """The samples in the journal (the daemon must be stopped: the journal is locked while it runs)."""
-        from clawd.journal import Journal
+        from clawd.learning.journal import Journal
         from clawd.samples import Sample
         journal = Journal(self.state / "journal")
         try:

@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs with -S, no site
 
-from clawd.journal import Journal  # noqa: E402
+from clawd.learning.journal import Journal  # noqa: E402
 
 
 async def worker(journal: Journal, rng: random.Random, prefix: str, live: list[str], say) -> None:

@@ -206,7 +206,7 @@ def thanked_conversation(base_url: str, question: str, *, timeout: float = 120.0
 
 # ---- what a fault leaves behind: the journal on disk, records, processes, ports ---------------------------------
 
-# The journal's on-disk format (clawd/journal.py docstring), read here independently of clawd's reader so the
+# The journal's on-disk format (clawd/learning/journal.py docstring), read here independently of clawd's reader so the
 # tests do not check the daemon with its own code.
 _HEADER = b"CLAWDJNL" + struct.pack("<I", 1)
 _SEGMENT = re.compile(r"journal-(\d{16})\.seg")

@@ -1,4 +1,4 @@
-"""The admin socket (clawd/admin.py) and its client, bin/clawctl (clawd/ctl.py)."""
+"""The admin socket (clawd/ops/admin.py) and its client, bin/clawctl (clawd/ops/ctl.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from clawd import admin
-from clawd.admin import AdminError, AdminServer, AdminSocketError
-from clawd.ctl import find_socket, format_pause, format_status, human_age, human_bytes
+from clawd.ops import admin
+from clawd.ops.admin import AdminError, AdminServer, AdminSocketError
+from clawd.ops.ctl import find_socket, format_pause, format_status, human_age, human_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534

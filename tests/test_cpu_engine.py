@@ -24,7 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from clawd.engine import cpu
+from clawd.engine.local import server as cpu
 
 REPO = Path(__file__).resolve().parents[1]
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
@@ -47,7 +47,7 @@ class Engine:
         sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "clawd.engine.cpu", "--model", str(model), "--fd", str(sock.fileno()),
+        cmd = [sys.executable, "-m", "clawd.engine.local.server", "--model", str(model), "--fd", str(sock.fileno()),
                "--threads", "1", "--max-batch-size", "8", *flags]
         with open(log_path, "wb") as log:
             if orphanable:

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from clawd.detokenize import IncrementalDetokenizer, special_ids
+from clawd.serving.detokenize import IncrementalDetokenizer, special_ids
 
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")

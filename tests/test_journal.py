@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from clawd.journal import (ACK, APPEND, HEADER, Journal, JournalCorrupt, JournalError, encode_ack,
+from clawd.learning.journal import (ACK, APPEND, HEADER, Journal, JournalCorrupt, JournalError, encode_ack,
                            encode_append, scan_records, segment_name)
 from tests import journal_writer
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from clawd.engine.client import EngineClient
-from clawd.judge_client import (AttemptFailed, CallPolicy, JudgeFailed, JudgeStats, OpenAIJudge, SGLangJudge,
+from clawd.scoring.judges import (AttemptFailed, CallPolicy, JudgeFailed, JudgeStats, OpenAIJudge, SGLangJudge,
                                 Teacher, backoff_delay, chat_content, error_message, parse_retry_after,
                                 teacher_logprobs)
-from clawd.tokenizer import ChatTokenizer
+from clawd.serving.tokenizer import ChatTokenizer
 from tests.fake_judge import FakeJudge, Reply
 from tests.fake_sglang import ABORTED, FakeSGLang, input_logprob
 
@@ -301,7 +301,7 @@ async def test_openai_judge_by_host_name_needs_a_pinned_address_and_starts_no_th
 
 
 def test_the_module_imports_neither_torch_nor_transformers():
-    code = ("import sys, clawd.judge_client; "
+    code = ("import sys, clawd.scoring.judges; "
             "assert not {'torch', 'transformers'} & set(sys.modules), 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from clawd.judging import (ASSISTANT_CLOSE, ASSISTANT_OPEN, HINT_MARKER, HINT_SYSTEM, MAX_RULES_HINT_CHARS,
+from clawd.scoring.judging import (ASSISTANT_CLOSE, ASSISTANT_OPEN, HINT_MARKER, HINT_SYSTEM, MAX_RULES_HINT_CHARS,
                            RL_SYSTEM, Decision, Outcome, build_sample, decide, hint_judge_messages,
                            is_tool_error, majority, message_text, neutralise, parse_hint_vote, parse_vote,
                            render_turn_for_judge, rl_judge_messages, rules_vote, select_hint, teacher_messages)

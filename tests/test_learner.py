@@ -15,11 +15,11 @@ import pytest
 
 from clawd.config import LearnerConfig
 from clawd.engine.client import EngineClient, EngineUnavailable
-from clawd.journal import Journal
-from clawd.learner import Learner, Publisher
-from clawd.policy import Policy
-from clawd.sample_store import SampleStore
-from clawd.trainer_link import TrainerSupervisor
+from clawd.learning.journal import Journal
+from clawd.learning.learner import Learner, Publisher
+from clawd.served import Policy
+from clawd.learning.store import SampleStore
+from clawd.trainer.link import TrainerSupervisor
 from tests.fake_sglang import FakeSGLang
 from tests.trainer_handlers import calls, make_sample
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from clawd import losses as L
+from clawd.trainer import losses as L
 
 F64 = torch.float64
 NAN, INF = math.nan, math.inf

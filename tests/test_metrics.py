@@ -13,13 +13,13 @@ import openai
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from clawd.api import make_app
-from clawd.chat import ChatStats
+from clawd.serving.api import make_app
+from clawd.serving.completion import ChatStats
 from clawd.config import ApiKey, AuthConfig, Config
-from clawd.learner import LearnerStats
-from clawd.metrics import Metrics
-from clawd.pause import PauseState
-from clawd.scoring import ScoringStats
+from clawd.learning.learner import LearnerStats
+from clawd.ops.metrics import Metrics
+from clawd.ops.pause import PauseState
+from clawd.scoring.scorer import ScoringStats
 
 from .harness import Daemon
 

@@ -10,8 +10,8 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from clawd import models
-from clawd.models import MARKER, build_tiny_model, main, prepare_default_model
+from clawd.tools import models
+from clawd.tools.models import MARKER, build_tiny_model, main, prepare_default_model
 
 TOKEN_IDS = {
     "<|endoftext|>": 4087, "<|im_start|>": 4088, "<|im_end|>": 4089,
@@ -231,14 +231,14 @@ def test_cli_reports_failure(tmp_path, capsys):
     target = tmp_path / "a-file"
     target.write_text("not a directory")
     assert main(["tiny", str(target)]) == 1
-    assert "clawd.models: error: FileExistsError" in capsys.readouterr().err
+    assert "clawd.tools.models: error: FileExistsError" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["huge", str(tmp_path)])
     assert exc.value.code == 2
 
 
 def test_module_imports_without_torch():
-    code = ("import sys, clawd.models; "
+    code = ("import sys, clawd.tools.models; "
             "assert not {'torch', 'transformers'} & set(sys.modules), 'heavy import at module level'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from clawd.parsers import Content, Reasoning, ToolCall, make_parser, parse_complete
+from clawd.serving.parsers import Content, Reasoning, ToolCall, make_parser, parse_complete
 
 
 def counter_ids():

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from clawd.journal import Journal
-from clawd.sample_store import SampleStore, fair_pick
+from clawd.learning.journal import Journal
+from clawd.learning.store import SampleStore, fair_pick
 from clawd.samples import Sample
 
 

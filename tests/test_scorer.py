@@ -4,11 +4,11 @@ import asyncio
 import pytest
 
 from clawd.config import config_from_dict
-from clawd.journal import Journal
-from clawd.judge_client import JudgeFailed
-from clawd.records import RecordWriter
-from clawd.sample_store import SampleStore
-from clawd.scoring import Scorer
+from clawd.learning.journal import Journal
+from clawd.scoring.judges import JudgeFailed
+from clawd.serving.records import RecordWriter
+from clawd.learning.store import SampleStore
+from clawd.scoring.scorer import Scorer
 from clawd.turns import FinishedTurn, Turn
 
 
@@ -95,7 +95,7 @@ class FixedTeacher:
 async def test_rules_judge_counts_the_hints_it_offers_and_accepts_like_a_hint_judge(tiny_model, tmp_path):
     """With the rules judge in combine mode, a correction's hint is both offered and accepted (the rules'
     hint vote is +1 when the next state holds a hint, as a hint judge's would be); thanks offer none."""
-    from clawd.tokenizer import ChatTokenizer
+    from clawd.serving.tokenizer import ChatTokenizer
     cfg = config_from_dict({"scoring": {"mode": "combine"}, "judge": {"backend": "rules"}})
     store = SampleStore(Journal(tmp_path / "journal"))
     await store.replay()

@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 
-from clawd import judging
+from clawd.scoring import judging
 from .fake_sglang import FakeSGLang, input_logprob
 from .harness import Daemon, wait_ready_async
 from .test_api import Script

@@ -1,7 +1,7 @@
 """Requests of one explicit session run in arrival order; a client that leaves while queued leaks nothing."""
 import asyncio
 
-from clawd.chat import _SessionLocks
+from clawd.serving.completion import _SessionLocks
 
 KEY = ("alice", "s1")
 

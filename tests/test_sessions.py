@@ -5,7 +5,7 @@ from collections import OrderedDict
 import pytest
 
 from clawd import turns
-from clawd.sessions import SessionTable, canonical, prefix_hashes
+from clawd.serving.sessions import SessionTable, canonical, prefix_hashes
 from clawd.turns import FinishedTurn, Turn
 
 

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from clawd import judging
-from clawd.sim import personas as P
+from clawd.scoring import judging
+from clawd.tools.sim import personas as P
 from clawd.config import to_toml
-from clawd.sim.users import (STYLES, TOOLS, Reply, Users, by_persona, by_version, plan_sessions, rate, tool_result,
+from clawd.tools.sim.users import (STYLES, TOOLS, Reply, Users, by_persona, by_version, plan_sessions, rate, tool_result,
                              version_of)
 
 from .harness import Daemon

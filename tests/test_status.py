@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 
-from clawd.status import Rate, finite
+from clawd.ops.status import Rate, finite
 
 
 class Clock:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from clawd.config import load_config
-from clawd.systemd import datagram, extend_timeout, notify, notify_address, parse_watchdog, watchdog, watchdog_interval
+from clawd.ops.systemd import datagram, extend_timeout, notify, notify_address, parse_watchdog, watchdog, watchdog_interval
 
 from .harness import ROOT, Daemon
 
@@ -296,7 +296,7 @@ def test_make_install_stages_the_files(tmp_path):
 
     install()
     opt = dest / "opt" / "clawd"
-    assert (opt / "clawd" / "systemd.py").read_text() == (ROOT / "clawd" / "systemd.py").read_text()
+    assert (opt / "clawd" / "ops" / "systemd.py").read_text() == (ROOT / "clawd" / "ops" / "systemd.py").read_text()
     assert (opt / "bin" / "clawd").exists() and (opt / "setup.cfg").exists()
     assert not list(opt.rglob("__pycache__"))
     assert not (opt / ".venv").exists()  # DESTDIR: files only
@@ -315,7 +315,7 @@ def test_make_install_stages_the_files(tmp_path):
     assert installed.state.dir == "/var/lib/clawd"
     assert installed.model.path == "/var/lib/clawd/models/SmolLM2-135M-Instruct"
     # Nothing else differs from the documented defaults, comments included.
-    from clawd.reload import changed_keys
+    from clawd.ops.reload import changed_keys
     assert list(changed_keys(default, installed)) == ["model.path", "state.dir"]
     assert len(config_path.read_text().splitlines()) == len((ROOT / "etc" / "clawd.toml").read_text().splitlines())
 
@@ -328,7 +328,7 @@ def test_make_install_stages_the_files(tmp_path):
     unit = (dest / "etc/systemd/system/clawd.service").read_text()
     assert "ExecStart=/srv/clawd/.venv/bin/python -P -m clawd" in unit and "/opt/clawd" not in unit
     assert "exec /srv/clawd/.venv/bin/python /srv/clawd/bin/clawctl" in clawctl.read_text()
-    assert (dest / "srv/clawd/clawd/systemd.py").exists()
+    assert (dest / "srv/clawd/clawd/ops/systemd.py").exists()
 
 
 # --- the real daemon under a fake systemd (needs the wiring in clawd/daemon.py) ---------------

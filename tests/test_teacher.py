@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from clawd.engine.client import EngineClient
-from clawd.judge_client import CallPolicy, Teacher
-from clawd.tokenizer import ChatTokenizer
+from clawd.scoring.judges import CallPolicy, Teacher
+from clawd.serving.tokenizer import ChatTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4
@@ -37,7 +37,7 @@ def engine_url(tiny_model, tmp_path_factory):
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     log_path = tmp_path_factory.mktemp("teacher") / "engine.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "clawd.engine.cpu", "--model", str(tiny_model),
+        proc = subprocess.Popen([sys.executable, "-m", "clawd.engine.local.server", "--model", str(tiny_model),
                                  "--fd", str(sock.fileno()), "--threads", "1", "--max-batch-size", "8"],
                                 pass_fds=(sock.fileno(),), cwd=REPO, stdout=log, stderr=log)
     sock.close()

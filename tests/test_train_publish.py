@@ -9,8 +9,8 @@ import pytest
 
 from clawd.engine.client import EngineClient
 from clawd.samples import Sample
-from clawd.tokenizer import ChatTokenizer
-from clawd.trainer_link import TrainerLink
+from clawd.serving.tokenizer import ChatTokenizer
+from clawd.trainer.link import TrainerLink
 from .test_teacher import engine_url  # noqa: F401  (a CPU engine on the tiny model)
 
 

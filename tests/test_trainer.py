@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from clawd.samples import Sample
-from clawd.trainer import TrainConfig, Trainer, TrainingPaused, pack
+from clawd.trainer.step import TrainConfig, Trainer, TrainingPaused, pack
 from clawd.weights import restored_weights
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from clawd.samples import Sample
-from clawd.trainer_link import (HandlerError, Ready, TrainerDied, TrainerError, TrainerLink, TrainerProtocolError,
+from clawd.trainer.link import (HandlerError, Ready, TrainerDied, TrainerError, TrainerLink, TrainerProtocolError,
                                 TrainerSupervisor, TrainerTimeout, TrainFailed, encode_message, read_frame,
                                 read_message)
-from clawd.trainer_proc import frame_header, message_frames, recv_message, send_message
+from clawd.trainer.child import frame_header, message_frames, recv_message, send_message
 from tests.trainer_handlers import calls, make_sample
 
 HANDLER = "tests.trainer_handlers:build"
@@ -285,7 +285,7 @@ async def test_attempts_are_bounded_and_handler_errors_are_not_retried(tmp_path)
 
 PARENT = """
 import asyncio, json, sys, threading
-from clawd.trainer_link import TrainerSupervisor
+from clawd.trainer.link import TrainerSupervisor
 from tests.trainer_handlers import calls, make_sample
 
 async def main(d):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from clawd.samples import Sample
-from clawd.trainer_proc import RetryableError
+from clawd.trainer.child import RetryableError
 
 
 def calls(directory) -> list[dict]:

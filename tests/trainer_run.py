@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
 
 from clawd.samples import Sample  # noqa: E402
-from clawd.trainer import TrainConfig, Trainer  # noqa: E402
+from clawd.trainer.step import TrainConfig, Trainer  # noqa: E402
 
 CONFIG = TrainConfig(lr=1e-3, micro_batch_tokens=48, eps_clip_high=0.28)
 

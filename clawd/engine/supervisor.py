@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import Config
-from ..policy import Policy
-from .client import EngineClient, EngineError, EngineUnavailable
+from clawd.config import Config
+from clawd.served import Policy
+from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
 
 log = logging.getLogger("clawd.engine")
 
@@ -78,7 +78,7 @@ class EngineSupervisor:
                 # The daemon owns the listening socket, so the port survives engine restarts.
                 self._sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
                 self.client.set_url(f"http://127.0.0.1:{self._sock.getsockname()[1]}")
-            argv = [sys.executable, "-m", "clawd.engine.cpu", "--model", weights,
+            argv = [sys.executable, "-m", "clawd.engine.local.server", "--model", weights,
                     "--fd", str(self._sock.fileno()), "--seed", str(eng.seed),
                     "--max-batch-size", str(eng.max_batch_size), "--weight-version", weight_version]
             if eng.cpu_threads:

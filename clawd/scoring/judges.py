@@ -42,8 +42,8 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from .engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable
-from .tokenizer import ChatTokenizer, TemplateError
+from clawd.engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable
+from clawd.serving.tokenizer import ChatTokenizer, TemplateError
 
 log = logging.getLogger("clawd.judge")
 T = TypeVar("T")

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from .turns import FinishedTurn
+from clawd.turns import FinishedTurn
 
 log = logging.getLogger("clawd.records")
 

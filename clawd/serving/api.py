@@ -17,17 +17,17 @@ from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from .chat import ChatService
-from .chat_request import Limits, parse_chat_request
-from .config import Config
-from .engine.supervisor import EngineSupervisor
-from .errors import ApiError
-from .learner import Learner
-from .metrics import Metrics
-from .pause import PauseState
-from .sample_store import SampleStore
-from .scoring import Scorer
-from .status import Status, finite
+from clawd.serving.completion import ChatService
+from clawd.serving.request import Limits, parse_chat_request
+from clawd.config import Config
+from clawd.engine.supervisor import EngineSupervisor
+from clawd.serving.errors import ApiError
+from clawd.learning.learner import Learner
+from clawd.ops.metrics import Metrics
+from clawd.ops.pause import PauseState
+from clawd.learning.store import SampleStore
+from clawd.scoring.scorer import Scorer
+from clawd.ops.status import Status, finite
 
 log = logging.getLogger("clawd.api")
 

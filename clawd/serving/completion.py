@@ -18,17 +18,17 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from . import turns as T
-from .chat_request import ChatRequest
-from .config import Config
-from .detokenize import IncrementalDetokenizer
-from .engine.client import Chunk, EngineClient, EngineError, EngineUnavailable
-from .engine.supervisor import EngineSupervisor
-from .errors import ApiError, bad_request
-from .parsers import Content, Reasoning, ToolCall, make_parser
-from .policy import Policy
-from .sessions import SessionTable
-from .tokenizer import ChatTokenizer, TemplateError
+from clawd import turns as T
+from clawd.serving.request import ChatRequest
+from clawd.config import Config
+from clawd.serving.detokenize import IncrementalDetokenizer
+from clawd.engine.client import Chunk, EngineClient, EngineError, EngineUnavailable
+from clawd.engine.supervisor import EngineSupervisor
+from clawd.serving.errors import ApiError, bad_request
+from clawd.serving.parsers import Content, Reasoning, ToolCall, make_parser
+from clawd.served import Policy
+from clawd.serving.sessions import SessionTable
+from clawd.serving.tokenizer import ChatTokenizer, TemplateError
 
 log = logging.getLogger("clawd.chat")
 

@@ -10,8 +10,8 @@ Model hubs are unreachable here, so nothing in this module downloads anything.
 torch and transformers are imported inside the functions: the module itself
 stays importable by the daemon's tooling without them.
 
-    python -m clawd.models tiny DEST
-    python -m clawd.models default DEST
+    python -m clawd.tools.models tiny DEST
+    python -m clawd.tools.models default DEST
 """
 from __future__ import annotations
 
@@ -280,7 +280,7 @@ def cached_tiny_model(dest: Path) -> Path:
 
     dest = Path(dest)
     if not (dest / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "clawd.models", "tiny", str(dest)], check=True,
+        subprocess.run([sys.executable, "-m", "clawd.tools.models", "tiny", str(dest)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return dest
 
@@ -477,7 +477,7 @@ def _publish(dest: Path, write: Callable[[Path], None]) -> Path:
 # CLI
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m clawd.models",
+    parser = argparse.ArgumentParser(prog="python -m clawd.tools.models",
                                      description="Build the models clawd runs on, offline.")
     sub = parser.add_subparsers(dest="which", required=True)
     tiny = sub.add_parser("tiny", help="the tiny random Qwen2 test model")
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             prepare_default_model(args.dest)
     except Exception as e:  # reported, not swallowed: the exit status says it failed
-        print(f"clawd.models: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"clawd.tools.models: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Sequence
 
-from . import trainer_proc
-from .samples import Sample
-from .trainer_proc import frame_header, message_frames
+from clawd.trainer import child as trainer_proc
+from clawd.samples import Sample
+from clawd.trainer.child import frame_header, message_frames
 
 log = logging.getLogger("clawd.trainer")
 

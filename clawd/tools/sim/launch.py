@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import to_toml
-from ..ctl import NotRunning, call
+from clawd.config import to_toml
+from clawd.ops.ctl import NotRunning, call
 
 _LISTENING = re.compile(r"listening on (http://\S+)")
 PR_SET_PDEATHSIG = 1

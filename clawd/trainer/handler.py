@@ -1,6 +1,6 @@
 """The trainer child's handler: `trainer_proc` messages → `Trainer` calls.
 
-Runs only in the spawned trainer process (imports torch through clawd.trainer).
+Runs only in the spawned trainer process (imports torch through clawd.trainer.step).
 A train message trains one batch, publishes the new weights as the version the
 daemon asked for, and checkpoints when due, so the reply tells the daemon both
 where the weights are and whether the batch's samples are now safe to
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .samples import Sample
-from .trainer import TrainConfig, Trainer
+from clawd.samples import Sample
+from clawd.trainer.step import TrainConfig, Trainer
 
 
 class TrainerHandler:

@@ -17,14 +17,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import judging as J
-from .config import Config
-from .journal import JournalError
-from .judge_client import JudgeFailed, Teacher
-from .records import RecordWriter
-from .sample_store import SampleStore
-from .tokenizer import ChatTokenizer, TemplateError
-from .turns import FinishedTurn
+from clawd.scoring import judging as J
+from clawd.config import Config
+from clawd.learning.journal import JournalError
+from clawd.scoring.judges import JudgeFailed, Teacher
+from clawd.serving.records import RecordWriter
+from clawd.learning.store import SampleStore
+from clawd.serving.tokenizer import ChatTokenizer, TemplateError
+from clawd.turns import FinishedTurn
 
 log = logging.getLogger("clawd.scoring")
 

@@ -22,13 +22,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .config import LearnerConfig
-from .engine.client import EngineClient, EngineError, EngineUnavailable
-from .policy import Policy
-from .sample_store import SampleStore
-from .samples import Sample
-from .trainer_link import TrainerError, TrainerSupervisor
-from .weights import version_dir
+from clawd.config import LearnerConfig
+from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
+from clawd.served import Policy
+from clawd.learning.store import SampleStore
+from clawd.samples import Sample
+from clawd.trainer.link import TrainerError, TrainerSupervisor
+from clawd.weights import version_dir
 
 log = logging.getLogger("clawd.learner")
 

@@ -5,7 +5,7 @@ checker: a pure function of the reply's text. A reply that satisfies it is
 thanked; one that does not is corrected in words that say what was wanted, so a
 judge that extracts hints from the user's next message gets a usable one.
 
-The words are written for clawd's `rules` judge (clawd/judging.py): every thank-you
+The words are written for clawd's `rules` judge (clawd/scoring/judging.py): every thank-you
 matches a positive phrase and no negative one; every correction opens with "No,"
 (a negative phrase), so the judge scores the reply -1 and keeps the whole
 correction as the hint. tests/test_sim.py checks each message against `rules_vote`.

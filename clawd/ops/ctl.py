@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from .admin import AdminError, decode_reply
-from .config import Config, ConfigError, load_config
+from clawd.ops.admin import AdminError, decode_reply
+from clawd.config import Config, ConfigError, load_config
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 RUN_SOCKET = Path("/run/clawd/clawd.sock")  # systemd's RuntimeDirectory, invisible to clawctl's environment

@@ -19,7 +19,7 @@ and join it at a step boundary while there is room (continuous batching).
 Weight updates are applied between batches: a pending update lets the running
 batch drain, and requests arriving meanwhile wait for the new weights.
 
-    python -m clawd.engine.cpu --model DIR [--fd N | --host 127.0.0.1 --port P]
+    python -m clawd.engine.local.server --model DIR [--fd N | --host 127.0.0.1 --port P]
         [--weight-version 0] [--seed 0] [--threads N] [--max-batch-size 8]
         [--context-length N] [--incremental-streaming-output]
 """
@@ -1128,7 +1128,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m clawd.engine.cpu", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m clawd.engine.local.server", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="Hugging Face model directory")
     ap.add_argument("--fd", type=int, default=None, help="serve on this inherited, listening TCP socket")
     ap.add_argument("--host", default="127.0.0.1")

@@ -16,8 +16,8 @@ import math
 from collections import Counter
 from fractions import Fraction
 
-from .journal import Journal
-from .samples import Sample
+from clawd.learning.journal import Journal
+from clawd.samples import Sample
 
 
 def fair_pick(principals: list[str], n: int, share: float) -> list[int]:

@@ -1,6 +1,6 @@
 """`make demo`: watch clawd learn from simulated users, live, then a plot and a summary.
 
-    python -m clawd.sim.demo [--minutes 14] [--concurrency 8] [--seed 1] [--model DIR] ...
+    python -m clawd.tools.sim.demo [--minutes 14] [--concurrency 8] [--seed 1] [--model DIR] ...
 
 It starts clawd as `make run` would, on the default model (SmolLM2-135M-Instruct on
 clawd's CPU engine) with the `rules` judge and the learner on, on a fresh state
@@ -8,7 +8,7 @@ directory under --out. Then:
 
 1. before: a fixed evaluation set, --probes questions per persona, each with its own
    sampling seed, never trained on (`X-Clawd-No-Train`), all served by version 0;
-2. learning: simulated users (clawd/sim/users.py) talk to clawd until the time budget
+2. learning: simulated users (clawd/tools/sim/users.py) talk to clawd until the time budget
    (or --steps) is reached, while the terminal shows the policy version, training
    steps, effective samples toward the next batch, hint acceptance, and per version
    the users' satisfaction and the judge's mean reward;
@@ -40,17 +40,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..ctl import NotRunning
-from .launch import Clawd
-from .personas import PERSONAS, persona
-from .users import Reply, Users, by_persona, by_version, rate
+from clawd.ops.ctl import NotRunning
+from clawd.tools.sim.launch import Clawd
+from clawd.tools.sim.personas import PERSONAS, persona
+from clawd.tools.sim.users import Reply, Users, by_persona, by_version, rate
 
 DEFAULT_MODEL = "state/models/SmolLM2-135M-Instruct"
 DEFAULT_PERSONAS = "brief,plain"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m clawd.sim.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m clawd.tools.sim.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})")
     ap.add_argument("--minutes", type=float, default=14.0,
                     help="time budget for the whole demo, start to plot (default 14)")
@@ -264,7 +264,7 @@ async def run(args: argparse.Namespace) -> int:
         print(f"{clock(time.monotonic() - started)}  after: {len(after)} evaluation answers on "
               f"v{_versions(after)}, satisfied {pct(rate(after))}  | "
               + "  ".join(f"{p} {pct(x['satisfied'])}" for p, x in by_persona(after).items()), flush=True)
-        status = clawd.status()
+        status = clawd.ops.status()
     finally:
         await users.close()
         code = await clawd.stop()

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import openai
 
-from .personas import Persona, follow_up
+from clawd.tools.sim.personas import Persona, follow_up
 
 log = logging.getLogger("clawd.sim")
 

@@ -30,8 +30,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .samples import MODES, Sample
-from .turns import Turn
+from clawd.samples import MODES, Sample
+from clawd.turns import Turn
 
 # --- quoting ---------------------------------------------------------------------------------
 

@@ -42,9 +42,9 @@ import signal
 import struct
 from typing import Any, Iterator
 
-from .samples import Sample
+from clawd.samples import Sample
 
-DEFAULT_HANDLER = "clawd.trainer_handler:make"  # the real trainer (clawd/trainer.py)
+DEFAULT_HANDLER = "clawd.trainer.handler:make"  # the real trainer (clawd/trainer/step.py)
 
 _PR_SET_PDEATHSIG = 1
 _MAX_SHORT = 0x7FFFFFFF  # multiprocessing sends the 8-byte length only above this

@@ -12,16 +12,16 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .config import Config
-from .engine.supervisor import EngineSupervisor
-from .journal import Journal
-from .learner import Learner
-from .pause import PauseState
-from .policy import Policy
-from .sample_store import SampleStore
-from .scoring import Scorer
-from .sessions import SessionTable
-from .trainer_link import TrainerSupervisor
+from clawd.config import Config
+from clawd.engine.supervisor import EngineSupervisor
+from clawd.learning.journal import Journal
+from clawd.learning.learner import Learner
+from clawd.ops.pause import PauseState
+from clawd.served import Policy
+from clawd.learning.store import SampleStore
+from clawd.scoring.scorer import Scorer
+from clawd.serving.sessions import SessionTable
+from clawd.trainer.link import TrainerSupervisor
 
 
 class Rate:

@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from . import losses
-from .samples import MODES, Sample
-from .weights import CHECKPOINT_DIR, VERSION_DIR, complete_checkpoints, numbered, version_dir
+from clawd.trainer import losses
+from clawd.samples import MODES, Sample
+from clawd.weights import CHECKPOINT_DIR, VERSION_DIR, complete_checkpoints, numbered, version_dir
 
 CHECKPOINT_FORMAT = 1  # bumped when a checkpoint's files change meaning
 CHECKPOINTS_KEPT = 2

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .config import ApiKey, Config, ConfigError, JudgeConfig, load_config
+from clawd.config import ApiKey, Config, ConfigError, JudgeConfig, load_config
 
 RELOADABLE: frozenset[str] = frozenset({
     "logging.level",
