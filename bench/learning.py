@@ -1,7 +1,7 @@
 """Learning, mode by mode: the same simulated users in rl, opd and combine, several seeds, step by step.
 
 For each mode and seed, one fresh clawd (the CPU engine, the `rules` judge, the learner on)
-and the simulated users of clawd/sim (personas, multi-turn sessions of every style, tool
+and the simulated users of clawd/tools/sim (personas, multi-turn sessions of every style, tool
 calls, the official `openai` client). The run goes in lockstep, one training step at a time:
 
     users talk until the learner has a batch  →  hold the users between requests  →

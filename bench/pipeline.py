@@ -1,6 +1,6 @@
 """Scoring pipeline throughput: a finished turn to a queued sample, beside a bare asyncio.Queue put.
 
-One process, one event loop, the real objects (DESIGN §12: ratios measured side by side in one run):
+One process, one event loop, the real objects (docs/ARCHITECTURE.md §12: ratios measured side by side in one run):
   queue         `await asyncio.Queue.put` of a pre-built Sample: the floor
   build+queue   `judging.build_sample` (a fresh id, list copies, validation) then the put
   judge/…       `Scorer.submit` with an instant fake judge ("\\boxed{1}", mode rl, prm_m 1), the real
@@ -37,10 +37,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from clawd.scoring import judging as J  # noqa: E402
+from clawd.daemon import TurnHandover  # noqa: E402
+from clawd.ops.pause import PauseState  # noqa: E402
+from clawd.ops.status import Rate  # noqa: E402
+from clawd.scoring import judging  # noqa: E402
 from clawd.config import Config, config_from_dict  # noqa: E402
 from clawd.learning.journal import Journal  # noqa: E402
-from clawd.serving.records import RecordWriter  # noqa: E402
+from clawd.records import RecordWriter  # noqa: E402
 from clawd.learning.store import SampleStore  # noqa: E402
 from clawd.samples import Sample  # noqa: E402
 from clawd.scoring.scorer import Scorer  # noqa: E402
@@ -49,7 +52,7 @@ from clawd.turns import FinishedTurn, Turn  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 WORDS = ("model", "token", "server", "client", "request", "response", "session", "turn", "sample", "batch",
          "weight", "judge", "score", "reward", "policy", "engine", "stream", "journal", "file", "config")
-EMIT = J.Decision(True, 1.0, False, J.KIND_RL)  # what the instant judge's "\boxed{1}" decides in rl mode
+EMIT = judging.Decision(True, 1.0, False, judging.KIND_RL)  # what the instant judge's "\boxed{1}" decides in rl mode
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ async def run_queue(spec: PathSpec, turns: list[FinishedTurn], samples: list[Sam
         for finished, sample in burst:
             start = time.perf_counter()
             if spec.kind == "build":
-                sample = J.build_sample(finished.turn, EMIT, None, mode="rl", sample_id=uuid.uuid4().hex,
+                sample = judging.build_sample(finished.turn, EMIT, None, mode="rl", sample_id=uuid.uuid4().hex,
                                         now=time.time())
             await q.put(sample)
             lat.append(time.perf_counter() - start)
@@ -189,10 +192,9 @@ async def run_scorer(spec: PathSpec, cfg: Config, turns: list[FinishedTurn], con
         scorer = Scorer(cfg, tokenizer=None, judge=InstantJudge() if spec.judge else None, teacher=None,
                         store=store, records=judge_records)
 
-        def on_finished(finished: FinishedTurn) -> None:  # daemon.run's, with or without the turn record
-            if turn_records is not None:
-                turn_records.write_turn(finished)
-            scorer.submit(finished)
+        # The daemon's handover (turn record, rate, pause check, submit), or the submit alone.
+        on_finished = (TurnHandover(turn_records, scorer, PauseState(tmp / "pause.json", False), Rate())
+                       if turn_records is not None else scorer.submit)
 
         lat = array.array("d")
         fsyncs0, bytes0 = journal.fsyncs, journal.bytes_written
@@ -282,7 +284,7 @@ async def main_async(args) -> dict:
     turns = make_turns(args.pool, args.prompt_tokens, args.response_tokens)
     if max(args.concurrency) > len(turns):
         raise SystemExit("--pool must be at least the largest --concurrency")
-    samples = [J.build_sample(f.turn, EMIT, None, mode="rl", sample_id=uuid.uuid4().hex, now=time.time())
+    samples = [judging.build_sample(f.turn, EMIT, None, mode="rl", sample_id=uuid.uuid4().hex, now=time.time())
                for f in turns]
     cfgs = {(s.judge, s.fsync): config_from_dict({"scoring": {"mode": "rl", "prm_m": 1},
                                                   "judge": {"backend": "sglang" if s.judge else "rules"},

@@ -1,6 +1,6 @@
 """clawd's added latency and throughput in front of a fake SGLang, measured side by side.
 
-Two paths, the same requests, the same engine, in one run (DESIGN §12):
+Two paths, the same requests, the same engine, in one run (docs/ARCHITECTURE.md §12):
   direct  native `/generate` straight to the fake engine, with the input ids,
           sampling params and `return_logprob` clawd would send itself;
   clawd   `POST /v1/chat/completions` to clawd, which renders, calls the same
@@ -40,7 +40,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clawd.tools.models import cached_tiny_model  # noqa: E402
-from clawd.serving.tokenizer import ChatTokenizer  # noqa: E402
+from clawd.tokenizer import ChatTokenizer  # noqa: E402
 
 FAKE = ROOT / "tests" / "fake_sglang.py"
 TARGET_ADDED_P50_MS = 1.0

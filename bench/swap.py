@@ -1,6 +1,6 @@
 """Publishing weights under load: how long the engine's intake is held, and whether any request fails.
 
-One run, one daemon (DESIGN §6, §12): the tiny model on clawd's CPU engine, the learner on with
+One run, one daemon (docs/ARCHITECTURE.md §6, §12): the tiny model on clawd's CPU engine, the learner on with
 `rollout_batch_size` 1, so every +1 sample is a training step and a publish. Closed-loop users
 (the official `openai` client, non-streamed and streamed, every other conversation thanked so the
 rules judge makes a sample) chat until `--publishes` publishes have happened.
@@ -29,59 +29,24 @@ import re
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
 
-import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clawd.tools.models import cached_tiny_model  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
+from tests.load import load_until_published  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-PUBLISHED = re.compile(r"clawd.learning.learner: published v(\d+) in ([0-9.]+)s, intake held ([0-9.]+)s")
+PUBLISHED = re.compile(r"clawd.learner: published v(\d+) in ([0-9.]+)s, intake held ([0-9.]+)s")
 
 
 def tiny_model() -> Path:
     """The tiny test model, built once into the git-ignored results folder."""
     return cached_tiny_model(RESULTS / "tiny-model")
-
-
-def user(n: int, url: str, max_tokens: int, stop: threading.Event, out: list[dict]) -> None:
-    """One closed-loop user: odd conversations are a non-streamed turn thanked in a streamed one, even
-    ones a single streamed turn; every conversation ends with `X-Session-Done`."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    i = 0
-    while not stop.is_set():
-        i += 1
-        messages = [{"role": "user", "content": f"User {n}, question {i}."}]
-        for streamed in ((False, True) if i % 2 else (True,)):
-            rec = {"user": n, "stream": streamed, "start": time.time(), "ok": True}
-            try:
-                if streamed:
-                    chunks = client.chat.completions.create(
-                        model="m", messages=messages, max_tokens=max_tokens, stream=True,
-                        extra_headers={"X-Session-Done": "1"})
-                    finished = False
-                    for chunk in chunks:
-                        rec.setdefault("first", time.time())
-                        finished |= bool(chunk.choices and chunk.choices[0].finish_reason)
-                    if not finished:
-                        raise RuntimeError("the stream ended without a finish_reason")
-                else:
-                    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens)
-                    messages += [reply.choices[0].message.model_dump(exclude_none=True),
-                                 {"role": "user", "content": "Thanks, that's perfect."}]
-            except Exception as exc:  # any failure at all is what this bench counts
-                rec.update(ok=False, error=repr(exc))
-            rec["end"] = time.time()
-            rec["wait"] = rec.get("first", rec["end"]) - rec["start"]
-            out.append(rec)  # list.append is atomic under the GIL
-            if not rec["ok"]:
-                break
 
 
 def stamp(line: str) -> float:
@@ -95,9 +60,9 @@ def publishes(lines: list[str]) -> list[dict]:
     reach the daemon's stderr by another path, so they are matched by time, not by order."""
     pubs, holds, paused = [], [], None
     for line in lines:
-        if "clawd.engine.local.server: generation paused" in line:
+        if "clawd.engine.cpu: generation paused" in line:
             paused = stamp(line)
-        elif "clawd.engine.local.server: generation continued" in line and paused is not None:
+        elif "clawd.engine.cpu: generation continued" in line and paused is not None:
             holds.append((paused, stamp(line)))
             paused = None
         elif m := PUBLISHED.search(line):
@@ -125,26 +90,11 @@ def run(args) -> dict:
                                     "engine": {"launch": "local"},
                                     "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
                                     "train": {"lr": args.lr}})
-        requests: list[dict] = []
-        stop = threading.Event()
-        users = [threading.Thread(target=user, args=(n, daemon.url, args.max_tokens, stop, requests), daemon=True)
-                 for n in range(args.concurrency)]
         t0 = time.time()
         try:
-            for t in users:
-                t.start()
-            deadline = time.monotonic() + args.timeout
-            while time.monotonic() < deadline:
-                learner = daemon.get("/debug/process")[1]["learner"]
-                if learner["publishes"] >= args.publishes:
-                    break
-                time.sleep(0.2)
-            stop.set()
-            for t in users:
-                t.join(60)
-            learner = daemon.get("/debug/process")[1]["learner"]
+            requests, learner = load_until_published(daemon, users=args.concurrency, publishes=args.publishes,
+                                                      timeout=args.timeout, max_tokens=args.max_tokens)
         finally:
-            stop.set()
             exit_code = daemon.stop()
         load_s = time.time() - t0
 
@@ -172,7 +122,7 @@ def run(args) -> dict:
     for p in pubs:
         p.update({k: round(p[k] - t0, 3) for k in ("start", "end", "hold_start", "hold_end") if p[k] is not None})
     # Publishes from the log, the ones after the load stopped (the daemon drains) included.
-    failed_pubs = sum("clawd.learning.learner: publishing v" in line for line in daemon.lines)
+    failed_pubs = sum("clawd.learner: publishing v" in line for line in daemon.lines)
     return {"publishes": len(pubs), "failed_publishes": failed_pubs, "learner": learner, "requests_served": len(served),
             "requests_failed": len(failed), "failures": [r["error"] for r in failed],
             "intake_held_s": p50_max([p["intake_held_s"] for p in pubs]),

@@ -1,6 +1,6 @@
 """Training step throughput: clawd's `Trainer.train_step` beside a bare forward+backward, packed beside padded.
 
-One process, one model, the same samples (DESIGN §12: ratios measured side by side in one run):
+One process, one model, the same samples (docs/ARCHITECTURE.md §12: ratios measured side by side in one run):
   trainer        `Trainer.train_step(samples, mode)`: micro-batches built from the Samples (its
                  length-sorted packing under `micro_batch_tokens`), log-probs at T, advantages,
                  the PPO/TIS loss, entropy and loss metrics, grad norm, non-finite checks,
@@ -49,8 +49,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from clawd.config import TrainConfig  # noqa: E402
 from clawd.samples import Sample  # noqa: E402
-from clawd.trainer.step import TrainConfig, Trainer, pack  # noqa: E402
+from clawd.trainer.step import Trainer, pack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TARGET_OVERHEAD = 1.15

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from clawd.config import ConfigError, load_config
+from clawd.config import LOG_FORMAT, ConfigError, load_config
 
 DEFAULT_CONFIG = "etc/clawd.toml"
 
@@ -24,8 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print(f"clawd: {args.config} is valid")
         return 0
-    logging.basicConfig(level=cfg.logging.level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=cfg.logging.level.upper(), stream=sys.stderr, format=LOG_FORMAT)
     from clawd.daemon import run  # after logging is set up
     from clawd.ops.admin import AdminSocketError
     from clawd.learning.journal import JournalError

@@ -1,6 +1,7 @@
-"""Configuration: one TOML file loaded into frozen dataclasses.
+"""Configuration: one TOML file loaded into frozen dataclasses (docs/ARCHITECTURE.md §9).
 
-Every section is a frozen dataclass whose fields carry their type and default.
+One file on purpose: it is the schema of etc/clawd.toml, section by section in the file's order,
+so a key is found in one place and read beside its documentation. Every section is a frozen dataclass whose fields carry their type and default.
 `load_config` rejects unknown keys, wrong types and impossible values with a
 `ConfigError` naming the file and the dotted key, so a typo never starts a
 daemon that silently ignores it.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import math
 import os
 import re
 import tomllib
@@ -239,46 +241,78 @@ class LearnerConfig:
         return errors
 
 
+AGGREGATIONS = ("sample_mean", "token_mean")  # how the loss averages a batch (clawd.trainer.losses.aggregate)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Passed as is to the trainer subprocess (clawd/trainer/step.py checks it again there)."""
+    """The trainer's settings. The daemon hands this object to the trainer process as is
+    (clawd.trainer.link.trainer_options); the trainer refuses one whose check() finds problems."""
 
     lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0               # max gradient norm; 0 = off
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
     tis_cap: float = 2.0
-    aggregation: typing.Literal["sample_mean", "token_mean"] = "sample_mean"
-    kl_loss_coef: float = 0.0
+    aggregation: typing.Literal[AGGREGATIONS] = "sample_mean"
+    kl_loss_coef: float = 0.0            # > 0 loads a frozen reference copy of the model
     entropy_coef: float = 0.0
     w_rl: float = 1.0
     w_opd: float = 1.0
-    opd_clip: float = 0.0
+    opd_clip: float = 0.0                # 0 = off
     ppo_epochs: int = 1
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = 8192       # padded tokens (rows x longest input) per forward
     keep_versions: int = 3
-    checkpoint_every: int = 1
+    checkpoint_every: int = 1            # checkpoint every N publishes
     device: str = "cpu"
     seed: int = 0
 
     def check(self) -> dict[str, str]:
         errors = {}
-        if not self.lr > 0:
-            errors["lr"] = "must be positive"
-        if not 0 < self.eps_clip < 1 or not 0 < self.eps_clip_high:
-            errors["eps_clip"] = "eps_clip must be in (0, 1) and eps_clip_high positive"
-        if self.tis_cap < 1:
-            errors["tis_cap"] = "must be at least 1"
-        for name in ("weight_decay", "grad_clip", "kl_loss_coef", "entropy_coef", "opd_clip"):
-            if getattr(self, name) < 0:
-                errors[name] = "must not be negative"
+
+        def number(name: str, ok=lambda x: True, want: str = "") -> None:  # TOML has inf and nan
+            value = getattr(self, name)
+            if not (_is_number(value) and math.isfinite(value) and ok(value)):
+                errors[name] = f"must be a finite number {want}".rstrip()
+
+        number("lr", lambda x: x > 0, "above 0")
+        number("eps", lambda x: x > 0, "above 0")
+        number("weight_decay", lambda x: x >= 0, ">= 0")
+        number("grad_clip", lambda x: x >= 0, ">= 0 (0 = off)")
+        number("eps_clip", lambda x: 0 < x < 1, "in (0, 1)")
+        number("eps_clip_high", lambda x: x > 0, "above 0")
+        # The cap truncates exp(lp_old - lp_rollout); below 1 it would shrink on-policy tokens too.
+        number("tis_cap", lambda x: x >= 1, ">= 1")
+        number("kl_loss_coef", lambda x: x >= 0, ">= 0 (0 = off)")
+        number("entropy_coef", lambda x: x >= 0, ">= 0 (0 = off)")
+        number("w_rl")
+        number("w_opd")
+        number("opd_clip", lambda x: x >= 0, ">= 0 (0 = off)")
+        betas = self.betas
+        if not (isinstance(betas, tuple) and len(betas) == 2
+                and all(_is_number(b) and 0 <= b < 1 for b in betas)):
+            errors["betas"] = "must be two numbers in [0, 1)"
+        if self.aggregation not in AGGREGATIONS:
+            errors["aggregation"] = f"must be one of {', '.join(map(repr, AGGREGATIONS))}"
         for name in ("ppo_epochs", "micro_batch_tokens", "keep_versions", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                errors[name] = "must be at least 1"
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                errors[name] = "must be an integer, at least 1"
+        if not (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)):
             errors["device"] = 'must be "cpu", "cuda" or "cuda:N"'
+        if not (_is_int(self.seed) and 0 <= self.seed < 2**32):  # numpy's seed range
+            errors["seed"] = "must be an integer in 0..2**32 - 1"
         return errors
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -368,6 +402,9 @@ class AdminConfig:
             return Path(self.socket)
         runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
         return Path(runtime or state_dir) / "clawd.sock"
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the daemon's lines and the trainer process's
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""The daemon: one process, one event loop, no threads (DESIGN §1).
+"""The daemon: one process, one event loop, no threads (docs/ARCHITECTURE.md §1).
 
-`run()` is the architecture in one place: it builds each stage, owns every
-long-lived task in one TaskGroup, serves until SIGTERM/SIGINT, and shuts the
-stages down in reverse order.
+`run()` is the architecture in one place. It builds the stages in the order data
+flows through them (engines, serving, scoring, learning, then ops, which only
+reads them), wires each stage to the next in plain sight, runs every long-lived
+task in one TaskGroup, serves until the shutdown trigger fires, and drains the
+stages in reverse order.
 """
 from __future__ import annotations
 
@@ -13,30 +15,31 @@ import logging
 import signal
 import time
 import uuid
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from clawd.ops.admin import AdminServer, argument
-from clawd.ops import systemd
-from clawd.serving.api import SERVING, Authenticator, make_app
-from clawd.serving.completion import ChatService
-from clawd.config import Config
+from clawd.config import Config, JudgeConfig
 from clawd.engine.client import EngineClient
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.learning.journal import Journal
-from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
 from clawd.learning.learner import Learner, Publisher
+from clawd.learning.store import SampleStore
+from clawd.ops import systemd
+from clawd.ops.admin import AdminServer, argument
 from clawd.ops.metrics import Metrics
 from clawd.ops.pause import PauseState
-from clawd.served import Policy
-from clawd.serving.records import RecordWriter
 from clawd.ops.reload import ReloadTargets, reload
-from clawd.learning.store import SampleStore
+from clawd.ops.status import Rate, Status, finite
+from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
 from clawd.scoring.scorer import Scorer
+from clawd.served import Policy
+from clawd.serving.api import Authenticator, Gate, make_app
+from clawd.serving.completion import ChatService
+from clawd.records import RecordWriter
 from clawd.serving.sessions import SessionTable
-from clawd.ops.status import Status
-from clawd.serving.tokenizer import ChatTokenizer
-from clawd.trainer.link import TrainerSupervisor
+from clawd.tokenizer import ChatTokenizer
+from clawd.trainer.link import TrainerSupervisor, trainer_options
 from clawd.turns import SHUTDOWN, FinishedTurn
 from clawd.weights import restored_weights
 
@@ -45,104 +48,136 @@ log = logging.getLogger("clawd")
 _FORCED_STOP_GRACE = 1.0  # after a second stop signal: seconds for each stage of cutting the drain short
 
 
-async def run(cfg: Config) -> int:
+class Shutdown:
+    """The stop trigger: the first `request()` drains, a second cuts the drain short. `run()` wires one to
+    SIGTERM and SIGINT unless its caller passes its own (tests do, and call `request()`)."""
+
+    def __init__(self) -> None:
+        self.drain = asyncio.Event()
+        self.now = asyncio.Event()
+
+    def request(self) -> None:
+        (self.now if self.drain.is_set() else self.drain).set()
+
+
+@dataclass
+class TurnHandover:
+    """The edge from serving to scoring. Every finished turn is written to the turn records; it becomes a
+    scoring task unless the operator paused learning (then it is served and recorded, never a sample)."""
+    records: RecordWriter
+    scorer: Scorer
+    pause: PauseState
+    per_minute: Rate
+
+    def __call__(self, finished: FinishedTurn) -> None:
+        self.records.write_turn(finished)
+        self.per_minute.tick()
+        if self.pause.learning:
+            self.pause.turns_not_learned += 1
+            return
+        self.scorer.submit(finished)
+
+
+async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     state_dir = cfg.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
+    loop = asyncio.get_running_loop()
+    if shutdown is None:
+        shutdown = Shutdown()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, shutdown.request)
+    systemd.notify(systemd.extend_timeout(_startup_budget(cfg)), "STATUS=starting: loading the model")
 
-    # Stages, upstream to downstream:
-    # model → engines → chat API → sessions → turn records → scoring → journal → sample store.
+    # Engines: the policy engine serves chat and takes published weights; a reference engine (when a
+    # judge or teacher needs the initial weights) is supervised the same way.
     tokenizer = ChatTokenizer(cfg.model_path)
     policy = _restored_policy(state_dir)
-    policy_engine = _engine_client(cfg, cfg.engine.url)
-    supervisors = [EngineSupervisor(cfg, policy_engine, "policy", policy)]
-    reference_engine = None
-    if cfg.reference_engine_needed:
-        reference_engine = _engine_client(cfg, cfg.engine.reference_url)
-        supervisors.append(EngineSupervisor(cfg, reference_engine, "reference"))
-    sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
-                            max_turns=cfg.sessions.session_max_turns,
-                            max_sessions=cfg.sessions.max_sessions,
-                            new_id=lambda: uuid.uuid4().hex)
-    records_dir = state_dir / "records"
-    turn_records = RecordWriter(records_dir, kind="turns", retention_days=cfg.records.retention_days)
-    judge_records = RecordWriter(records_dir, kind="judge", retention_days=cfg.records.retention_days)
+    engines = _engine_supervisors(cfg, policy)
+    policy_engine = engines[0]
+
+    # The durable end of learning opens first: its lock keeps a second clawd off this state directory,
+    # and its replay brings back the samples not trained before the last stop.
     journal = Journal(state_dir / "journal", fsync=cfg.journal.fsync, fsync_interval=cfg.journal.fsync_interval,
                       segment_bytes=cfg.journal.segment_bytes)
     store = SampleStore(journal, fair_share=cfg.scoring.fair_share)
-    replayed = await store.replay()  # opens the journal
+    replayed = await store.replay()
     log.info("journal: %d sample(s) waiting from before", replayed)
-    judge = _judge(cfg, tokenizer, engine_for={"policy": policy_engine, "reference": reference_engine})
-    teacher = None
-    if cfg.scoring.mode != "rl":
-        teacher_engine = reference_engine if cfg.judge.teacher_engine == "reference" else policy_engine
-        teacher = Teacher(teacher_engine, policy=_call_policy(cfg))
-    scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records)
-    trainer = learner = None
-    if cfg.learner.enabled:
-        trainer = TrainerSupervisor(_trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
-        publisher = Publisher(policy_engine, cfg.learner.publish_timeout, ready=supervisors[0].ready)
-        learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir)
-
     pause = PauseState(state_dir / "pause.json", cfg.admin.start_paused)
-    if learner is not None and pause.learning:
-        learner.pause(pause.current.reason)
-    status = Status(cfg, policy, pause, sessions, store, journal, scorer, supervisors, trainer, learner,
-                    started=time.time())
+    records_dir = state_dir / "records"
+    turn_records = RecordWriter(records_dir, kind="turns", retention_days=cfg.records.retention_days)
+    judge_records = RecordWriter(records_dir, kind="judge", retention_days=cfg.records.retention_days)
 
-    admin = AdminServer(cfg.admin.socket_path(state_dir), _admin_commands(pause, learner, status),
-                        group=cfg.admin.group)
-
-    def on_finished(finished: FinishedTurn) -> None:
-        turn_records.write_turn(finished)
-        status.turns.tick()
-        if pause.learning:  # served and recorded, never a sample
-            pause.turns_not_learned += 1
-            return
-        scorer.submit(finished)
-
-    stop, stop_now = asyncio.Event(), asyncio.Event()
-
-    def on_stop_signal() -> None:  # the first drains; a second cuts the drain short
-        (stop_now if stop.is_set() else stop).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_stop_signal)
-    auth = Authenticator(cfg)
-    loop.add_signal_handler(signal.SIGHUP, _reloader(cfg, ReloadTargets(
-        set_log_level=lambda level: logging.getLogger().setLevel(level.upper()),
-        set_api_keys=auth.set_keys, set_judge=_judge_setter(judge, teacher, scorer))))
-    systemd.notify(systemd.extend_timeout(_startup_budget(cfg)), "STATUS=starting: loading the model")
-
+    # One group owns every long-lived task, the stages' own (aborts, scoring) included. It is entered once
+    # every stage is built and started, so a failed start (a held admin socket) raises as itself.
+    tasks = asyncio.TaskGroup()
     async with contextlib.AsyncExitStack() as exits:
-        for client in {policy_engine, reference_engine} - {None}:
-            await client.start()
-            exits.push_async_callback(client.close)
+        exits.push_async_callback(journal.close)
+        exits.callback(turn_records.close)
+        exits.callback(judge_records.close)
+        for engine in engines:
+            await engine.client.start()
+            exits.push_async_callback(engine.client.close)
+
+        # Scoring: a finished turn → judge votes / hint / teacher log-probs → a sample in the store.
+        judge = _judge(cfg, tokenizer, {e.role: e.client for e in engines})
         if isinstance(judge, OpenAIJudge):
             await judge.start()
             exits.push_async_callback(judge.close)
-        exits.push_async_callback(journal.close)
-        await admin.start()  # after the journal's lock: a second clawd on this state dir has stopped already
+        teacher = _teacher(cfg, {e.role: e.client for e in engines})
+        scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records,
+                        spawn=tasks.create_task)
+
+        # Learning: batches from the store → the trainer subprocess → weights published to the policy engine.
+        trainer = learner = None
+        if cfg.learner.enabled:
+            trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
+            publisher = Publisher(policy_engine.client, cfg.learner.publish_timeout, ready=policy_engine.ready)
+            learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir)
+            if pause.learning:
+                learner.pause(pause.current.reason)
+
+        # Serving: chat requests → the policy engine; each finished turn is handed over to scoring.
+        turns_per_minute, requests_per_minute = Rate(), Rate()
+        sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
+                                max_turns=cfg.sessions.session_max_turns, max_sessions=cfg.sessions.max_sessions,
+                                new_id=lambda: uuid.uuid4().hex)
+        to_scoring = TurnHandover(turn_records, scorer, pause, turns_per_minute)
+        chat = ChatService(cfg, tokenizer, policy_engine.client, policy_engine, sessions, to_scoring, policy,
+                           spawn=tasks.create_task)
+
+        # Ops reads the stages through one snapshot and owns none of them.
+        status = Status(cfg, policy, pause, chat, store, scorer, engines, trainer, learner, started=time.time(),
+                        requests=requests_per_minute, turns=turns_per_minute)
+        metrics = Metrics(status.snapshot)
+        chat.on_first_token = metrics.observe_first_token
+        if learner is not None:
+            learner.on_publish = metrics.observe_publish
+        admin = AdminServer(cfg.admin.socket_path(state_dir), _admin_commands(pause, learner, status),
+                            group=cfg.admin.group)
+        await admin.start()
         exits.push_async_callback(admin.close)
-        exits.callback(turn_records.close)
-        exits.callback(judge_records.close)
-        async with asyncio.TaskGroup() as tasks:
+        auth = Authenticator(cfg)
+        loop.add_signal_handler(signal.SIGHUP, _reloader(cfg, ReloadTargets(
+            set_log_level=lambda level: logging.getLogger().setLevel(level.upper()),
+            set_api_keys=auth.set_keys, set_judge=_judge_setter(judge, teacher, scorer))))
+
+        async with tasks:
+            engine_tasks = [tasks.create_task(e.run(), name=f"{e.role}-engine") for e in engines]
+            learning_tasks = [] if learner is None else [tasks.create_task(trainer.run(), name="trainer"),
+                                                         tasks.create_task(learner.run(), name="learner")]
+            sweeper = tasks.create_task(_expire_sessions(sessions, to_scoring, cfg.sessions.sweep_interval),
+                                        name="session-sweeper")
             watchdog = None
             if (interval := systemd.watchdog_interval()) is not None:  # a stalled loop stops the pings
                 watchdog = tasks.create_task(systemd.watchdog(lambda: True, interval), name="watchdog")
-            chat = ChatService(cfg, tokenizer, policy_engine, supervisors[0], sessions, on_finished, policy,
-                               spawn=tasks.create_task)
-            metrics = Metrics(chat, scorer=scorer, store=store, learner=learner, supervisors=supervisors,
-                              trainer=trainer, pause=pause)
-            engine_tasks = [tasks.create_task(s.run(), name=f"{s.role}-engine") for s in supervisors]
-            learning = []
-            if learner is not None:
-                learning = [tasks.create_task(trainer.run(), name="trainer"),
-                            tasks.create_task(learner.run(), name="learner")]
-            sweeper = tasks.create_task(_expire_sessions(sessions, on_finished, cfg.sessions.sweep_interval),
-                                        name="session-sweeper")
-            app = make_app(cfg, chat, scorer=scorer, store=store, supervisors=supervisors, learner=learner,
-                           pause=pause, status=status, metrics=metrics, auth=auth)
+
+            gate = Gate()
+            app = make_app(cfg, chat, auth=auth, gate=gate, engines=engines, serving_paused=lambda: pause.serving,
+                           on_request=requests_per_minute.tick, outer_middlewares=[metrics.middleware])
+            # No auth on /metrics, like /health: operators scrape it from localhost (server.host's default).
+            app.router.add_get("/metrics", metrics.handle)
+            if cfg.server.debug_routes:
+                app.router.add_get("/debug/process", status.handle_debug_process)
             runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.server.drain_timeout,
                                    **metrics.runner_options())
             await runner.setup()
@@ -151,54 +186,54 @@ async def run(cfg: Config) -> int:
             host, port = runner.addresses[0][:2]
             log.info("listening on http://%s:%d (model %s, engine %s, mode %s, judge %s)", host, port,
                      cfg.model.path, cfg.engine.launch, cfg.scoring.mode, cfg.judge.backend)
-            announce = tasks.create_task(_announce_ready(supervisors, trainer, policy, f"http://{host}:{port}"),
+            announce = tasks.create_task(_announce_ready(engines, trainer, policy, f"http://{host}:{port}"),
                                          name="announce-ready")
 
             async def drain() -> None:
+                """The stages stop in reverse: serving, then scoring, learning, the trainer, the engines."""
                 log.info("stopping: draining requests for up to %.0fs", cfg.server.drain_timeout)
                 announce.cancel()
-                app[SERVING]["accepting"] = False
+                gate.accepting = False
                 await runner.cleanup()  # stops listening, waits for in-flight handlers
                 for finished in sessions.close_all(time.time(), SHUTDOWN):
-                    on_finished(finished)
+                    to_scoring(finished)
                 sweeper.cancel()
                 await scorer.close(cfg.server.drain_timeout)  # turns being judged finish or are dropped
                 if learner is not None:
                     await learner.stop(cfg.server.drain_timeout)  # the step in progress, then a checkpoint
-                for task in learning[::-1]:  # a step cut short is replayed from the journal next start
+                for task in learning_tasks[::-1]:  # a step cut short is replayed from the journal next start
                     task.cancel()
                 if trainer is not None:
                     await trainer.stop()
-                for supervisor in supervisors:
-                    await supervisor.stop()
+                for engine in engines:
+                    await engine.stop()
                 for task in engine_tasks:
                     task.cancel()
                 if watchdog is not None:
                     watchdog.cancel()
 
-            await stop.wait()
+            await shutdown.drain.wait()
             systemd.notify("STOPPING=1", systemd.extend_timeout(3 * cfg.server.drain_timeout + 30), "STATUS=draining")
             draining = tasks.create_task(drain(), name="drain")
-            second = tasks.create_task(stop_now.wait(), name="second-signal")
+            second = tasks.create_task(shutdown.now.wait(), name="second-signal")
             await asyncio.wait([draining, second], return_when=asyncio.FIRST_COMPLETED)
             second.cancel()
             if not draining.done():
-                await _cut_short(draining, trainer, supervisors, {policy_engine, reference_engine} - {None}, runner)
+                await _cut_short(draining, trainer, engines, runner)
     log.info("stopped")
     return 0
 
 
-async def _cut_short(draining: asyncio.Task, trainer: TrainerSupervisor | None, supervisors, engine_clients,
+async def _cut_short(draining: asyncio.Task, trainer: TrainerSupervisor | None, engines: list[EngineSupervisor],
                      runner: web.AppRunner) -> None:
     """The second stop signal: end the drain now. The exit stack still closes (and fsyncs) the journal,
     so what was not trained replays at the next start."""
     log.warning("second stop signal: stopping now, in-flight requests are cut")
     if trainer is not None:
         trainer.kill()
-    for supervisor in supervisors:
-        supervisor.kill()
-    for client in engine_clients:
-        client.refuse("clawd is stopping")  # a new call would wait on the dead engine's socket
+    for engine in engines:
+        engine.kill()
+        engine.client.refuse("clawd is stopping")  # a new call would wait on the dead engine's socket
     # Requests waiting on an engine end as its connection drops (a stream with an error event, a whole
     # reply with 502); the drain then goes on by itself.
     await asyncio.wait([draining], timeout=_FORCED_STOP_GRACE)
@@ -219,10 +254,11 @@ def _startup_budget(cfg: Config) -> float:
     return max(cfg.engine.startup_timeout, trainer) + 60
 
 
-async def _announce_ready(supervisors, trainer: TrainerSupervisor | None, policy: Policy, url: str) -> None:
+async def _announce_ready(engines: list[EngineSupervisor], trainer: TrainerSupervisor | None, policy: Policy,
+                          url: str) -> None:
     """READY=1 once every engine answers and the trainer has resumed: the service works end to end."""
-    for supervisor in supervisors:
-        await supervisor.ready.wait()
+    for engine in engines:
+        await engine.ready.wait()
     if trainer is not None:
         await trainer.ready_info()
     log.info("ready: serving policy v%d on %s", policy.version, url)
@@ -243,12 +279,10 @@ def _reloader(cfg: Config, targets: ReloadTargets):
 
 
 def _judge_setter(judge, teacher: Teacher | None, scorer: Scorer):
-    def set_judge(j) -> None:
-        policy = CallPolicy(timeout=j.timeout, retries=j.retries, backoff_initial=j.backoff_initial,
-                            backoff_max=j.backoff_max, concurrency=j.concurrency)
+    def set_judge(j: JudgeConfig) -> None:
         for backend in (judge, teacher):
             if backend is not None:
-                backend.reconfigure(policy, temperature=j.temperature, max_tokens=j.max_new_tokens)
+                backend.reconfigure(_call_policy(j), temperature=j.temperature, max_tokens=j.max_new_tokens)
         scorer.text_chars = j.record_text_chars
 
     return set_judge
@@ -273,7 +307,7 @@ def _admin_commands(pause: PauseState, learner: Learner | None, status: Status) 
         return dataclasses.asdict(resumed)
 
     async def status_cmd(request: dict) -> dict:
-        return status.snapshot()
+        return finite(status.snapshot())
 
     return {"pause": pause_cmd, "resume": resume_cmd, "status": status_cmd}
 
@@ -288,38 +322,45 @@ def _restored_policy(state_dir) -> Policy:
     return Policy(version=version, weight_version=str(version), weights_dir=str(path))
 
 
-def _trainer_options(cfg: Config) -> dict:
-    train = dataclasses.asdict(cfg.train)
-    train["opd_clip"] = train["opd_clip"] or None  # 0 in the config file means off
-    return {"mode": cfg.scoring.mode, "model_dir": str(cfg.model_path.resolve()),
-            "state_dir": str(cfg.state_dir.resolve()), "train": train}
+def _engine_supervisors(cfg: Config, policy: Policy) -> list[EngineSupervisor]:
+    """The policy engine's supervisor, then the reference engine's when the mode needs one."""
+    def client(url: str) -> EngineClient:
+        return EngineClient(url, api_key=cfg.engine.api_key, connect_timeout=cfg.engine.connect_timeout,
+                            request_timeout=cfg.engine.request_timeout, incremental_stream=cfg.engine.streams_deltas)
+
+    engines = [EngineSupervisor(cfg, client(cfg.engine.url), "policy", policy)]
+    if cfg.reference_engine_needed:
+        engines.append(EngineSupervisor(cfg, client(cfg.engine.reference_url), "reference"))
+    return engines
 
 
-def _engine_client(cfg: Config, url: str) -> EngineClient:
-    return EngineClient(url, api_key=cfg.engine.api_key, connect_timeout=cfg.engine.connect_timeout,
-                        request_timeout=cfg.engine.request_timeout, incremental_stream=cfg.engine.streams_deltas)
-
-
-def _call_policy(cfg: Config) -> CallPolicy:
-    j = cfg.judge
+def _call_policy(j: JudgeConfig) -> CallPolicy:
     return CallPolicy(timeout=j.timeout, retries=j.retries, backoff_initial=j.backoff_initial,
                       backoff_max=j.backoff_max, concurrency=j.concurrency)
 
 
-def _judge(cfg: Config, tokenizer: ChatTokenizer, engine_for: dict[str, EngineClient | None]):
+def _judge(cfg: Config, tokenizer: ChatTokenizer, engine_for: dict[str, EngineClient]):
+    """The judge backend; None for the rules judge (scored in-process)."""
     j = cfg.judge
     if j.backend == "rules":
         return None
     if j.backend == "openai":
         return OpenAIJudge(j.url, j.api_key, j.model, temperature=j.temperature, max_tokens=j.max_new_tokens,
-                           policy=_call_policy(cfg))
+                           policy=_call_policy(j))
     # The reference engine holds the initial weights: the policy's tokenizer fits it.
     return SGLangJudge(engine_for[j.engine], tokenizer, temperature=j.temperature,
-                       max_new_tokens=j.max_new_tokens, policy=_call_policy(cfg))
+                       max_new_tokens=j.max_new_tokens, policy=_call_policy(j))
 
 
-async def _expire_sessions(sessions: SessionTable, on_finished, interval: float) -> None:
+def _teacher(cfg: Config, engine_for: dict[str, EngineClient]) -> Teacher | None:
+    """The teacher that scores a response shown the hint (opd, combine); None in rl mode."""
+    if cfg.scoring.mode == "rl":
+        return None
+    return Teacher(engine_for[cfg.judge.teacher_engine], policy=_call_policy(cfg.judge))
+
+
+async def _expire_sessions(sessions: SessionTable, to_scoring: TurnHandover, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         for finished in sessions.expire(time.time()):
-            on_finished(finished)
+            to_scoring(finished)

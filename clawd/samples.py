@@ -1,6 +1,6 @@
 """The training sample: the currency between scoring, the journal, the learner and the trainer.
 
-One finished main turn that scoring kept becomes one `Sample` (DESIGN §3):
+One finished main turn that scoring kept becomes one `Sample` (docs/ARCHITECTURE.md §3):
 `tokens = prompt ids + response ids` exactly as the engine consumed and
 produced them; `loss_mask`, `rollout_logprobs` and (with a hint)
 `teacher_logprobs` have the response's length. `has_hint = False` makes the

@@ -1,7 +1,7 @@
 """The captured turn: what one main chat request leaves behind for training.
 
 A `Turn` holds the prompt ids exactly as sent to the engine and the response
-ids and log-probs exactly as the engine returned them (DESIGN §3). A
+ids and log-probs exactly as the engine returned them (docs/ARCHITECTURE.md §3). A
 `FinishedTurn` pairs it with its next state (the messages that followed the
 reply) or with the reason it has none.
 """
@@ -17,7 +17,7 @@ MAX_TURNS = "max_turns"              # session_max_turns reached
 SHUTDOWN = "shutdown"                # daemon stopped
 EVICTED = "evicted"                  # pushed out by the live-session cap
 REGENERATED = "regenerated"          # the user asked again; this branch was abandoned
-SAMPLING_PARAMS = "sampling_params"  # not sampled from the full distribution (DESIGN §14)
+SAMPLING_PARAMS = "sampling_params"  # not sampled from the full distribution (docs/ARCHITECTURE.md §14)
 NO_TRAIN = "no_train"                # X-Clawd-No-Train / no_train
 LOGPROB_MISMATCH = "logprob_mismatch"  # engine log-prob ids disagree with output ids
 

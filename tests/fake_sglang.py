@@ -1,10 +1,13 @@
 """A fake SGLang server: SGLang 0.5.23's native HTTP API shapes, no model.
 
+It deliberately shares no code with clawd/engine/local, so the two can be
+checked against each other.
+
 It "generates" token ids from a script (`responder(input_ids, sampling_params)`)
 and answers with the exact JSON of /generate (single, batch, n>1, SSE stream,
 prefill scoring with input log-probs), /abort_request, /pause_generation,
 /continue_generation, /update_weights_from_disk, /flush_cache, /model_info and
-/health (see shared/reference/sglang-http-api.md §1, §2, §4, §5). Faults can be
+/health (SGLang 0.5.23's shapes, read from its source: docs/ARCHITECTURE.md §10). Faults can be
 injected at run time: an HTTP error, a dropped connection, a request that hangs
 until aborted. Everything it received is recorded for tests to assert on.
 

@@ -44,11 +44,12 @@ class Daemon:
             self.wait_ready(timeout)
 
     def _read(self):
-        for line in self.proc.stderr:
-            sys.stderr.write(line)
-            with self._seen:
-                self.lines.append(line)
-                self._seen.notify_all()
+        with self.proc.stderr:  # closed at EOF: the pipe is this thread's
+            for line in self.proc.stderr:
+                sys.stderr.write(line)
+                with self._seen:
+                    self.lines.append(line)
+                    self._seen.notify_all()
 
     def wait_for(self, pattern: str, timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout

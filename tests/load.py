@@ -372,3 +372,62 @@ def wait_until(predicate, timeout: float, interval: float = 0.05):
         if time.monotonic() >= deadline:
             return None
         time.sleep(interval)
+
+
+# ---- publishes under load (tests/test_zero_downtime.py and bench/swap.py) ------------------------
+
+def publishing_user(n: int, url: str, stop: threading.Event, out: list[dict], max_tokens: int | None = None) -> None:
+    """One closed-loop user: odd conversations are a non-streamed turn thanked in a streamed one (a +1
+    sample, so a training step and a publish), even ones a single streamed turn; every conversation ends
+    with `X-Session-Done`. Each request leaves a record: start, end, first streamed chunk, ok or error."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    limit = {} if max_tokens is None else {"max_tokens": max_tokens}
+    i = 0
+    while not stop.is_set():
+        i += 1
+        messages = [{"role": "user", "content": f"User {n}, question {i}."}]
+        for streamed in ((False, True) if i % 2 else (True,)):
+            rec = {"user": n, "stream": streamed, "start": time.time(), "ok": True}
+            try:
+                if streamed:
+                    chunks = client.chat.completions.create(model="m", messages=messages, stream=True,
+                                                            extra_headers={"X-Session-Done": "1"}, **limit)
+                    finished = False
+                    for chunk in chunks:
+                        rec.setdefault("first", time.time())
+                        finished |= bool(chunk.choices and chunk.choices[0].finish_reason)
+                    if not finished:
+                        raise RuntimeError("the stream ended without a finish_reason")
+                else:
+                    reply = client.chat.completions.create(model="m", messages=messages, **limit)
+                    messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                                 {"role": "user", "content": THANKS}]
+            except Exception as exc:  # any failure at all is what the callers count
+                rec.update(ok=False, error=repr(exc))
+            rec["end"] = time.time()
+            rec["wait"] = rec.get("first", rec["end"]) - rec["start"]
+            out.append(rec)  # list.append is atomic under the GIL
+            if not rec["ok"]:
+                break
+
+
+def load_until_published(daemon, users: int, publishes: int, timeout: float,
+                         max_tokens: int | None = None) -> tuple[list[dict], dict]:
+    """`users` publishing users talk to `daemon` until its learner has made `publishes` publishes (or
+    `timeout` seconds pass); then they stop. Returns every request's record and the learner's counters
+    after the last request ended. The caller stops the daemon."""
+    requests: list[dict] = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=publishing_user, args=(n, daemon.url, stop, requests, max_tokens),
+                                daemon=True) for n in range(users)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and daemon.get("/debug/process")[1]["learner"]["publishes"] < publishes:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    return requests, daemon.get("/debug/process")[1]["learner"]

@@ -323,4 +323,4 @@ async def test_engine_side_abort_is_an_error_not_an_answer(stack):
                 assert events[-1] == "data: [DONE]"
             resp.release()
     # Counted as engine errors.
-    assert daemon.get("/debug/process")[1]["stats"]["engine_errors"] == 2
+    assert daemon.get("/debug/process")[1]["chat"]["engine_errors"] == 2

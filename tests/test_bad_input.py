@@ -46,6 +46,7 @@ def engine(tiny_model):
     finally:
         proc.terminate()
         proc.wait(10)
+        proc.stdout.close()
 
 
 def start_daemon(tmp: Path, tiny_model: Path, engine_url: str) -> Daemon:

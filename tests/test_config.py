@@ -15,6 +15,7 @@ def test_documented_default_file_equals_the_defaults():
     assert cfg.engine == Config().engine
     assert cfg.sessions == Config().sessions
     assert cfg.sampling == Config().sampling
+    assert cfg.train == Config().train
     assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8400)
     assert cfg.state.dir == "state"
 
@@ -56,6 +57,15 @@ def test_every_option_is_in_the_default_file_under_a_comment():
     ("[auth]\nkeys = [{name = \"a\", key = \"12345678\"}, {name = \"a\", key = \"87654321\"}]\n",
      "auth.keys: key names must be unique"),
     ("[records]\nretention_days = -1\n", "records.retention_days"),
+    ("[train]\ntis_cap = 0.5\n", "train.tis_cap: must be a finite number >= 1"),
+    ("[train]\nopd_clip = -1.0\n", "train.opd_clip: must be a finite number >= 0"),
+    ("[train]\ngrad_clip = nan\n", "train.grad_clip: must be a finite number"),
+    ("[train]\nbetas = [0.9]\n", "train.betas: must be two numbers in [0, 1)"),
+    ("[train]\nbetas = [0.9, \"x\"]\n", "train.betas[1]: must be float"),
+    ("[train]\naggregation = \"mean\"\n", "train.aggregation: must be one of"),
+    ("[train]\ndevice = \"tpu\"\n", "train.device"),
+    ("[train]\nseed = -1\n", "train.seed"),
+    ("[train]\nmomentum = 0.9\n", "train.momentum: unknown key"),
     ("[server\n", "not valid TOML"),
     ("server = 3\n", "server: must be a table"),
 ])

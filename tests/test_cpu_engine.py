@@ -24,7 +24,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from clawd.engine.local import server as cpu
+from clawd.engine.local.sampling import prompt_logprobs, truncate_probs
+from clawd.engine.local.wire import ContractError, RequestError, parse_sampling_params
 
 REPO = Path(__file__).resolve().parents[1]
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
@@ -47,7 +48,7 @@ class Engine:
         sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "clawd.engine.local.server", "--model", str(model), "--fd", str(sock.fileno()),
+        cmd = [sys.executable, "-m", "clawd.engine.local", "--model", str(model), "--fd", str(sock.fileno()),
                "--threads", "1", "--max-batch-size", "8", *flags]
         with open(log_path, "wb") as log:
             if orphanable:
@@ -123,6 +124,7 @@ def engines(models, tmp_path_factory):
             for e in started.values():
                 if e.alive():
                     os.kill(e.pid, signal.SIGKILL)
+            incremental.proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -196,31 +198,31 @@ def generate_body(ids, **params) -> dict:
 # Pure parts (no process)
 
 def test_sampling_params_defaults_and_contract():
-    p = cpu.parse_sampling_params({"temperature": 0, "stop": "x", "top_k": -1, "logit_bias": {"5": 1}})
+    p = parse_sampling_params({"temperature": 0, "stop": "x", "top_k": -1, "logit_bias": {"5": 1}})
     assert (p.max_new_tokens, p.greedy, p.stop, p.top_k, p.logit_bias) == (128, True, ("x",), -1, ((5, 1.0),))
-    with pytest.raises(cpu.ContractError, match=r"^unknown field `max_tokens`, expected one of `max_new_tokens`"):
-        cpu.parse_sampling_params({"max_tokens": 3})
-    with pytest.raises(cpu.ContractError, match="invalid type for `temperature`"):
-        cpu.parse_sampling_params({"temperature": "hot"})
+    with pytest.raises(ContractError, match=r"^unknown field `max_tokens`, expected one of `max_new_tokens`"):
+        parse_sampling_params({"max_tokens": 3})
+    with pytest.raises(ContractError, match="invalid type for `temperature`"):
+        parse_sampling_params({"temperature": "hot"})
     for bad in ({"top_k": 0}, {"top_p": 0}, {"n": 2}, {"repetition_penalty": 0}, {"regex": "a+"}):
-        with pytest.raises(cpu.RequestError):
-            cpu.parse_sampling_params(bad)
+        with pytest.raises(RequestError):
+            parse_sampling_params(bad)
 
 
 def test_truncate_probs_cuts_the_original_distribution():
     probs = torch.tensor([0.1, 0.5, 0.25, 0.15])
-    kept, order = cpu.truncate_probs(probs, top_k=-1, top_p=0.7, min_p=0.0)
+    kept, order = truncate_probs(probs, top_k=-1, top_p=0.7, min_p=0.0)
     assert order.tolist() == [1, 2, 3, 0] and kept.tolist() == [0.5, 0.25, 0.0, 0.0]
-    kept, _ = cpu.truncate_probs(probs, top_k=3, top_p=1.0, min_p=0.4)
+    kept, _ = truncate_probs(probs, top_k=3, top_p=1.0, min_p=0.4)
     assert kept.tolist() == [0.5, 0.25, 0.0, 0.0]
 
 
 def test_prompt_logprobs_alignment():
     ids = [3, 1, 2, 0]
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 3))  # positions 1, 2, 3
-    assert cpu.prompt_logprobs(logits, ids, 1) == pytest.approx([None, torch.log(torch.tensor(0.3)).item(),
+    assert prompt_logprobs(logits, ids, 1) == pytest.approx([None, torch.log(torch.tensor(0.3)).item(),
                                                                 torch.log(torch.tensor(0.1)).item()])
-    assert cpu.prompt_logprobs(logits[:0], ids, 4) == []
+    assert prompt_logprobs(logits[:0], ids, 4) == []
 
 
 # --------------------------------------------------------------------------

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 def test_smollm2_piecewise_encoding(default_model):
     from tokenizers import Tokenizer
 
-    from clawd.serving.tokenizer import ChatTokenizer
+    from clawd.tokenizer import ChatTokenizer
     dest, _ = default_model
     tok = ChatTokenizer(dest)
     text = tok.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12345 café 🦦"},

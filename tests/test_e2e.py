@@ -67,7 +67,7 @@ def test_three_turns_without_headers_make_one_session(client, daemon, tiny_model
 
     first_two = [r for r in daemon.records() if r["messages"][0]["content"] == "Tell me a fact about otters."]
     assert len(first_two) == 2
-    _check_against_engine(proc["engine_url"], first_two[0])
+    _check_against_engine(proc["engines"]["policy"]["url"], first_two[0])
 
     daemon.stop()  # closes the live session: its last turn is recorded with reason "shutdown"
     records = [r for r in daemon.records() if r["messages"][0]["content"] == "Tell me a fact about otters."]

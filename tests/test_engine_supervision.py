@@ -38,28 +38,28 @@ def daemon(tiny_model, tmp_path):
 def test_a_dead_engine_is_restarted_and_service_recovers(daemon):
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
     first = daemon.get("/debug/process")[1]
-    os.kill(first["engine_pid"], signal.SIGKILL)
+    os.kill(first["engines"]["policy"]["pid"], signal.SIGKILL)
     assert _wait(lambda: daemon.get("/ready")[0] == 503, 10)
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 503 and info.value.response.headers["Retry-After"]
     assert _wait(lambda: daemon.get("/ready")[0] == 200, 60)
     after = daemon.get("/debug/process")[1]
-    assert after["engine_restarts"] == 1 and after["engine_pid"] != first["engine_pid"]
-    assert after["engine_url"] == first["engine_url"]  # same port: clawd keeps the socket
+    assert after["engines"]["policy"]["restarts"] == 1 and after["engines"]["policy"]["pid"] != first["engines"]["policy"]["pid"]
+    assert after["engines"]["policy"]["url"] == first["engines"]["policy"]["url"]  # same port: clawd keeps the socket
     reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.role == "assistant"
 
 
 def test_sigkill_of_the_daemon_takes_the_engine_with_it(daemon):
-    engine_pid = daemon.get("/debug/process")[1]["engine_pid"]
+    engine_pid = daemon.get("/debug/process")[1]["engines"]["policy"]["pid"]
     daemon.proc.kill()
     daemon.proc.wait()
     assert _wait(lambda: not _alive(engine_pid), 10)
 
 
 def test_sigterm_stops_daemon_and_engine_cleanly(daemon):
-    engine_pid = daemon.get("/debug/process")[1]["engine_pid"]
+    engine_pid = daemon.get("/debug/process")[1]["engines"]["policy"]["pid"]
     assert daemon.stop() == 0
     assert not _alive(engine_pid)
 

@@ -21,7 +21,7 @@ from clawd.engine.client import EngineClient
 from clawd.scoring.judges import (AttemptFailed, CallPolicy, JudgeFailed, JudgeStats, OpenAIJudge, SGLangJudge,
                                 Teacher, backoff_delay, chat_content, error_message, parse_retry_after,
                                 teacher_logprobs)
-from clawd.serving.tokenizer import ChatTokenizer
+from clawd.tokenizer import ChatTokenizer
 from tests.fake_judge import FakeJudge, Reply
 from tests.fake_sglang import ABORTED, FakeSGLang, input_logprob
 

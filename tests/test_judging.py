@@ -6,10 +6,11 @@ from collections import Counter
 
 import pytest
 
-from clawd.scoring.judging import (ASSISTANT_CLOSE, ASSISTANT_OPEN, HINT_MARKER, HINT_SYSTEM, MAX_RULES_HINT_CHARS,
-                           RL_SYSTEM, Decision, Outcome, build_sample, decide, hint_judge_messages,
-                           is_tool_error, majority, message_text, neutralise, parse_hint_vote, parse_vote,
-                           render_turn_for_judge, rl_judge_messages, rules_vote, select_hint, teacher_messages)
+from clawd.scoring.judging import (ASSISTANT_CLOSE, ASSISTANT_OPEN, HINT_MARKER, HINT_SYSTEM, RL_SYSTEM, Decision,
+                                   Outcome, build_sample, decide, hint_judge_messages, majority, message_text,
+                                   neutralise, parse_hint_vote, parse_vote, render_turn_for_judge, rl_judge_messages,
+                                   select_hint, teacher_messages)
+from clawd.scoring.rules import MAX_RULES_HINT_CHARS, is_tool_error, rules_vote
 from clawd.samples import Sample
 from clawd.turns import Turn
 
@@ -312,7 +313,7 @@ DECISIONS = [  # (mode, rl_vote, hint, at_least_one_applies) → decision, with 
     # opd: the vote is monitoring only
     *[("opd", v, H, a, Decision(True, 0.0, True, "opd")) for v in (1, -1, 0, None) for a in (False, True)],
     *[("opd", v, None, a, Decision(False, 0.0, False, "no_hint")) for v in (1, -1, 0, None) for a in (False, True)],
-    # combine: reference §6.1, at-least-one never applies
+    # combine: at-least-one never applies
     *[("combine", 1, H, a, Decision(True, 1.0, True, "opd+rl")) for a in (False, True)],
     *[("combine", -1, H, a, Decision(True, -1.0, True, "opd+rl")) for a in (False, True)],
     *[("combine", v, H, a, Decision(True, 0.0, True, "opd")) for v in (0, None) for a in (False, True)],

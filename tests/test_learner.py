@@ -21,7 +21,7 @@ from clawd.served import Policy
 from clawd.learning.store import SampleStore
 from clawd.trainer.link import TrainerSupervisor
 from tests.fake_sglang import FakeSGLang
-from tests.trainer_handlers import calls, make_sample
+from tests.trainer_handlers import build, calls, make_sample
 
 
 async def until(predicate, timeout: float = 30.0) -> None:
@@ -40,8 +40,8 @@ async def learning(tmp_path, *, script=None, batch=2):
         journal = Journal(tmp_path / "journal")
         store = SampleStore(journal)
         await store.replay()
-        trainer = TrainerSupervisor({"handler": "tests.trainer_handlers:build", "dir": str(tmp_path),
-                                     "script": script or {}}, backoff_initial=0.05)
+        trainer = TrainerSupervisor({"dir": str(tmp_path), "script": script or {}}, factory=build,
+                                    backoff_initial=0.05)
         cfg = LearnerConfig(rollout_batch_size=batch, min_batch_size=1, stall_warn_interval=60)
         learner = Learner(cfg, store, trainer, Publisher(engine, 10), Policy(), tmp_path / "state")
         tasks = [asyncio.create_task(trainer.run()), asyncio.create_task(learner.run())]

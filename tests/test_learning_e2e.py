@@ -1,4 +1,4 @@
-"""Learning on CPU, end to end (issue 4): a scripted user's preference is learnt, in rl and in combine mode.
+"""Learning on CPU, end to end (docs/ARCHITECTURE.md §2): a scripted user's preference is learnt, in rl and in combine mode.
 
 The real daemon, the CPU engine on the tiny random-weight model, the rules judge and the learner.
 The user asks short questions and prefers short replies: at most MAX_CHARS characters, checked

@@ -36,14 +36,16 @@ def test_thanked_turns_are_trained_and_the_engine_serves_the_new_version(tiny_mo
         learner = _wait(lambda: (lambda l: l if l["publishes"] >= 1 else None)(
             daemon.get("/debug/process")[1]["learner"]), 120)
         assert learner, daemon.get("/debug/process")[1]
-        assert learner["policy_version"] == 1 and learner["steps"] == 1 and learner["samples_trained"] == 2
+        assert learner["steps"] == 1 and learner["samples_trained"] == 2
+        assert daemon.get("/debug/process")[1]["policy"]["version"] == 1
         assert daemon.get("/ready")[1]["policy_version"] == 1
 
         # Serving goes on, on the new weights; the turn carries the version that served it.
         again = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}],
                                                extra_headers={"X-Session-Done": "1"})
         assert again.system_fingerprint == "clawd-v1"  # clients can tell which policy answered
-        assert daemon.get("/debug/process")[1]["samples"] == {"waiting": 0, "depth": 0}  # acked after checkpoint
+        queue = daemon.get("/debug/process")[1]["queue"]
+        assert (queue["waiting"], queue["journal_live"]) == (0, 0)  # acked after checkpoint
     finally:
         assert daemon.stop() == 0
     turns = daemon.records()

@@ -1,4 +1,4 @@
-"""The loss functions against hand computations (DESIGN §3).
+"""The loss functions against hand computations (docs/ARCHITECTURE.md §3).
 
 Float64 wherever the claim is a value; torch.equal wherever the claim is exactness. Log-probs are
 written as log(probability) so the ratios in the comments are the ones on paper.
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from clawd.trainer import losses as L
+from clawd.trainer import losses
 
 F64 = torch.float64
 NAN, INF = math.nan, math.inf
@@ -39,34 +39,34 @@ def test_token_logprobs_divide_by_each_rows_temperature():
     logits = t([[[0.0, 2 * ln(2), 0.0]], [[0.0, 0.5 * ln(3), 0.0]]])  # [B=2, T=1, V=3]
     targets = torch.tensor([[0], [1]])
     temps = t([2.0, 0.5])
-    out = L.token_logprobs(logits, targets, temps)
+    out = losses.token_logprobs(logits, targets, temps)
     assert out.shape == (2, 1)
     assert close(out, [[ln(1 / 4)], [ln(3 / 5)]])
     manual = torch.log_softmax(logits / temps[:, None, None], dim=-1).gather(-1, targets[..., None])[..., 0]
     assert close(out, manual)
     # a plain number is one temperature for all: row 0 at T = 1 → softmax [1/6, 4/6, 1/6] → ln(1/6)
-    assert close(L.token_logprobs(logits, targets, 1.0)[0], [ln(1 / 6)])
+    assert close(losses.token_logprobs(logits, targets, 1.0)[0], [ln(1 / 6)])
     # packed 1-D tokens with a temperature per token give the same numbers
-    assert close(L.token_logprobs(logits[:, 0], targets[:, 0], temps), out[:, 0])
+    assert close(losses.token_logprobs(logits[:, 0], targets[:, 0], temps), out[:, 0])
 
 
 def test_token_logprobs_are_at_least_float32():
     logits = torch.randn(2, 3, 7).to(torch.bfloat16)
     targets = torch.randint(0, 7, (2, 3))
-    out = L.token_logprobs(logits, targets, 0.7)
+    out = losses.token_logprobs(logits, targets, 0.7)
     assert out.dtype == torch.float32
     assert torch.allclose(out, torch.log_softmax(logits.float() / 0.7, -1).gather(-1, targets[..., None])[..., 0])
-    assert L.token_logprobs(logits.to(F64), targets).dtype == F64
+    assert losses.token_logprobs(logits.to(F64), targets).dtype == F64
 
 
 def test_entropy_at_temperature():
     logits = t([[0.0, 2 * ln(2), 0.0]])
     # T = 2: p = [1/4, 1/2, 1/4] → H = 2·(1/4)·ln4 + (1/2)·ln2 = 1.5·ln2
-    assert close(L.entropy(logits, 2.0), [1.5 * ln(2)])
+    assert close(losses.entropy(logits, 2.0), [1.5 * ln(2)])
     # T = 1: p = [1/6, 4/6, 1/6] → H = 2·(1/6)·ln6 + (4/6)·ln(6/4)
-    assert close(L.entropy(logits, 1.0), [ln(6) / 3 + (2 / 3) * ln(1.5)])
+    assert close(losses.entropy(logits, 1.0), [ln(6) / 3 + (2 / 3) * ln(1.5)])
     # uniform: ln V at any temperature
-    assert close(L.entropy(torch.zeros(2, 4, dtype=F64), t([0.3, 1.7])), [ln(4), ln(4)])
+    assert close(losses.entropy(torch.zeros(2, 4, dtype=F64), t([0.3, 1.7])), [ln(4), ln(4)])
 
 
 # --- advantages ------------------------------------------------------------------------------
@@ -79,21 +79,21 @@ HAS_HINT = torch.tensor([True, False, True])
 
 
 def test_rl_advantage_is_the_reward_on_every_token():
-    a = L.advantages("rl", REWARD, LP_OLD_T1)
+    a = losses.advantages("rl", REWARD, LP_OLD_T1)
     assert torch.equal(a, t([[1.0, 1.0], [-1.0, -1.0], [0.0, 0.0]]))
 
 
 def test_opd_advantage_is_teacher_minus_old_and_zero_without_a_hint():
-    a = L.advantages("opd", REWARD, LP_OLD_T1, TEACHER, HAS_HINT)
+    a = losses.advantages("opd", REWARD, LP_OLD_T1, TEACHER, HAS_HINT)
     assert torch.equal(a, t([[0.5, -2.0], [0.0, 0.0], [-0.25, 0.75]]))
 
 
 def test_opd_clip_bounds_the_gap_on_both_sides():
     # clip 1.0: −2.0 → −1.0; 0.5, −0.25, 0.75 are inside
-    a = L.advantages("opd", REWARD, LP_OLD_T1, TEACHER, HAS_HINT, opd_clip=1.0)
+    a = losses.advantages("opd", REWARD, LP_OLD_T1, TEACHER, HAS_HINT, opd_clip=1.0)
     assert torch.equal(a, t([[0.5, -1.0], [0.0, 0.0], [-0.25, 0.75]]))
     # clip 0.5: 0.75 → 0.5 on the upper side as well
-    a = L.advantages("opd", REWARD, LP_OLD_T1, TEACHER, HAS_HINT, opd_clip=0.5)
+    a = losses.advantages("opd", REWARD, LP_OLD_T1, TEACHER, HAS_HINT, opd_clip=0.5)
     assert torch.equal(a, t([[0.5, -0.5], [0.0, 0.0], [-0.25, 0.5]]))
 
 
@@ -102,7 +102,7 @@ def test_combine_advantage_weights_both_terms():
     #   row 0:  0.5·1    + 2·[0.5, −2]      = [1.5, −3.5]
     #   row 1:  0.5·(−1) + 0 (no hint)      = [−0.5, −0.5]
     #   row 2:  0.5·0    + 2·[−0.25, 0.75]  = [−0.5, 1.5]
-    a = L.advantages("combine", REWARD, LP_OLD_T1, TEACHER, HAS_HINT, w_rl=0.5, w_opd=2.0)
+    a = losses.advantages("combine", REWARD, LP_OLD_T1, TEACHER, HAS_HINT, w_rl=0.5, w_opd=2.0)
     assert torch.equal(a, t([[1.5, -3.5], [-0.5, -0.5], [-0.5, 1.5]]))
 
 
@@ -114,20 +114,20 @@ def test_combine_opd_term_is_exactly_zero_without_a_hint(garbage):
     reward = torch.tensor([1.0, -1.0, 1.0])
     teacher = torch.full((3, 5), garbage)
     for w_rl, w_opd in [(1.0, 1.0), (0.3, 7.0)]:
-        a = L.advantages("combine", reward, lp_old_t1, teacher, torch.tensor([False] * 3), w_rl=w_rl, w_opd=w_opd)
+        a = losses.advantages("combine", reward, lp_old_t1, teacher, torch.tensor([False] * 3), w_rl=w_rl, w_opd=w_opd)
         assert torch.equal(a, (w_rl * reward)[:, None].expand(3, 5))
-        assert torch.equal(L.opd_term(lp_old_t1, teacher, torch.tensor([False] * 3)), torch.zeros(3, 5))
+        assert torch.equal(losses.opd_term(lp_old_t1, teacher, torch.tensor([False] * 3)), torch.zeros(3, 5))
 
 
 def test_advantages_are_detached_and_modes_are_checked():
     lp_old_t1 = LP_OLD_T1.clone().requires_grad_()
     teacher = t([[-0.5, -4.0], [0.0, 0.0], [-1.25, -0.25]]).requires_grad_()
-    for mode in L.MODES:
-        assert not L.advantages(mode, REWARD, lp_old_t1, teacher, HAS_HINT).requires_grad
+    for mode in losses.MODES:
+        assert not losses.advantages(mode, REWARD, lp_old_t1, teacher, HAS_HINT).requires_grad
     with pytest.raises(ValueError):
-        L.advantages("grpo", REWARD, LP_OLD_T1)
+        losses.advantages("grpo", REWARD, LP_OLD_T1)
     with pytest.raises(ValueError):
-        L.advantages("combine", REWARD, LP_OLD_T1)  # no teacher
+        losses.advantages("combine", REWARD, LP_OLD_T1)  # no teacher
 
 
 # --- ratio, clip, TIS ------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def test_ppo_surrogate_clips_on_both_sides():
     # ε = 0.2, ε_high = 0.28: clip(ratio) ∈ [0.8, 1.28]; loss = −min(r·A, clip(r)·A)
     ratio = t([1.5, 0.5, 0.5, 1.5, 1.1], requires_grad=True)
     adv = t([2.0, 2.0, -1.0, -1.0, 3.0])
-    loss = L.ppo_surrogate(ratio, adv, 0.2, 0.28)
+    loss = losses.ppo_surrogate(ratio, adv, 0.2, 0.28)
     assert close(loss, [
         -2.56,  # A > 0, r above 1+ε_high: min(3.0, 1.28·2 = 2.56) → clipped branch
         -1.0,   # A > 0, r below 1−ε:      min(1.0, 0.8·2 = 1.6)   → unclipped (the worse side)
@@ -153,7 +153,7 @@ def test_tis_weight_is_the_capped_ratio_to_the_rollout_and_detached():
     lp_old = lp(0.75, 0.9, 0.4, 0.25).requires_grad_()
     lp_rollout = lp(0.5, 0.3, 0.8, 0.25)
     # π_old/π_rollout = [1.5, 3 → capped at 2, 0.5, 1]
-    w = L.tis_weight(lp_old, lp_rollout, cap=2.0)
+    w = losses.tis_weight(lp_old, lp_rollout, cap=2.0)
     assert close(w, [1.5, 2.0, 0.5, 1.0])
     assert not w.requires_grad
 
@@ -163,15 +163,15 @@ def test_ratio_and_tis_weight_are_exactly_one_when_all_logprobs_agree(dtype):
     lps = torch.log_softmax(torch.randn(3, 6, 11, dtype=dtype), -1).max(-1).values - 0.1
     lp_new = lps.clone().requires_grad_()
     lp_old, lp_rollout = lp_new.detach(), lps.clone()
-    assert torch.equal(L.ppo_ratio(lp_new, lp_old), torch.ones_like(lps))
-    assert torch.equal(L.tis_weight(lp_old, lp_rollout), torch.ones_like(lps))
+    assert torch.equal(losses.ppo_ratio(lp_new, lp_old), torch.ones_like(lps))
+    assert torch.equal(losses.tis_weight(lp_old, lp_rollout), torch.ones_like(lps))
     # then the loss is −aggregate(A), bit for bit, and no token is clipped
     adv = torch.randn(3, 6, dtype=dtype)
     mask = torch.ones(3, 6)
     mask[1, 4:] = 0
-    loss = L.policy_loss(lp_new, lp_old, lp_rollout, adv, mask)
-    assert torch.equal(loss, -L.aggregate(adv, mask))
-    m = L.loss_metrics(lp_new, lp_old, lp_rollout, adv, mask)
+    loss = losses.policy_loss(lp_new, lp_old, lp_rollout, adv, mask)
+    assert torch.equal(loss, -losses.aggregate(adv, mask))
+    m = losses.loss_metrics(lp_new, lp_old, lp_rollout, adv, mask)
     assert (m["clip_fraction"], m["tis_mean"], m["tis_clipped_fraction"], m["approx_kl"],
             m["rollout_lp_abs_diff"]) == (0.0, 1.0, 0.0, 0.0, 0.0)
 
@@ -182,24 +182,24 @@ def test_aggregations_by_hand():
     x = t([[1.0, 2.0, 3.0], [4.0, NAN, INF]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     # sample_mean: (mean[1, 2, 3] + mean[4]) / 2 samples = (2 + 4) / 2
-    assert close(L.aggregate(x, mask), 3.0)
+    assert close(losses.aggregate(x, mask), 3.0)
     # token_mean: (1 + 2 + 3 + 4) / 4 tokens
-    assert close(L.aggregate(x, mask, aggregation="token_mean"), 2.5)
+    assert close(losses.aggregate(x, mask, aggregation="token_mean"), 2.5)
     # the whole batch had 4 samples: this half is (2 + 4) / 4
-    assert close(L.aggregate(x, mask, normaliser=4.0), 1.5)
+    assert close(losses.aggregate(x, mask, normaliser=4.0), 1.5)
     # a sample without a loss token adds 0 and still counts: (1.5 + 0) / 2
-    assert close(L.aggregate(t([[1.0, 2.0], [5.0, 5.0]]), torch.tensor([[1, 1], [0, 0]])), 0.75)
+    assert close(losses.aggregate(t([[1.0, 2.0], [5.0, 5.0]]), torch.tensor([[1, 1], [0, 0]])), 0.75)
     with pytest.raises(ValueError):
-        L.aggregate(x, mask, aggregation="seq_sum")
+        losses.aggregate(x, mask, aggregation="seq_sum")
 
 
 def test_whole_batch_normaliser():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
-    assert L.whole_batch_normaliser(mask, "sample_mean") == 2.0
-    assert L.whole_batch_normaliser(mask, "token_mean") == 2.0
-    assert L.whole_batch_normaliser(torch.zeros(3, 4), "token_mean") == 1.0  # never 0
+    assert losses.whole_batch_normaliser(mask, "sample_mean") == 2.0
+    assert losses.whole_batch_normaliser(mask, "token_mean") == 2.0
+    assert losses.whole_batch_normaliser(torch.zeros(3, 4), "token_mean") == 1.0  # never 0
     with pytest.raises(ValueError):
-        L.whole_batch_normaliser(mask, "mean")
+        losses.whole_batch_normaliser(mask, "mean")
 
 
 # --- the policy loss -------------------------------------------------------------------------
@@ -223,7 +223,7 @@ MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
 
 def test_policy_loss_sample_mean_by_hand():
     lp_new = LP_NEW.clone().requires_grad_()
-    loss = L.policy_loss(lp_new, LP_OLD, LP_ROLLOUT, ADV, MASK)
+    loss = losses.policy_loss(lp_new, LP_OLD, LP_ROLLOUT, ADV, MASK)
     assert close(loss, (-2.48 / 3 + 1.55) / 2)
     loss.backward()
     # d/dlp_new = −w·A·ratio / (sample length · 2 samples), 0 where the clipped branch is taken
@@ -233,7 +233,7 @@ def test_policy_loss_sample_mean_by_hand():
 
 def test_policy_loss_token_mean_by_hand():
     lp_new = LP_NEW.clone().requires_grad_()
-    loss = L.policy_loss(lp_new, LP_OLD, LP_ROLLOUT, ADV, MASK, aggregation="token_mean")
+    loss = losses.policy_loss(lp_new, LP_OLD, LP_ROLLOUT, ADV, MASK, aggregation="token_mean")
     assert close(loss, (-2.48 + 3.1) / 5)
     loss.backward()
     # the same per-token gradients, each over 5 tokens
@@ -247,7 +247,7 @@ def test_one_pass_gradient_is_the_tis_weighted_policy_gradient():
     lp_rollout = lp_new.detach() + 0.5 * torch.randn(3, 4, dtype=F64)
     adv = torch.randn(3, 4, dtype=F64)
     mask = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 0], [1, 1, 0, 0]])
-    L.policy_loss(lp_new, lp_new.detach(), lp_rollout, adv, mask).backward()
+    losses.policy_loss(lp_new, lp_new.detach(), lp_rollout, adv, mask).backward()
     w = torch.exp(lp_new.detach() - lp_rollout).clamp(max=2.0)
     assert close(lp_new.grad, -w * adv * mask / (mask.sum(-1, keepdim=True) * 3))
 
@@ -259,7 +259,7 @@ def test_padding_contributes_nothing_whatever_it_holds():
         for x in filled:
             x[1, 2] = pad
         lp_old, lp_rollout, adv, lp_ref, ent = filled
-        loss, parts = L.total_loss(lp_new, lp_old, lp_rollout, adv, MASK, lp_ref=lp_ref, kl_coef=0.1,
+        loss, parts = losses.total_loss(lp_new, lp_old, lp_rollout, adv, MASK, lp_ref=lp_ref, kl_coef=0.1,
                                    entropy=ent, entropy_coef=0.01)
         loss.backward()
         return loss, parts, lp_new.grad
@@ -272,7 +272,7 @@ def test_padding_contributes_nothing_whatever_it_holds():
         assert grad[1, 2] == 0.0
 
 
-@pytest.mark.parametrize("aggregation", L.AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
 def test_micro_batches_add_up_to_the_whole_batch(aggregation):
     """Two micro-batches, each padded to its own length, with the whole batch's normaliser: the
     summed losses, the summed parts and the accumulated gradients equal one big batch's."""
@@ -288,25 +288,25 @@ def test_micro_batches_add_up_to_the_whole_batch(aggregation):
     teacher = torch.randn(B, T, dtype=F64) - 2
     has_hint = torch.tensor([True, False, True, False])
     with torch.no_grad():  # an earlier policy (ppo_epochs > 1), so some ratios leave the clip range
-        lp_old = L.token_logprobs(logits + 0.3 * torch.randn(B, T, V, dtype=F64), targets, temps)
-        lp_ref = L.token_logprobs(logits + 0.2 * torch.randn(B, T, V, dtype=F64), targets, temps)
+        lp_old = losses.token_logprobs(logits + 0.3 * torch.randn(B, T, V, dtype=F64), targets, temps)
+        lp_ref = losses.token_logprobs(logits + 0.2 * torch.randn(B, T, V, dtype=F64), targets, temps)
     lp_rollout = lp_old + 0.4 * torch.randn(B, T, dtype=F64)
-    norm = L.whole_batch_normaliser(mask, aggregation)
+    norm = losses.whole_batch_normaliser(mask, aggregation)
     kw = dict(aggregation=aggregation, normaliser=norm, kl_coef=0.1, entropy_coef=0.01)
 
     def step(rows, width):
         lg, tg, tp = logits[rows, :width], targets[rows, :width], temps[rows]
-        lp_new = L.token_logprobs(lg, tg, tp)
+        lp_new = losses.token_logprobs(lg, tg, tp)
         with torch.no_grad():
-            lp_old_t1 = L.token_logprobs(lg, tg, 1.0)
-        adv = L.advantages("combine", reward[rows], lp_old_t1, teacher[rows, :width], has_hint[rows])
-        return L.total_loss(lp_new, lp_old[rows, :width], lp_rollout[rows, :width], adv, mask[rows, :width],
-                            lp_ref=lp_ref[rows, :width], entropy=L.entropy(lg, tp), **kw)
+            lp_old_t1 = losses.token_logprobs(lg, tg, 1.0)
+        adv = losses.advantages("combine", reward[rows], lp_old_t1, teacher[rows, :width], has_hint[rows])
+        return losses.total_loss(lp_new, lp_old[rows, :width], lp_rollout[rows, :width], adv, mask[rows, :width],
+                            lp_ref=lp_ref[rows, :width], entropy=losses.entropy(lg, tp), **kw)
 
     whole, whole_parts = step(slice(0, 4), T)
     whole.backward()
     whole_grad, logits.grad = logits.grad.clone(), None
-    assert L.loss_metrics(L.token_logprobs(logits, targets, temps), lp_old, lp_rollout, torch.ones(B, T),
+    assert losses.loss_metrics(losses.token_logprobs(logits, targets, temps), lp_old, lp_rollout, torch.ones(B, T),
                           mask)["clip_fraction"] > 0  # the clip is exercised
 
     first, first_parts = step(slice(0, 2), 3)   # widest sample of the pair: 3 tokens
@@ -327,7 +327,7 @@ def test_kl_k3_by_hand():
     lp_new = lp(0.5, 0.5, 0.5).requires_grad_()
     lp_ref = lp(1.0, 0.5, 0.25)
     # d = lp_ref − lp_new = [ln2, 0, −ln2];  exp(d) − d − 1 = [1 − ln2, 0, ln2 − 1/2]
-    k3 = L.kl_k3(lp_new, lp_ref)
+    k3 = losses.kl_k3(lp_new, lp_ref)
     assert close(k3, [1 - ln(2), 0.0, ln(2) - 0.5])
     assert k3[1].item() == 0.0  # exactly, where the two agree
     k3.sum().backward()
@@ -336,8 +336,8 @@ def test_kl_k3_by_hand():
 
 
 def test_total_loss_is_the_policy_loss_by_default():
-    loss, parts = L.total_loss(LP_NEW, LP_OLD, LP_ROLLOUT, ADV, MASK)
-    assert torch.equal(loss, L.policy_loss(LP_NEW, LP_OLD, LP_ROLLOUT, ADV, MASK))
+    loss, parts = losses.total_loss(LP_NEW, LP_OLD, LP_ROLLOUT, ADV, MASK)
+    assert torch.equal(loss, losses.policy_loss(LP_NEW, LP_OLD, LP_ROLLOUT, ADV, MASK))
     assert parts == {"policy_loss": loss.item()}
 
 
@@ -347,7 +347,7 @@ def test_total_loss_with_kl_and_entropy_by_hand():
     lp_ref = lp(1.0, 0.25).reshape(1, 2)          # k3 = [1 − ln2, ln2 − 1/2] → mean 1/4
     ent = t([[1.0, 2.0]], requires_grad=True)     # mean 1.5
     adv, mask = t([[1.0, -1.0]]), torch.ones(1, 2)
-    loss, parts = L.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, lp_ref=lp_ref, kl_coef=0.5,
+    loss, parts = losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, lp_ref=lp_ref, kl_coef=0.5,
                                entropy=ent, entropy_coef=0.1)
     # 0 + 0.5·0.25 − 0.1·1.5
     assert close(loss, -0.025)
@@ -358,9 +358,9 @@ def test_total_loss_with_kl_and_entropy_by_hand():
     # the entropy bonus pushes entropy up: ∂loss/∂H = −0.1 / 2 tokens
     assert close(ent.grad, [[-0.05, -0.05]])
     with pytest.raises(ValueError):
-        L.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, kl_coef=0.1)
+        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, kl_coef=0.1)
     with pytest.raises(ValueError):
-        L.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, entropy_coef=0.1)
+        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, entropy_coef=0.1)
 
 
 # --- metrics ---------------------------------------------------------------------------------
@@ -373,7 +373,7 @@ def test_loss_metrics_by_hand():
     adv = t([2.0, 2.0, -1.0, -1.0, 3.0, NAN])
     ent = t([0.5, 1.0, 1.5, 2.0, 2.5, NAN])
     mask = torch.tensor([1, 1, 1, 1, 1, 0])
-    m = L.loss_metrics(lp_new, lp_old, lp_rollout, adv, mask, entropy=ent)
+    m = losses.loss_metrics(lp_new, lp_old, lp_rollout, adv, mask, entropy=ent)
     expected = {
         "tokens": 5.0,
         "clip_fraction": 2 / 5,                    # tokens 0 and 2 take the clipped branch
@@ -396,7 +396,7 @@ def test_loss_metrics_by_hand():
 
 def test_loss_metrics_without_tokens_are_nan():
     x = t([[0.0, 0.0]])
-    m = L.loss_metrics(x, x, x, x, torch.zeros(1, 2))
+    m = losses.loss_metrics(x, x, x, x, torch.zeros(1, 2))
     assert m["tokens"] == 0.0 and math.isnan(m["clip_fraction"]) and math.isnan(m["adv_min"])
 
 
@@ -405,9 +405,9 @@ def test_grad_norm():
     b = torch.nn.Parameter(torch.zeros(1, 1, dtype=torch.bfloat16))
     c = torch.nn.Parameter(torch.zeros(3))  # no gradient: skipped
     a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([[4.0]], dtype=torch.bfloat16)
-    assert L.grad_norm([a, b, c]) == 5.0       # sqrt(3² + 4²)
-    assert L.grad_norm([c]) == 0.0
+    assert losses.grad_norm([a, b, c]) == 5.0       # sqrt(3² + 4²)
+    assert losses.grad_norm([c]) == 0.0
     a.grad[1] = INF
-    assert L.grad_norm([a, b]) == INF
+    assert losses.grad_norm([a, b]) == INF
     a.grad[1] = NAN
-    assert math.isnan(L.grad_norm([a, b]))
+    assert math.isnan(losses.grad_norm([a, b]))

@@ -1,4 +1,4 @@
-"""The offline models: the tiny Qwen2 test model and the SmolLM2 conversion (DESIGN §10)."""
+"""The offline models: the tiny Qwen2 test model and the SmolLM2 conversion (docs/ARCHITECTURE.md §10)."""
 import json
 import subprocess
 import sys

@@ -1,7 +1,7 @@
 """Turn records: daily files, retention, nothing secret."""
 import json
 
-from clawd.serving.records import RecordWriter
+from clawd.records import RecordWriter
 from clawd.turns import FinishedTurn, Turn
 
 DAY = 86400.0

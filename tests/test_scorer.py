@@ -6,7 +6,7 @@ import pytest
 from clawd.config import config_from_dict
 from clawd.learning.journal import Journal
 from clawd.scoring.judges import JudgeFailed
-from clawd.serving.records import RecordWriter
+from clawd.records import RecordWriter
 from clawd.learning.store import SampleStore
 from clawd.scoring.scorer import Scorer
 from clawd.turns import FinishedTurn, Turn
@@ -53,6 +53,7 @@ async def scorer(tmp_path):
                records=RecordWriter(tmp_path / "records", kind="judge"))
     yield s, store, judge
     await store.journal.close()
+    s.records.close()
 
 
 async def test_every_outcome_is_counted_and_a_hung_judge_stalls_nothing(scorer):
@@ -83,6 +84,7 @@ async def test_backlog_beyond_max_pending_is_excluded(tmp_path):
     assert s.stats.pending == 2 and s.stats.excluded == {"scoring_backlog": 1}
     await s.close(timeout=0.05)
     await store.journal.close()
+    s.records.close()
 
 
 class FixedTeacher:
@@ -95,7 +97,7 @@ class FixedTeacher:
 async def test_rules_judge_counts_the_hints_it_offers_and_accepts_like_a_hint_judge(tiny_model, tmp_path):
     """With the rules judge in combine mode, a correction's hint is both offered and accepted (the rules'
     hint vote is +1 when the next state holds a hint, as a hint judge's would be); thanks offer none."""
-    from clawd.serving.tokenizer import ChatTokenizer
+    from clawd.tokenizer import ChatTokenizer
     cfg = config_from_dict({"scoring": {"mode": "combine"}, "judge": {"backend": "rules"}})
     store = SampleStore(Journal(tmp_path / "journal"))
     await store.replay()
@@ -113,3 +115,4 @@ async def test_rules_judge_counts_the_hints_it_offers_and_accepts_like_a_hint_ju
     assert s.stats.votes == {"-1": 1, "+1": 1} and s.stats.emitted == 2
     await s.close(timeout=1)
     await store.journal.close()
+    s.records.close()

@@ -1,4 +1,4 @@
-"""Signals (issue 5, part 3): SIGTERM drains and exits 0 with nothing lost; a second SIGTERM exits promptly."""
+"""Signals (docs/ARCHITECTURE.md §8): SIGTERM drains and exits 0 with nothing lost; a second SIGTERM exits promptly."""
 from __future__ import annotations
 
 import re
@@ -93,7 +93,7 @@ def test_sigterm_under_load_completes_in_flight_and_exits_clean(tiny_model, tmp_
         assert long.started.wait(60) and long.error is None, long.error
         tree = tagged_processes(LIFE, tag)
         trainer = int(re.search(r"trainer (\d+) ready", daemon.wait_for(r"trainer \d+ ready")).group(1))
-        engine = daemon.get("/debug/process")[1]["engine_pid"]
+        engine = daemon.get("/debug/process")[1]["engines"]["policy"]["pid"]
         assert {daemon.proc.pid, trainer, engine} <= set(tree), tree
 
         sigterm = time.monotonic()
@@ -190,7 +190,7 @@ def test_second_sigterm_exits_promptly(tiny_model, tmp_path, monkeypatch):
     try:
         for i in range(2):
             thanked_conversation(daemon.url + "/v1", f"Question {i}?")
-        assert wait_until(lambda: daemon.get("/debug/process")[1]["samples"]["depth"] == 2, 30)
+        assert wait_until(lambda: daemon.get("/debug/process")[1]["queue"]["journal_live"] == 2, 30)
         long.start()
         assert long.started.wait(60) and long.error is None, long.error
         daemon.proc.send_signal(signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""Simulated users (clawd/sim): personas' checkers and words, session plans, and a short run on a real daemon."""
+"""Simulated users (clawd/tools/sim): personas' checkers and words, session plans, and a short run on a real daemon."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from clawd.scoring import judging
-from clawd.tools.sim import personas as P
+from clawd.scoring import judging, rules
+from clawd.tools.sim import personas
 from clawd.config import to_toml
 from clawd.tools.sim.users import (STYLES, TOOLS, Reply, Users, by_persona, by_version, plan_sessions, rate, tool_result,
                              version_of)
@@ -20,11 +20,11 @@ from .harness import Daemon
 
 
 def test_word_count():
-    assert P.word_count("") == 0
-    assert P.word_count("  Paris.  ") == 1
-    assert P.word_count("The capital of France is Paris.") == 6
-    assert P.word_count("one\ntwo\tthree  four") == 4
-    assert P.word_count("e.g. x-ray, 3.14 🙂") == 4
+    assert personas.word_count("") == 0
+    assert personas.word_count("  Paris.  ") == 1
+    assert personas.word_count("The capital of France is Paris.") == 6
+    assert personas.word_count("one\ntwo\tthree  four") == 4
+    assert personas.word_count("e.g. x-ray, 3.14 🙂") == 4
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -42,7 +42,7 @@ def test_word_count():
     ("In 2024. we moved", False),             # four digits is a year, not an item number
 ])
 def test_has_list(text, expected):
-    assert P.has_list(text) is expected
+    assert personas.has_list(text) is expected
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -56,7 +56,7 @@ def test_has_list(text, expected):
     ("Paris.", False),
 ])
 def test_ends_with_question(text, expected):
-    assert P.ends_with_question(text) is expected
+    assert personas.ends_with_question(text) is expected
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -69,17 +69,17 @@ def test_ends_with_question(text, expected):
     ("(Python)", True),
 ])
 def test_uses_term(text, expected):
-    assert P.uses_term(text, "Python") is expected
+    assert personas.uses_term(text, "Python") is expected
 
 
 def test_uses_term_escapes_the_term():
-    assert P.uses_term("I write C++ daily", "C++")
-    assert not P.uses_term("I write C daily", "C++")
+    assert personas.uses_term("I write C++ daily", "C++")
+    assert not personas.uses_term("I write C daily", "C++")
 
 
 # ---- personas -----------------------------------------------------------------------------------
 
-BRIEF = P.Persona("brief", "under_words", 5, ("Q?",))
+BRIEF = personas.Persona("brief", "under_words", 5, ("Q?",))
 
 
 def test_under_words_boundary():
@@ -90,29 +90,29 @@ def test_under_words_boundary():
 
 
 def test_every_persona_wants_an_answer_first():
-    for p in P.PERSONAS.values():
+    for p in personas.PERSONAS.values():
         assert not p.satisfied("")
         short = " ".join(["Python?"] * (p.min_words - 1))  # too few words, whatever the preference
         assert not p.satisfied(short)
-        assert p.correction(short) == (P.NOT_AN_ANSWER if p.min_words <= P.MIN_WORDS else P.too_short(p.min_words))
-    plain = P.PERSONAS["plain"]
-    assert plain.correction("Sure thing") == P.NOT_AN_ANSWER
+        assert p.correction(short) == (personas.NOT_AN_ANSWER if p.min_words <= personas.MIN_WORDS else personas.too_short(p.min_words))
+    plain = personas.PERSONAS["plain"]
+    assert plain.correction("Sure thing") == personas.NOT_AN_ANSWER
     assert plain.correction("The answer is sleep.") == "No, that's too short. Please answer in full sentences, at least 8 words."
     assert plain.satisfied("Keep a regular bedtime and avoid screens before sleep.")
-    assert P.MIN_WORDS == 3 and P.PERSONAS["terse"].min_words == 1
-    assert P.PERSONAS["terse"].satisfied("Rome.") and not P.PERSONAS["brief"].satisfied("Rome.")
-    assert P.PERSONAS["brief"].correction("Sure thing") == P.NOT_AN_ANSWER
+    assert personas.MIN_WORDS == 3 and personas.PERSONAS["terse"].min_words == 1
+    assert personas.PERSONAS["terse"].satisfied("Rome.") and not personas.PERSONAS["brief"].satisfied("Rome.")
+    assert personas.PERSONAS["brief"].correction("Sure thing") == personas.NOT_AN_ANSWER
 
 
 def test_min_words_validation():
     with pytest.raises(ValueError, match="min_words"):
-        P.Persona("x", "no_lists", None, ("Q?",), min_words=0)
+        personas.Persona("x", "no_lists", None, ("Q?",), min_words=0)
     with pytest.raises(ValueError, match="integer above 1"):
-        P.Persona("x", "under_words", 1, ("Q?",), min_words=1)
+        personas.Persona("x", "under_words", 1, ("Q?",), min_words=1)
 
 
 def test_catalogue_preferences_and_corrections():
-    got = {name: (p.preference, p.correction("This reply has more than enough words in it.")) for name, p in P.PERSONAS.items()}
+    got = {name: (p.preference, p.correction("This reply has more than enough words in it.")) for name, p in personas.PERSONAS.items()}
     assert got == {
         "brief": ("under 20 words", "No, that's too long. Please answer in under 20 words."),
         "terse": ("under 3 words", "No, that's too long. Please answer in under 3 words."),
@@ -126,7 +126,7 @@ def test_catalogue_preferences_and_corrections():
 
 
 def test_catalogue_checks():
-    plain, curious, py = P.PERSONAS["plain"], P.PERSONAS["curious"], P.PERSONAS["pythonista"]
+    plain, curious, py = personas.PERSONAS["plain"], personas.PERSONAS["curious"], personas.PERSONAS["pythonista"]
     assert plain.satisfied("Boil it for ten minutes, then cool it in cold water.")
     assert not plain.satisfied("Do this:\n1. Boil it for ten minutes.\n2. Eat it.")
     assert curious.satisfied("That sounds fun. What will you paint?") and not curious.satisfied("That sounds fun.")
@@ -134,52 +134,52 @@ def test_catalogue_checks():
 
 
 def test_persona_spec():
-    assert P.persona("brief") is P.PERSONAS["brief"]
-    assert P.persona("brief:30").param == 30 and P.persona("brief:30").questions == P.FACTS
-    assert P.persona("terse:4").min_words == 1
-    assert P.persona("pythonista:Rust").param == "Rust"
+    assert personas.persona("brief") is personas.PERSONAS["brief"]
+    assert personas.persona("brief:30").param == 30 and personas.persona("brief:30").questions == personas.FACTS
+    assert personas.persona("terse:4").min_words == 1
+    assert personas.persona("pythonista:Rust").param == "Rust"
     for bad, message in [("nobody", "unknown persona"), ("brief:x", "not a word count"),
                          ("plain:3", "takes no parameter"), ("brief:3", "integer above 3")]:
         with pytest.raises(ValueError, match=message):
-            P.persona(bad)
+            personas.persona(bad)
 
 
 def test_persona_validation():
     with pytest.raises(ValueError, match="kind"):
-        P.Persona("x", "shouting", None, ("Q?",))
+        personas.Persona("x", "shouting", None, ("Q?",))
     with pytest.raises(ValueError, match="needs a term"):
-        P.Persona("x", "uses_term", " ", ("Q?",))
+        personas.Persona("x", "uses_term", " ", ("Q?",))
     with pytest.raises(ValueError, match="at least one question"):
-        P.Persona("x", "no_lists", None, ())
+        personas.Persona("x", "no_lists", None, ())
 
 
 def test_follow_up_messages():
     short, long = "Paris is the capital.", "Paris is the capital of France, a big country."
-    assert P.follow_up(BRIEF, short, next_question="Why?", retry=False, i=0) == (
+    assert personas.follow_up(BRIEF, short, next_question="Why?", retry=False, i=0) == (
         True, "Thanks, that's just what I needed. Next question: Why?")
-    assert P.follow_up(BRIEF, short, next_question=None, retry=False, i=1) == (True, "Thank you, perfect.")
-    assert P.follow_up(BRIEF, long, next_question=None, retry=True) == (
+    assert personas.follow_up(BRIEF, short, next_question=None, retry=False, i=1) == (True, "Thank you, perfect.")
+    assert personas.follow_up(BRIEF, long, next_question=None, retry=True) == (
         False, "No, that's too long. Please answer in under 5 words.")
-    assert P.follow_up(BRIEF, long, next_question="Why?", retry=False) == (
+    assert personas.follow_up(BRIEF, long, next_question="Why?", retry=False) == (
         False, "No, that's too long. Please answer in under 5 words. Anyway, next question: Why?")
-    assert P.thanks(5) == P.THANKS[1]
+    assert personas.thanks(5) == personas.THANKS[1]
 
 
 # The rules judge must read the users' words as meant: +1 for thanks, -1 with the correction as hint.
 def _rules(said: str, previous: str = "What is gravity?") -> tuple[int, str | None]:
     turn = SimpleNamespace(messages=[{"role": "user", "content": previous}])
-    return judging.rules_vote(turn, [{"role": "user", "content": said}])
+    return rules.rules_vote(turn, [{"role": "user", "content": said}])
 
 
 def test_the_rules_judge_reads_every_thanks_as_positive():
-    questions = [q for p in P.PERSONAS.values() for q in p.questions]
-    for i, q in itertools.product(range(len(P.THANKS)), questions):
-        assert _rules(P.follow_up(BRIEF, "Paris is big.", next_question=q, retry=False, i=i)[1]) == (1, None)
-        assert _rules(P.thanks(i), previous=q) == (1, None)
+    questions = [q for p in personas.PERSONAS.values() for q in p.questions]
+    for i, q in itertools.product(range(len(personas.THANKS)), questions):
+        assert _rules(personas.follow_up(BRIEF, "Paris is big.", next_question=q, retry=False, i=i)[1]) == (1, None)
+        assert _rules(personas.thanks(i), previous=q) == (1, None)
 
 
 def test_the_rules_judge_reads_every_correction_as_negative_with_it_as_hint():
-    for p in list(P.PERSONAS.values()):
+    for p in list(personas.PERSONAS.values()):
         for text in ("", "1. one\n2. two three four five six seven " * 8):
             if p.satisfied(text):
                 continue
@@ -187,7 +187,7 @@ def test_the_rules_judge_reads_every_correction_as_negative_with_it_as_hint():
             assert _rules(said) == (-1, said)
             assert judging.accept_hint(said) == said
             for q in p.questions:  # moving on after a failed retry: still negative, the whole message the hint
-                moved = P.follow_up(p, text, next_question=q, retry=False)[1]
+                moved = personas.follow_up(p, text, next_question=q, retry=False)[1]
                 assert _rules(moved, previous=said) == (-1, moved)
 
 
@@ -206,13 +206,13 @@ def test_tool_result():
     assert json.loads(tool_result("lookup", '{"q": 1}')) == {"error": "lookup needs a query"}
     assert json.loads(tool_result("lookup", None)) == {"error": "arguments are not JSON"}
     # The rules judge reads these as the tool working, or not.
-    assert not judging.is_tool_error(tool_result("lookup", '{"query": "bees"}'))
-    assert judging.is_tool_error(tool_result("search", "{}"))
+    assert not rules.is_tool_error(tool_result("lookup", '{"query": "bees"}'))
+    assert rules.is_tool_error(tool_result("search", "{}"))
     assert TOOLS[0]["function"]["name"] == "lookup"
 
 
 def test_plans_cycle_personas_and_styles_and_repeat_with_the_seed():
-    ps = [P.PERSONAS["brief"], P.PERSONAS["plain"]]
+    ps = [personas.PERSONAS["brief"], personas.PERSONAS["plain"]]
     plans = list(itertools.islice(plan_sessions(ps, seed=3), 16))
     assert [p.persona.name for p in plans[:4]] == ["brief", "plain", "brief", "plain"]
     assert [p.style for p in plans[:8:2]] == ["stitched", "headed", "stitched_done", "headed_abandoned"]
@@ -290,7 +290,7 @@ class ScriptedModel:
 async def test_users_form_the_sessions_they_mean(tiny_model, tmp_path):
     from .fake_sglang import FakeSGLang
     from .harness import wait_ready_async
-    brief = P.Persona("brief", "under_words", 5, P.FACTS)
+    brief = personas.Persona("brief", "under_words", 5, personas.FACTS)
     plans = list(itertools.islice(plan_sessions([brief], seed=5, tool_share=0.5, stream_share=0.5), 8))
     assert {p.style for p in plans} == {"stitched", "headed", "stitched_done", "headed_abandoned"}
     assert any(p.tools for p in plans) and any(p.stream for p in plans) and any(len(p.questions) > 1 for p in plans)
@@ -351,7 +351,7 @@ async def test_users_see_the_policy_version_move(tiny_model, tmp_path):
                                "learner": {"enabled": True, "rollout_batch_size": 4, "min_batch_size": 1},
                                "train": {"lr": 3e-2, "checkpoint_every": 1000}})
     try:
-        users = Users(daemon.url, [P.PERSONAS["terse"]], seed=2, concurrency=4, max_tokens=8)
+        users = Users(daemon.url, [personas.PERSONAS["terse"]], seed=2, concurrency=4, max_tokens=8)
 
         async def one_step() -> None:  # until a reply served by a published version came back
             for _ in range(900):

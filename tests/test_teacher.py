@@ -1,4 +1,4 @@
-"""Teacher alignment (DESIGN §3) on the tiny model through the real CPU engine.
+"""Teacher alignment (docs/ARCHITECTURE.md §3) on the tiny model through the real CPU engine.
 
 The teacher's log-probs of a response under the unchanged prompt must equal the
 rollout's own log-probs at temperature 1 and a teacher-forced forward pass,
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from clawd.engine.client import EngineClient
 from clawd.scoring.judges import CallPolicy, Teacher
-from clawd.serving.tokenizer import ChatTokenizer
+from clawd.tokenizer import ChatTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4
@@ -37,7 +37,7 @@ def engine_url(tiny_model, tmp_path_factory):
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     log_path = tmp_path_factory.mktemp("teacher") / "engine.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "clawd.engine.local.server", "--model", str(tiny_model),
+        proc = subprocess.Popen([sys.executable, "-m", "clawd.engine.local", "--model", str(tiny_model),
                                  "--fd", str(sock.fileno()), "--threads", "1", "--max-batch-size", "8"],
                                 pass_fds=(sock.fileno(),), cwd=REPO, stdout=log, stderr=log)
     sock.close()
@@ -100,7 +100,7 @@ async def rollout(engine: EngineClient, prompt_ids: list[int], seed: int) -> tup
 
 
 def hinted(messages: list[dict]) -> list[dict]:
-    """The teacher prompt: the hint appended to the last user message (DESIGN §5)."""
+    """The teacher prompt: the hint appended to the last user message (docs/ARCHITECTURE.md §5)."""
     return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + HINT}]
 
 

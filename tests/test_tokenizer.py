@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from clawd.serving.tokenizer import ChatTokenizer, TemplateError
+from clawd.tokenizer import ChatTokenizer, TemplateError
 
 CONVERSATIONS = [
     ([{"role": "user", "content": "Hi"}], None),
@@ -52,7 +52,7 @@ def test_template_errors_are_client_errors(tmp_path, tiny_model):
 
 
 def test_loading_does_not_import_torch(tiny_model):
-    code = ("import sys; from clawd.serving.tokenizer import ChatTokenizer; "
+    code = ("import sys; from clawd.tokenizer import ChatTokenizer; "
             f"ChatTokenizer({str(tiny_model)!r}).encode_chat([{{'role': 'user', 'content': 'x'}}], None); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

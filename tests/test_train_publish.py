@@ -1,17 +1,17 @@
 """One turn of the learning loop by hand: engine rollout → samples → trainer child → published weights →
-the engine swaps to them. The daemon's learner (issue 4) will drive exactly these calls."""
+the engine swaps to them. The daemon's learner makes these calls, to a child spawned like this one:
+`trainer_options` and the link's default handler, the real trainer."""
 from __future__ import annotations
 
 import json
 import urllib.request
 
-import pytest
-
+from clawd.config import Config, ModelConfig, ScoringConfig, StateConfig, TrainConfig
 from clawd.engine.client import EngineClient
 from clawd.samples import Sample
-from clawd.serving.tokenizer import ChatTokenizer
-from clawd.trainer.link import TrainerLink
-from .test_teacher import engine_url  # noqa: F401  (a CPU engine on the tiny model)
+from clawd.tokenizer import ChatTokenizer
+from clawd.trainer.link import TrainerLink, trainer_options
+from tests.test_teacher import engine_url  # noqa: F401  (a CPU engine on the tiny model)
 
 
 def _post(url, body):
@@ -39,8 +39,9 @@ async def test_trained_weights_are_published_and_served(engine_url, tiny_model, 
                               rollout_logprobs=lps, temperature=1.0, reward=1.0, teacher_logprobs=None,
                               has_hint=False, policy_version=0, created=0.0, scored=0.0))
 
-    link = TrainerLink({"mode": "rl", "model_dir": str(tiny_model), "state_dir": str(tmp_path / "trainer"),
-                        "train": {"lr": 1e-2, "seed": 0}})
+    cfg = Config(model=ModelConfig(path=str(tiny_model)), state=StateConfig(dir=str(tmp_path / "state")),
+                 scoring=ScoringConfig(mode="rl"), train=TrainConfig(lr=1e-2, seed=0))
+    link = TrainerLink(trainer_options(cfg))
     ready = await link.start()
     assert (ready.step, ready.version) == (0, 0)
     try:

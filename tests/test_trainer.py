@@ -1,7 +1,8 @@
-"""The trainer on the tiny model, on CPU (DESIGN §3, §6): packing, one step, skips, publishing,
+"""The trainer on the tiny model, on CPU (docs/ARCHITECTURE.md §3, §6): packing, one step, skips, publishing,
 checkpoints, and resume after SIGKILL bit for bit."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from clawd.config import TrainConfig
 from clawd.samples import Sample
-from clawd.trainer.step import TrainConfig, Trainer, TrainingPaused, pack
+from clawd.trainer.handler import train_config
+from clawd.trainer.step import Trainer, TrainingPaused, pack
 from clawd.weights import restored_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,14 +61,27 @@ def make(tiny_model, tmp_path):
 
 # --- config and packing ----------------------------------------------------------------------
 
-def test_config_defaults_and_validation():
-    cfg = TrainConfig(betas=[0.9, 0.95])
-    assert cfg.betas == (0.9, 0.95) and cfg.lr == 1e-5 and cfg.micro_batch_tokens == 8192
+def test_config_defaults_and_validation(tiny_model, tmp_path):
+    cfg = TrainConfig()
+    assert cfg.betas == (0.9, 0.999) and cfg.lr == 1e-5 and cfg.micro_batch_tokens == 8192 and cfg.opd_clip == 0
     for bad in (dict(lr=0), dict(betas=(0.9, 1.0)), dict(aggregation="mean"), dict(ppo_epochs=0),
                 dict(device="tpu"), dict(opd_clip=-1.0), dict(keep_versions=0), dict(micro_batch_tokens=1.5),
-                dict(grad_clip=math.nan), dict(checkpoint_every=0)):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            TrainConfig(**bad)
+                dict(grad_clip=math.nan), dict(checkpoint_every=0), dict(tis_cap=0.5), dict(seed=2**32)):
+        assert list(TrainConfig(**bad).check()) == list(bad)
+    with pytest.raises(ValueError, match="tis_cap"):
+        Trainer(tiny_model, tmp_path / "state", TrainConfig(tis_cap=0.5))
+    assert not (tmp_path / "state").exists()  # refused before loading or writing anything
+
+
+def test_the_handler_takes_a_config_or_a_train_table():
+    cfg = TrainConfig(betas=(0.9, 0.95), opd_clip=0.5, micro_batch_tokens=512)
+    assert train_config(cfg) is cfg
+    assert train_config(dataclasses.asdict(cfg)) == cfg      # tuples as the config file's lists
+    assert train_config(None) == TrainConfig()
+    with pytest.raises(ValueError, match="train.tis_cap: must be a finite number >= 1"):
+        train_config({"tis_cap": 0.5})
+    with pytest.raises(ValueError, match="train.momentum: unknown key"):
+        train_config({"momentum": 0.9})
 
 
 def test_pack_sorts_by_length_and_keeps_rows_times_longest_within_budget():
@@ -298,6 +314,7 @@ def test_resume_after_sigkill_matches_a_straight_run_bit_for_bit(tiny_model, tmp
     def finish(proc: subprocess.Popen, out: str) -> tuple[dict, dict]:
         from safetensors.torch import load_file
         assert proc.wait(timeout=120) == 0
+        proc.stdout.close()
         return json.loads((tmp_path / f"{out}.json").read_text()), load_file(tmp_path / f"{out}.safetensors")
 
     straight = run(tmp_path / "a", 2 * n, "straight")
@@ -305,6 +322,7 @@ def test_resume_after_sigkill_matches_a_straight_run_bit_for_bit(tiny_model, tmp
     assert first.stdout.readline() == "ready\n"  # n steps checkpointed, one more trained and published
     os.kill(first.pid, signal.SIGKILL)
     assert first.wait(timeout=30) == -signal.SIGKILL
+    first.stdout.close()
     whole, whole_w = finish(straight, "straight")
     head = json.loads((tmp_path / "first.json").read_text())
     tail, tail_w = finish(run(tmp_path / "b", n, "second"), "second")

@@ -1,10 +1,11 @@
 """The trainer link: framing exact against multiprocessing, and real spawned children (no mocks).
 
-Handlers live in tests/trainer_handlers.py and are imported only in the child.
+The children run the handler of tests/trainer_handlers.py, whose factory travels pickled by reference.
 """
 import asyncio
 import json
 import os
+import pickle
 import select
 import signal
 import socket
@@ -18,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from clawd.config import Config, LoggingConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig
 from clawd.samples import Sample
-from clawd.trainer.link import (HandlerError, Ready, TrainerDied, TrainerError, TrainerLink, TrainerProtocolError,
-                                TrainerSupervisor, TrainerTimeout, TrainFailed, encode_message, read_frame,
-                                read_message)
-from clawd.trainer.child import frame_header, message_frames, recv_message, send_message
-from tests.trainer_handlers import calls, make_sample
+from clawd.trainer.link import (HandlerError, Ready, TrainerDied, TrainerError, TrainerLink, TrainerSupervisor,
+                                TrainerTimeout, TrainFailed, trainer_options)
+from clawd.trainer.wire import (ProtocolError, encode_message, frame_header, message_frames, read_frame, read_message,
+                                recv_message, send_message)
+from tests.trainer_handlers import build, calls, make_sample
 
-HANDLER = "tests.trainer_handlers:build"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -37,7 +38,7 @@ def no_new_threads():
 
 
 def options(tmp_path, **extra) -> dict:
-    return {"handler": HANDLER, "dir": str(tmp_path), **extra}
+    return {"dir": str(tmp_path), **extra}
 
 
 def train_msg(batch_id: str, version: int, samples: list[Sample]) -> dict:
@@ -89,7 +90,7 @@ async def test_long_form_header_is_read_by_both_ends():
     assert Connection(b.detach()).recv_bytes() == b"hello"  # multiprocessing accepts it at any size
     a.close()
     assert await read_frame(stream_of(long_form)) == b"hello"
-    with pytest.raises(TrainerProtocolError):
+    with pytest.raises(ProtocolError):
         await read_frame(stream_of(struct.pack("!i", -2)))
 
 
@@ -108,11 +109,11 @@ async def test_messages_travel_as_a_head_and_one_frame_per_list_element():
     assert await read_message(reader) == {"type": "pong", "n": 1}
     assert await read_message(reader) is None  # a clean end of stream
 
-    with pytest.raises(TrainerProtocolError):  # ends inside a message
+    with pytest.raises(ProtocolError):  # ends inside a message
         await read_message(stream_of(framed(frames[:2])))
-    with pytest.raises(TrainerProtocolError):  # ends inside a header
+    with pytest.raises(ProtocolError):  # ends inside a header
         await read_message(stream_of(b"\x00\x00"))
-    with pytest.raises(TrainerProtocolError):
+    with pytest.raises(ProtocolError):
         await read_message(stream_of(framed([b'{"type":"x","parts":7}'])))
 
     a, b = socket.socketpair()  # the child's side: plain Connection calls
@@ -129,10 +130,20 @@ async def test_messages_travel_as_a_head_and_one_frame_per_list_element():
     theirs.close()
 
 
+def test_trainer_options_carry_the_config_itself(tmp_path):
+    cfg = Config(model=ModelConfig(path=str(tmp_path / "model")), state=StateConfig(dir=str(tmp_path / "state")),
+                 scoring=ScoringConfig(mode="opd"), train=TrainConfig(lr=0.5, opd_clip=0.0),
+                 logging=LoggingConfig(level="debug"))
+    options = trainer_options(cfg)
+    assert options == {"mode": "opd", "model_dir": str(tmp_path / "model"), "state_dir": str(tmp_path / "state"),
+                       "train": cfg.train, "log_level": "debug"}
+    assert pickle.loads(pickle.dumps(options)) == options  # what the spawn sends
+
+
 # ---- one child --------------------------------------------------------------------------------
 
 async def test_handshake_ping_handler_errors_checkpoint_and_shutdown(tmp_path):
-    link = TrainerLink(options(tmp_path, script={"1": "raise", "2": "retryable"}))
+    link = TrainerLink(options(tmp_path, script={"1": "raise", "2": "retryable"}), factory=build)
     ready = await link.start()
     assert ready == Ready(pid=link.pid, step=0, version=0, weights_version=0)
     assert link.alive and link.pid != os.getpid()
@@ -164,14 +175,23 @@ async def test_handshake_ping_handler_errors_checkpoint_and_shutdown(tmp_path):
 
 
 async def test_a_handler_that_cannot_be_built_fails_the_start(tmp_path):
-    link = TrainerLink(options(tmp_path, fail_build=True))
+    link = TrainerLink(options(tmp_path, fail_build=True), factory=build)
     with pytest.raises(TrainerError, match="no model here"):
         await link.start()
     assert link.exitcode == 1 and not link.alive
 
 
+async def test_the_child_logs_at_the_level_it_is_given(tmp_path, capfd):
+    link = TrainerLink(options(tmp_path, log_level="info"), factory=build)
+    await link.start()
+    assert await link.stop(10) == 0
+    err = capfd.readouterr().err
+    assert f"INFO tests.trainer_handlers: scripted handler built in {link.pid}" in err  # the daemon's format
+    assert "scripted handler options" not in err  # debug, below the level
+
+
 async def test_an_idle_child_exits_at_the_end_of_its_stream(tmp_path):
-    link = TrainerLink(options(tmp_path))
+    link = TrainerLink(options(tmp_path), factory=build)
     await link.start()
     link._writer.close()  # what the daemon's death does to the child's socket
     await link.wait_closed()
@@ -179,7 +199,7 @@ async def test_an_idle_child_exits_at_the_end_of_its_stream(tmp_path):
 
 
 async def test_ping_times_out_when_the_child_is_stuck(tmp_path):
-    link = TrainerLink(options(tmp_path, script={"1": "hang"}))
+    link = TrainerLink(options(tmp_path, script={"1": "hang"}), factory=build)
     await link.start()
     training = asyncio.create_task(link.request(train_msg("b1", 1, [make_sample(0)])))
     await until(lambda: len(calls(tmp_path)) == 1)
@@ -192,7 +212,7 @@ async def test_ping_times_out_when_the_child_is_stuck(tmp_path):
 
 
 async def test_stop_terminates_a_child_that_does_not_finish_its_message(tmp_path):
-    link = TrainerLink(options(tmp_path, script={"1": "hang"}))
+    link = TrainerLink(options(tmp_path, script={"1": "hang"}), factory=build)
     await link.start()
     training = asyncio.create_task(link.request(train_msg("b1", 1, [make_sample(0)])))
     await until(lambda: len(calls(tmp_path)) == 1)
@@ -205,7 +225,7 @@ async def test_20_mb_each_way_while_the_loop_keeps_running(tmp_path):
     samples = [make_sample(i, 4000) for i in range(200)]
     size = sum(len(s.to_json()) for s in samples)
     assert size > 20_000_000
-    link = TrainerLink(options(tmp_path, echo=True))
+    link = TrainerLink(options(tmp_path, echo=True), factory=build)
     await link.start()
     bytes_before = link.stats["bytes_in"]
     seen = {"writing": 0, "reading": 0}
@@ -243,7 +263,7 @@ async def test_20_mb_each_way_while_the_loop_keeps_running(tmp_path):
 # ---- kept alive -------------------------------------------------------------------------------
 
 async def test_sigkill_mid_train_restarts_from_the_checkpoint_and_retries_the_batch(tmp_path):
-    sup = TrainerSupervisor(options(tmp_path, script={"2": "hang"}), backoff_initial=0.05)
+    sup = TrainerSupervisor(options(tmp_path, script={"2": "hang"}), factory=build, backoff_initial=0.05)
     runner = asyncio.create_task(sup.run())
     samples = [make_sample(0), make_sample(1)]
     first = await sup.train("b0", 1, samples)
@@ -266,7 +286,7 @@ async def test_sigkill_mid_train_restarts_from_the_checkpoint_and_retries_the_ba
 
 async def test_attempts_are_bounded_and_handler_errors_are_not_retried(tmp_path):
     script = {"1": "retryable", "2": "exit", "3": "exit", "5": "raise"}
-    sup = TrainerSupervisor(options(tmp_path, script=script), backoff_initial=0.05, attempts=3)
+    sup = TrainerSupervisor(options(tmp_path, script=script), factory=build, backoff_initial=0.05, attempts=3)
     runner = asyncio.create_task(sup.run())
     samples = [make_sample(0)]
     with pytest.raises(TrainFailed) as failed:
@@ -286,12 +306,11 @@ async def test_attempts_are_bounded_and_handler_errors_are_not_retried(tmp_path)
 PARENT = """
 import asyncio, json, sys, threading
 from clawd.trainer.link import TrainerSupervisor
-from tests.trainer_handlers import calls, make_sample
+from tests.trainer_handlers import build, calls, make_sample
 
 async def main(d):
     threads = [threading.active_count()]
-    sup = TrainerSupervisor({"handler": "tests.trainer_handlers:build", "dir": d,
-                             "script": {"1": "exit", "3": "hang"}}, backoff_initial=0.05)
+    sup = TrainerSupervisor({"dir": d, "script": {"1": "exit", "3": "hang"}}, factory=build, backoff_initial=0.05)
     asyncio.create_task(sup.run())
     await sup.train("b1", 1, [make_sample(0)])  # the first child dies; the second trains it
     threads.append(threading.active_count())
@@ -300,7 +319,7 @@ async def main(d):
         await asyncio.sleep(0.02)
     threads.append(threading.active_count())
     print(json.dumps({"child": sup.pid, "restarts": sup.restarts, "threads": threads,
-                      "torch": "torch" in sys.modules}), flush=True)
+                      "torch": "torch" in sys.modules, "handler": "clawd.trainer.handler" in sys.modules}), flush=True)
     await asyncio.sleep(3600)
 
 asyncio.run(main(sys.argv[1]))
@@ -324,7 +343,9 @@ def test_the_child_dies_with_its_parent(tmp_path):
     finally:
         parent.kill()
         parent.wait()
-    assert report["threads"] == [1, 1, 1] and report["torch"] is False and report["restarts"] == 1
+        parent.stdout.close()
+    assert report["threads"] == [1, 1, 1] and report["restarts"] == 1
+    assert report["torch"] is False and report["handler"] is False  # the real trainer stays in its child
     deadline = time.monotonic() + 30
     while not gone(report["child"]):  # it was busy training, so only the parent-death signal can end it
         assert time.monotonic() < deadline, "the trainer outlived its parent"

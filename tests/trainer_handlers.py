@@ -1,13 +1,16 @@
-"""Trainer handlers for tests/test_trainer_link.py, imported only in the spawned child.
+"""A scripted trainer handler for tests/test_trainer_link.py and tests/test_learner.py.
 
-`build(options)` makes a handler scripted per train call: `options["script"]` maps
-the call number (counted across restarts in `dir/calls.jsonl`) to "exit"
-(os._exit(3)), "hang", "raise" or "retryable". Its step and version come back
-from `dir/checkpoint.json`, as a real trainer resumes from its checkpoint.
+`build` is the factory they give the link (`TrainerLink(options, factory=build)`): it travels
+to the spawned child pickled by reference and runs there. `build(options)` makes a handler
+scripted per train call: `options["script"]` maps the call number (counted across restarts in
+`dir/calls.jsonl`) to "exit" (os._exit(3)), "hang", "raise" or "retryable". Its step and
+version come back from `dir/checkpoint.json`, as a real trainer resumes from its checkpoint.
+It logs one info and one debug line as it is built, for the child's logging set-up.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -72,7 +75,12 @@ class Scripted:
         return str(path), self.step
 
 
+log = logging.getLogger("tests.trainer_handlers")
+
+
 def build(options: dict) -> Scripted:
+    log.info("scripted handler built in %d", os.getpid())
+    log.debug("scripted handler options %s", options)
     if options.get("fail_build"):
         raise RuntimeError("no model here")
     return Scripted(options)

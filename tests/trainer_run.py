@@ -22,8 +22,9 @@ import torch
 torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
 
+from clawd.config import TrainConfig  # noqa: E402
 from clawd.samples import Sample  # noqa: E402
-from clawd.trainer.step import TrainConfig, Trainer  # noqa: E402
+from clawd.trainer.step import Trainer  # noqa: E402
 
 CONFIG = TrainConfig(lr=1e-3, micro_batch_tokens=48, eps_clip_high=0.28)
 

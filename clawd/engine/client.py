@@ -2,7 +2,7 @@
 
 Token in, token out: `/generate` with `input_ids` and `return_logprob`, the
 output ids and their log-probs read from `output_ids` and
-`meta_info.output_token_logprobs` (DESIGN §3). Streams are read in either of
+`meta_info.output_token_logprobs` (docs/ARCHITECTURE.md §3). Streams are read in either of
 SGLang's modes: cumulative (the default) or incremental.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Chunk:
 
 
 def _error_text(body: Any) -> str:
-    """SGLang's error bodies come in several shapes (reference §1)."""
+    """SGLang's error bodies come in several shapes (SGLang 0.5.23: docs/ARCHITECTURE.md §10)."""
     if isinstance(body, dict):
         err = body.get("error", body.get("message"))
         if isinstance(err, dict):

@@ -5,7 +5,7 @@ the child, wait until `/model_info` answers, then wait for it to exit, and
 restart it with exponential backoff. The child's exit is noticed through a
 pidfd registered with the event loop (asyncio's own child watcher would start
 a thread per child on Python 3.11). With `launch = "none"` it only polls the
-configured URL. Liveness is `/model_info`, never `/health` (DESIGN §14).
+configured URL. Liveness is `/model_info`, never `/health` (docs/ARCHITECTURE.md §14).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class EngineSupervisor:
                 # The daemon owns the listening socket, so the port survives engine restarts.
                 self._sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
                 self.client.set_url(f"http://127.0.0.1:{self._sock.getsockname()[1]}")
-            argv = [sys.executable, "-m", "clawd.engine.local.server", "--model", weights,
+            argv = [sys.executable, "-m", "clawd.engine.local", "--model", weights,
                     "--fd", str(self._sock.fileno()), "--seed", str(eng.seed),
                     "--max-batch-size", str(eng.max_batch_size), "--weight-version", weight_version]
             if eng.cpu_threads:

@@ -1,4 +1,4 @@
-"""The sample journal: append-only segments of framed records (DESIGN §7, §14).
+"""The sample journal: append-only segments of framed records (docs/ARCHITECTURE.md §7, §14).
 
 Payload-agnostic: it stores (id, bytes) entries and acknowledgements of ids.
 

@@ -53,7 +53,7 @@ class LearnerStats:
 
 
 class Publisher:
-    """Moves the policy engine onto a published directory (DESIGN §14 'Versions and the swap')."""
+    """Moves the policy engine onto a published directory (docs/ARCHITECTURE.md §6)."""
 
     def __init__(self, engine: EngineClient, timeout: float, ready: asyncio.Event | None = None):
         self.engine = engine

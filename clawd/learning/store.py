@@ -1,4 +1,4 @@
-"""The sample store: the only way samples go in (put) and out (take_batch, ack) (DESIGN §14).
+"""The sample store: the only way samples go in (put) and out (take_batch, ack) (docs/ARCHITECTURE.md §14).
 
     put(sample)        journal APPEND, then the sample waits; returning is "acknowledged"
     take_batch(n, ...) drops stale samples, then picks up to n under the fairness cap

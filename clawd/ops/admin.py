@@ -1,4 +1,4 @@
-"""The admin socket that `bin/clawctl` talks to (DESIGN §8).
+"""The admin socket that `bin/clawctl` talks to (docs/ARCHITECTURE.md §8).
 
 One JSON object on one line in, one JSON line out, then the server closes:
 

@@ -1,4 +1,4 @@
-"""`bin/clawctl`: pause, resume and inspect a running clawd over its admin socket (DESIGN §8).
+"""`bin/clawctl`: pause, resume and inspect a running clawd over its admin socket (docs/ARCHITECTURE.md §8).
 
 Exit status: 0 ok, 1 error (an error reply, bad usage, a malformed reply), 3 clawd is
 not running (no socket file, or nobody listening on it). Kept light: stdlib and

@@ -1,10 +1,11 @@
-"""`GET /metrics`: the daemon in Prometheus text format (DESIGN §8).
+"""`GET /metrics`: the daemon in Prometheus text format (docs/ARCHITECTURE.md §8).
 
 Two kinds of metric. Events are recorded as they happen: HTTP requests (by
 matched route and status) and their latency, time to first token, publish
 durations. State the stages already count (chat, scoring, the sample store,
 the learner, the supervisors, the pause) is read at scrape time by
-`StageCollector`, so no number is counted twice.
+`SnapshotCollector` from the status snapshot (`clawd.ops.status`), so no number is counted twice and
+`/metrics` never disagrees with `clawctl status`.
 
 Each app gets its own registry (tests run several daemons in one process), and
 nothing here starts a thread: the page is rendered inside the request handler.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable, Iterator, Sequence
+from typing import Any, Awaitable, Callable, Iterator
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -55,10 +56,10 @@ def route_label(request: web.Request) -> str:
 
 
 class Metrics:
-    """One registry per app: the event metrics, plus the stages read at scrape time."""
+    """One registry per app: the event metrics, plus the stages read at scrape time from `snapshot`
+    (`Status.snapshot`: the same numbers `clawctl status` shows)."""
 
-    def __init__(self, chat: Any, *, scorer: Any = None, store: Any = None, learner: Any = None,
-                 supervisors: Sequence[Any] = (), trainer: Any = None, pause: Any = None):
+    def __init__(self, snapshot: Callable[[], dict]):
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("clawd_http_requests", "HTTP requests by matched route and final status.",
@@ -73,12 +74,10 @@ class Metrics:
                                  "engine, start to served.", buckets=PUBLISH_BUCKETS, registry=reg)
         self.intake_held = Histogram("clawd_publish_intake_held_seconds", "Per publish, how long the policy "
                                      "engine held new requests.", buckets=HELD_BUCKETS, registry=reg)
-        reg.register(StageCollector(chat, scorer=scorer, store=store, learner=learner, supervisors=supervisors,
-                                    trainer=trainer, pause=pause))
-        # The stages call back for what only they see happen (one observation each).
-        chat.on_first_token = self.first_token.observe
-        if learner is not None:
-            learner.on_publish = self.observe_publish
+        reg.register(SnapshotCollector(snapshot))
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.first_token.observe(seconds)
 
     def observe_publish(self, seconds: float, held: float) -> None:
         self.publish.observe(seconds)
@@ -88,6 +87,10 @@ class Metrics:
         resp = web.Response(body=generate_latest(self.registry))
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST  # carries a charset: aiohttp's content_type= refuses it
         return resp
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """`GET /metrics`."""
+        return self.render()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -124,107 +127,104 @@ class Metrics:
         return {"access_log": logging.getLogger("clawd.access"), "access_log_class": CountUnparsed}
 
 
-class StageCollector(Collector):
-    """The stages' own counters and gauges, read at each scrape. A stage passed as None is left out."""
+class SnapshotCollector(Collector):
+    """The stages' own counters and gauges, read from one status snapshot per scrape. A stage the
+    snapshot carries as None (no learner, no trainer) leaves its metrics out."""
 
-    def __init__(self, chat: Any, *, scorer: Any, store: Any, learner: Any, supervisors: Sequence[Any],
-                 trainer: Any, pause: Any):
-        self.chat, self.scorer, self.store, self.learner = chat, scorer, store, learner
-        self.supervisors, self.trainer, self.pause = supervisors, trainer, pause
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        chat = self.chat
-        yield counter("clawd_prompt_tokens_total", "Prompt tokens of answered chat requests.",
-                      chat.stats.prompt_tokens)
+        snap = self.snapshot()
+        chat, policy, paused = snap["chat"], snap["policy"], snap["paused"]["by_operator"]
+        yield counter("clawd_prompt_tokens_total", "Prompt tokens of answered chat requests.", chat["prompt_tokens"])
         yield counter("clawd_completion_tokens_total", "Tokens generated for answered chat requests.",
-                      chat.stats.completion_tokens)
-        yield gauge("clawd_live_sessions", "Sessions open in the session table.", len(chat.sessions))
+                      chat["completion_tokens"])
+        yield gauge("clawd_live_sessions", "Sessions open in the session table.", snap["sessions"]["live"])
         yield labelled(CounterMetricFamily, "clawd_turns_total", "Chat turns by type (main: captured for "
                        "learning; side: served only).", "type",
-                       {"main": chat.stats.main_turns, "side": chat.stats.side_turns})
+                       {"main": chat["main_turns"], "side": chat["side_turns"]})
         yield counter("clawd_aborted_requests_total", "Chat requests whose client left before the reply was done.",
-                      chat.stats.aborted)
+                      chat["aborted"])
         yield counter("clawd_engine_errors_total", "Chat requests the policy engine failed or refused.",
-                      chat.stats.engine_errors)
-        yield gauge("clawd_policy_version", "The policy version being served.", chat.policy.version)
-        if chat.policy.published_at is not None:
+                      chat["engine_errors"])
+        yield gauge("clawd_policy_version", "The policy version being served.", policy["version"])
+        if policy["published_at"] is not None:
             yield gauge("clawd_policy_published_timestamp_seconds", "When the served policy version was "
-                        "published (Unix time).", chat.policy.published_at)
-        if self.pause is not None:
-            yield labelled(GaugeMetricFamily, "clawd_paused", "1 while the operator has paused learning or "
-                           "serving.", "what", {"learning": self.pause.learning, "serving": self.pause.serving})
-            yield counter("clawd_turns_not_learned_total", "Finished turns not scored because learning was paused.",
-                          self.pause.turns_not_learned)
-        if self.scorer is not None:
-            yield from self._scoring(self.scorer)
-        if self.store is not None:
-            yield from self._store(self.store)
-        if self.learner is not None:
-            yield from self._learner(self.learner.stats)
+                        "published (Unix time).", policy["published_at"])
+        yield labelled(GaugeMetricFamily, "clawd_paused", "1 while the operator has paused learning or "
+                       "serving.", "what", {"learning": paused["learning"], "serving": paused["serving"]})
+        yield counter("clawd_turns_not_learned_total", "Finished turns not scored because learning was paused.",
+                      snap["scoring"]["not_learned_while_paused"])
+        yield from _scoring(snap["mode"], snap["scoring"])
+        yield from _queue(snap["queue"], snap["journal"])
+        if snap["learner"] is not None:
+            yield from _learner(snap["learner"])
         restarts = CounterMetricFamily("clawd_engine_restarts", "Engine restarts by role.", labels=["role"])
         ready = GaugeMetricFamily("clawd_engine_ready", "1 while the engine answers as ready.", labels=["role"])
-        for s in self.supervisors:
-            restarts.add_metric([s.role], s.restarts)
-            ready.add_metric([s.role], float(s.is_ready))
+        for role, engine in snap["engines"].items():
+            restarts.add_metric([role], engine["restarts"])
+            ready.add_metric([role], float(engine["ready"]))
         yield restarts
         yield ready
-        if self.trainer is not None:
-            yield counter("clawd_trainer_restarts_total", "Trainer subprocess restarts.", self.trainer.restarts)
-            yield gauge("clawd_trainer_up", "1 while the trainer subprocess is alive.", self.trainer.alive)
+        if (trainer := snap["trainer"]) is not None:
+            yield counter("clawd_trainer_restarts_total", "Trainer subprocess restarts.", trainer["restarts"])
+            yield gauge("clawd_trainer_up", "1 while the trainer subprocess is alive.", trainer["alive"])
 
-    def _scoring(self, scorer: Any) -> Iterator[Metric]:
-        st = scorer.stats
-        yield counter("clawd_scoring_turns_total", "Finished main turns handed to scoring.", st.submitted)
-        yield gauge("clawd_scoring_pending", "Turns being judged now.", st.pending)
-        yield labelled(CounterMetricFamily, "clawd_judge_votes_total", "Judge votes by value (failed: no valid "
-                       "vote).", "vote", st.votes)
-        samples = CounterMetricFamily("clawd_samples", "Samples made (judge outcome: a sample), by scoring mode "
-                                      "and kind.", labels=["mode", "kind"])
-        for kind, n in sorted(st.kinds.items()):
-            samples.add_metric([scorer.mode, kind], n)
-        yield samples
-        excluded = CounterMetricFamily("clawd_samples_excluded", "Turns that made no sample (judge outcome: "
-                                       "excluded), by scoring mode and reason.", labels=["mode", "reason"])
-        for reason, n in sorted(st.excluded.items()):
-            excluded.add_metric([scorer.mode, reason], n)
-        yield excluded
-        yield counter("clawd_hints_offered_total", "Hints offered by positive hint votes.", st.hints_offered)
-        yield counter("clawd_hints_accepted_total", "Turns whose hint was accepted.", st.hints_accepted)
 
-    def _store(self, store: Any) -> Iterator[Metric]:
-        yield gauge("clawd_queue_waiting", "Samples waiting for a training batch.", store.waiting)
-        yield gauge("clawd_queue_in_flight", "Samples taken by a step, not yet acknowledged.", store.in_flight)
-        yield gauge("clawd_queue_depth", "Journal entries a restart would replay.", store.depth)
-        yield counter("clawd_samples_stale_dropped_total", "Samples dropped as too stale to train on.",
-                      store.dropped_stale)
-        yield counter("clawd_samples_acked_total", "Samples acknowledged in the journal after a checkpoint.",
-                      store.acked_total)
-        j = store.journal.stats()
-        yield counter("clawd_journal_written_bytes_total", "Bytes appended to the journal.", j["bytes"])
-        yield counter("clawd_journal_records_total", "Records appended to the journal.", j["records"])
-        yield counter("clawd_journal_fsyncs_total", "Journal fsyncs.", j["fsyncs"])
-        yield counter("clawd_journal_truncations_total", "Torn journal tails cut off.", j["truncations"])
-        yield gauge("clawd_journal_segments", "Journal segment files.", j["segments"])
+def _scoring(mode: str, st: dict) -> Iterator[Metric]:
+    yield counter("clawd_scoring_turns_total", "Finished main turns handed to scoring.", st["turns"])
+    yield gauge("clawd_scoring_pending", "Turns being judged now.", st["pending"])
+    yield labelled(CounterMetricFamily, "clawd_judge_votes_total", "Judge votes by value (failed: no valid "
+                   "vote).", "vote", st["votes"])
+    samples = CounterMetricFamily("clawd_samples", "Samples made (judge outcome: a sample), by scoring mode "
+                                  "and kind.", labels=["mode", "kind"])
+    for kind, n in sorted(st["kinds"].items()):
+        samples.add_metric([mode, kind], n)
+    yield samples
+    excluded = CounterMetricFamily("clawd_samples_excluded", "Turns that made no sample (judge outcome: "
+                                   "excluded), by scoring mode and reason.", labels=["mode", "reason"])
+    for reason, n in sorted(st["excluded"].items()):
+        excluded.add_metric([mode, reason], n)
+    yield excluded
+    yield counter("clawd_hints_offered_total", "Hints offered by positive hint votes.", st["hints_offered"])
+    yield counter("clawd_hints_accepted_total", "Turns whose hint was accepted.", st["hints_accepted"])
 
-    def _learner(self, st: Any) -> Iterator[Metric]:
-        yield counter("clawd_train_steps_total", "Training steps done, skipped ones included.", st.steps)
-        yield counter("clawd_train_steps_skipped_total", "Steps skipped (non-finite loss or gradient).",
-                      st.skipped_steps)
-        yield counter("clawd_train_steps_failed_total", "Steps the trainer failed; their batch was retried.",
-                      st.failed_steps)
-        yield counter("clawd_samples_trained_total", "Samples trained on.", st.samples_trained)
-        yield counter("clawd_samples_requeued_total", "Trained samples queued again after a trainer restart.",
-                      st.requeued_after_restart)
-        yield counter("clawd_publishes_total", "Policy versions published.", st.publishes)
-        yield counter("clawd_publishes_failed_total", "Publishes that failed (retried).", st.failed_publishes)
-        last = st.last_metrics
-        yield labelled(GaugeMetricFamily, "clawd_train_loss", "The last step's loss (total) and its parts.", "part",
-                       {part: last[key] for key, part in LOSS_PARTS.items() if _number(last.get(key))})
-        for key, (name, doc) in STEP_GAUGES.items():  # no sample before the first step
-            metric = GaugeMetricFamily(name, doc)
-            if _number(last.get(key)):
-                metric.add_metric([], float(last[key]))
-            yield metric
+
+def _queue(queue: dict, j: dict) -> Iterator[Metric]:
+    yield gauge("clawd_queue_waiting", "Samples waiting for a training batch.", queue["waiting"])
+    yield gauge("clawd_queue_in_flight", "Samples taken by a step, not yet acknowledged.", queue["in_flight"])
+    yield gauge("clawd_queue_depth", "Journal entries a restart would replay.", queue["journal_live"])
+    yield counter("clawd_samples_stale_dropped_total", "Samples dropped as too stale to train on.",
+                  queue["stale_dropped"])
+    yield counter("clawd_samples_acked_total", "Samples acknowledged in the journal after a checkpoint.",
+                  queue["acked"])
+    yield counter("clawd_journal_written_bytes_total", "Bytes appended to the journal.", j["bytes"])
+    yield counter("clawd_journal_records_total", "Records appended to the journal.", j["records"])
+    yield counter("clawd_journal_fsyncs_total", "Journal fsyncs.", j["fsyncs"])
+    yield counter("clawd_journal_truncations_total", "Torn journal tails cut off.", j["truncations"])
+    yield gauge("clawd_journal_segments", "Journal segment files.", j["segments"])
+
+
+def _learner(st: dict) -> Iterator[Metric]:
+    yield counter("clawd_train_steps_total", "Training steps done, skipped ones included.", st["steps"])
+    yield counter("clawd_train_steps_skipped_total", "Steps skipped (non-finite loss or gradient).",
+                  st["skipped_steps"])
+    yield counter("clawd_train_steps_failed_total", "Steps the trainer failed; their batch was retried.",
+                  st["failed_steps"])
+    yield counter("clawd_samples_trained_total", "Samples trained on.", st["samples_trained"])
+    yield counter("clawd_samples_requeued_total", "Trained samples queued again after a trainer restart.",
+                  st["requeued_after_restart"])
+    yield counter("clawd_publishes_total", "Policy versions published.", st["publishes"])
+    yield counter("clawd_publishes_failed_total", "Publishes that failed (retried).", st["failed_publishes"])
+    last = st["last_metrics"]
+    yield labelled(GaugeMetricFamily, "clawd_train_loss", "The last step's loss (total) and its parts.", "part",
+                   {part: last[key] for key, part in LOSS_PARTS.items() if _number(last.get(key))})
+    for key, (name, doc) in STEP_GAUGES.items():  # no sample before the first step
+        metric = GaugeMetricFamily(name, doc)
+        if _number(last.get(key)):
+            metric.add_metric([], float(last[key]))
+        yield metric
 
 
 def counter(name: str, doc: str, value: float) -> CounterMetricFamily:

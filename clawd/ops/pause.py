@@ -1,4 +1,4 @@
-"""The operator's pause: learning only, or learning and serving (DESIGN §8).
+"""The operator's pause: learning only, or learning and serving (docs/ARCHITECTURE.md §8).
 
 Paused learning: chat is served and recorded, but no turn becomes a sample and
 no training step starts. Paused serving also refuses new chat requests (503 +

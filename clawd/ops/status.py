@@ -1,4 +1,4 @@
-"""What `clawctl status` shows: one JSON-able snapshot read from the stages (DESIGN §8).
+"""One snapshot of the stages for `clawctl status`, `/metrics` and `/debug/process` (docs/ARCHITECTURE.md §8).
 
 `Status` holds references to the long-lived stages and reads them on demand; it
 owns nothing but the per-minute rate windows the chat path ticks.
@@ -6,21 +6,24 @@ owns nothing but the per-minute rate windows the chat path ticks.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
+
+from aiohttp import web
 
 from clawd.config import Config
 from clawd.engine.supervisor import EngineSupervisor
-from clawd.learning.journal import Journal
 from clawd.learning.learner import Learner
 from clawd.ops.pause import PauseState
 from clawd.served import Policy
 from clawd.learning.store import SampleStore
 from clawd.scoring.scorer import Scorer
-from clawd.serving.sessions import SessionTable
+from clawd.serving.completion import ChatService
 from clawd.trainer.link import TrainerSupervisor
 
 
@@ -64,59 +67,65 @@ def finite(value):
 
 @dataclass
 class Status:
+    """The one snapshot of the stages: `clawctl status`, `GET /metrics` and `/debug/process` all read it.
+
+    It holds references to the long-lived stages and reads them on demand; it owns nothing but the
+    per-minute rate windows the chat path ticks. Values are raw (a step's NaN loss stays NaN, which
+    Prometheus carries); JSON outputs pass the snapshot through `finite` first.
+    """
     cfg: Config
     policy: Policy
     pause: PauseState
-    sessions: SessionTable
+    chat: ChatService
     store: SampleStore
-    journal: Journal
     scorer: Scorer
     supervisors: Sequence[EngineSupervisor]
     trainer: TrainerSupervisor | None
     learner: Learner | None
     started: float
-
-    def __post_init__(self):
-        self.requests = Rate()
-        self.turns = Rate()
+    requests: Rate = field(default_factory=Rate)  # chat requests admitted, ticked by the API
+    turns: Rate = field(default_factory=Rate)     # finished turns, ticked by the handover to scoring
 
     def snapshot(self) -> dict:
-        cfg, learner, trainer = self.cfg, self.learner, self.trainer
+        cfg, learner, trainer, store = self.cfg, self.learner, self.trainer, self.store
         paused = self.pause.current
         learning_reason = learner.pause_reason if learner is not None and learner.paused else None
         sc = self.scorer.stats
-        return finite({
+        return {
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
             "mode": cfg.scoring.mode,
             "judge": cfg.judge.backend,
             "paused": {"learning": paused.learning or learning_reason is not None, "serving": paused.serving,
-                       "since": paused.since, "reason": paused.reason or learning_reason},
+                       "since": paused.since, "reason": paused.reason or learning_reason,
+                       "by_operator": {"learning": self.pause.learning, "serving": self.pause.serving}},
             "policy": {"version": self.policy.version, "weight_version": self.policy.weight_version,
                        "published_at": self.policy.published_at, "weights": self.policy.weights_dir},
-            "queue": {"waiting": self.store.waiting, "in_flight": self.store.in_flight,
-                      "effective": self.store.fresh(self.policy.version, cfg.learner.max_staleness),
-                      "batch_size": cfg.learner.rollout_batch_size, "journal_live": self.store.depth},
-            "sessions": {"live": len(self.sessions)},
+            "queue": {"waiting": store.waiting, "in_flight": store.in_flight,
+                      "effective": store.fresh(self.policy.version, cfg.learner.max_staleness),
+                      "batch_size": cfg.learner.rollout_batch_size, "journal_live": store.depth,
+                      "stale_dropped": store.dropped_stale, "acked": store.acked_total},
+            "sessions": {"live": len(self.chat.sessions)},
+            "chat": dataclasses.asdict(self.chat.stats),
             "rates": {"requests_per_min": self.requests.per_minute(), "turns_per_min": self.turns.per_minute()},
             "scoring": {"turns": sc.submitted, "samples": sc.emitted, "pending": sc.pending, "votes": dict(sc.votes),
-                        "excluded": dict(sc.excluded), "hints_offered": sc.hints_offered,
+                        "kinds": dict(sc.kinds), "excluded": dict(sc.excluded), "hints_offered": sc.hints_offered,
                         "hints_accepted": sc.hints_accepted, "not_learned_while_paused": self.pause.turns_not_learned},
-            "learner": None if learner is None else {
-                "steps": learner.stats.steps, "skipped_steps": learner.stats.skipped_steps,
-                "failed_steps": learner.stats.failed_steps, "publishes": learner.stats.publishes,
-                "failed_publishes": learner.stats.failed_publishes, "stale_dropped": learner.stats.stale_dropped,
-                "samples_trained": learner.stats.samples_trained,
-                "last_publish_seconds": learner.stats.last_publish_seconds,
-                "last_intake_held_seconds": learner.stats.last_intake_held_seconds,
-                "waiting_since": learner.stats.waiting_since, "last_metrics": learner.stats.last_metrics},
-            "engines": {s.role: {"state": s.state.value, "pid": s.pid, "restarts": s.restarts, "url": s.client.url}
-                        for s in self.supervisors},
+            "learner": None if learner is None else dataclasses.asdict(learner.stats),
+            "engines": {s.role: {"state": s.state.value, "ready": s.is_ready, "pid": s.pid, "restarts": s.restarts,
+                                 "url": s.client.url} for s in self.supervisors},
             "trainer": None if trainer is None else {
                 "alive": trainer.alive, "pid": trainer.pid, "restarts": trainer.restarts,
                 "step": trainer.ready.step if trainer.ready else None, "version": trainer.version},
-            "journal": {**self.journal.stats(), "size_bytes": _tree_size(self.journal.directory)},
-        })
+            "journal": {**store.journal.stats(), "size_bytes": _tree_size(store.journal.directory)},
+        }
+
+    async def handle_debug_process(self, request: web.Request) -> web.Response:
+        """`GET /debug/process` (server.debug_routes): the snapshot plus the daemon's process shape, for tests
+        and operators. threading is already loaded by asyncio; reading it here adds no threads."""
+        process = {"threads": sys.modules["threading"].active_count(), "torch_imported": "torch" in sys.modules,
+                   "transformers_imported": "transformers" in sys.modules}
+        return web.json_response(finite({**self.snapshot(), **process}))
 
 
 def _tree_size(path) -> int:

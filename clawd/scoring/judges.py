@@ -2,7 +2,7 @@
 
 A finished turn is scored by a judge (votes, hints) and, for OPD, by a teacher
 (log-probs of the response under a hinted prompt). Every backend call goes
-through the same wrapper (DESIGN §5, issue 3): a per-attempt timeout, retries
+through the same wrapper (docs/ARCHITECTURE.md §5): a per-attempt timeout, retries
 with exponential backoff and jitter on timeouts, connection errors, 5xx and
 429 (Retry-After honoured up to `backoff_max`), no retry on other 4xx, and a
 semaphore bounding the calls in flight. After the last failure it raises
@@ -14,7 +14,7 @@ Backends:
 - `SGLangJudge`: SGLang's native /generate, token in (the judge messages rendered
   with the policy's chat template), the output ids decoded by clawd.
 - `OpenAIJudge`: any OpenAI-compatible /chat/completions with its own key.
-- `Teacher`: log-probs of the exact response ids via prefill scoring (DESIGN §3):
+- `Teacher`: log-probs of the exact response ids via prefill scoring (docs/ARCHITECTURE.md §3):
   `input_ids = P' + R`, `max_new_tokens: 0`, `logprob_start_len = len(P') - 1`,
   `meta_info.input_token_logprobs[1:]` lines up with R, first token included.
 
@@ -43,7 +43,8 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from clawd.engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable
-from clawd.serving.tokenizer import ChatTokenizer, TemplateError
+from clawd.messages import content_parts
+from clawd.tokenizer import ChatTokenizer, TemplateError
 
 log = logging.getLogger("clawd.judge")
 T = TypeVar("T")
@@ -161,14 +162,14 @@ def chat_content(body: Any) -> str:
         raise AttemptFailed("bad_response", "bad_responses", retryable=True,
                             detail=f"no choices[0].message.content: {error_message(body)}") from None
     if isinstance(content, list):  # content parts
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        content = content_parts(content)[0]
     if not isinstance(content, str):
         raise AttemptFailed("bad_response", "bad_responses", retryable=True, detail="message.content is not text")
     return content
 
 
 def aborted(out: Any) -> bool:
-    """SGLang answers an aborted request with 200 and its partial output (reference §2.3)."""
+    """SGLang answers an aborted request with 200 and its partial output (SGLang 0.5.23: docs/ARCHITECTURE.md §10)."""
     try:
         return (out["meta_info"]["finish_reason"] or {}).get("type") == "abort"
     except (KeyError, TypeError, AttributeError):
@@ -326,7 +327,7 @@ async def _generate(engine: EngineClient, payload: dict) -> dict:
 
 
 class Teacher(Backend):
-    """Teacher log-probs of the original response ids under a (hinted) prompt (DESIGN §3)."""
+    """Teacher log-probs of the original response ids under a (hinted) prompt (docs/ARCHITECTURE.md §3)."""
 
     name = "teacher"
 

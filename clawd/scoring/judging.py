@@ -1,6 +1,6 @@
 """Judging a finished turn: prompts, vote parsing, hints, the per-mode decision, the sample.
 
-The pure core of scoring (DESIGN §3, §5): no I/O, no clock. The scoring tasks
+The pure core of scoring (docs/ARCHITECTURE.md §3, §5): no I/O, no clock. The scoring tasks
 send the messages built here to the judge, feed the replies back through the
 parsers, and turn the result into a `Sample` or an excluded judge record.
 
@@ -12,7 +12,7 @@ read if the judge echoed it either: `\\boxed` becomes `\\ boxed` and
 `[HINT_START]`/`[HINT_END]` lose their underscore. The policy's own output is
 quoted the same way: under RL it is the text most likely to learn an attack.
 
-Modes (reference §4.4, §5.3, §6.1, with clawd's fixes):
+Modes (OpenClaw-RL's rules, with clawd's fixes; docs/ARCHITECTURE.md §5):
 - rl: a turn without a next state, with no valid vote, or with score 0 is
   excluded and takes no batch slot. Option `at_least_one` (off by default)
   promotes a score-0 turn that has a next state when its session has no
@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from clawd.messages import tool_arguments
 from clawd.samples import MODES, Sample
 from clawd.turns import Turn
 
@@ -51,16 +52,6 @@ def neutralise(text: str) -> str:
     return _HINT_TAG.sub(lambda m: f"[HINT {m.group(1)}]", text)
 
 
-def _arguments(args: Any) -> Any:
-    """Tool-call arguments: a mapping in request messages, JSON text in clawd's reply."""
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args  # shown as the model wrote it
-    return args
-
-
 def message_text(msg: dict[str, Any]) -> str:
     """One message as plain text: reasoning in <think>, content, then one JSON line per tool call."""
     parts = []
@@ -70,7 +61,7 @@ def message_text(msg: dict[str, Any]) -> str:
         parts.append(msg["content"])
     for call in msg.get("tool_calls") or []:
         fn = call.get("function") or {}
-        line = {"id": call.get("id"), "name": fn.get("name"), "arguments": _arguments(fn.get("arguments"))}
+        line = {"id": call.get("id"), "name": fn.get("name"), "arguments": tool_arguments(fn.get("arguments"))}
         if line["id"] is None:
             del line["id"]
         parts.append("tool call: " + json.dumps(line, ensure_ascii=False))
@@ -230,7 +221,7 @@ def majority(votes: Sequence[int | None]) -> int | None:
     return winners[0] if len(winners) == 1 else 0
 
 
-MIN_HINT_CHARS = 10  # a hint must be longer than this, stripped (reference §5.1 step 3)
+MIN_HINT_CHARS = 10  # a hint must be longer than this, stripped (as in OpenClaw-RL's hint judge)
 
 
 def parse_hint_vote(text: str) -> tuple[int | None, str | None]:
@@ -272,7 +263,7 @@ HINT_MARKER = "[Guidance for this reply, learned from the user's later feedback]
 
 
 def teacher_messages(turn: Turn, hint: str) -> list[dict[str, Any]]:
-    """The turn's messages with the hint added to the last user message (DESIGN §5).
+    """The turn's messages with the hint added to the last user message (docs/ARCHITECTURE.md §5).
 
     That message's content becomes `content.rstrip() + "\\n\\n" + HINT_MARKER +
     "\\n" + hint` (just `HINT_MARKER + "\\n" + hint` when the content is blank).
@@ -287,125 +278,6 @@ def teacher_messages(turn: Turn, hint: str) -> list[dict[str, Any]]:
     content = (out[last].get("content") or "").rstrip()
     out[last] = {**out[last], "content": f"{content}\n\n{block}" if content else block}
     return out
-
-
-# --- the `rules` judge: no model, documented phrase lists ------------------------------------------
-# English, case-insensitive, on word boundaries; curly apostrophes count as straight ones.
-# A user message that is negative anywhere is negative ("thanks, but that's wrong").
-
-NEGATIVE_PHRASES = (
-    r"try again", r"retry", r"redo", r"re-do", r"do it again", r"start over", r"one more time",
-    r"(that|this|it|which|you) (is|was|are|were) wrong", r"(that|it|this)'?s wrong", r"(still|all) wrong",
-    r"wrong (answer|result|file|output|one|again)", r"incorrect", r"not (right|correct)",
-    r"(that|this|it)'?s not (it|what|how|the|right|correct)", r"(that|this|it) is not (it|what|how|the)",
-    r"not what i (asked|meant|wanted|said|need|needed)", r"i meant", r"i said",
-    r"(please|pls|can you|could you) (fix|correct|change|redo)", r"fix (it|this|that)",
-    r"you misunderstood", r"you forgot", r"you missed", r"mistake",
-    r"you didn'?t (do|answer|include|add|finish|read|use|follow|change)",
-    r"(does|did|do)(n'?t| not) work", r"(is|it'?s) (still )?(broken|not working)", r"still (failing|broken)",
-)
-POSITIVE_PHRASES = (
-    r"thanks?", r"thank you", r"thx", r"great", r"perfect", r"awesome", r"excellent", r"nice",
-    r"well done", r"good job", r"looks good", r"lgtm", r"(that|it|this) works", r"works now",
-    r"(that|it|this) worked", r"got it", r"moving on", r"let'?s move on", r"next (question|task|step|one)",
-    r"now (let'?s|can you|could you|please)",
-)
-_NEGATIVE = re.compile(r"\b(" + "|".join(NEGATIVE_PHRASES) + r")\b|^\s*(no|nope)\b\s*[,.!]", re.IGNORECASE)
-_POSITIVE = re.compile(r"\b(" + "|".join(POSITIVE_PHRASES) + r")\b|^\s*(ok|okay|alright|cool|exactly|next)\b",
-                       re.IGNORECASE)
-REPHRASE_JACCARD = 0.6   # word-set overlap with the previous user request that counts as restating it
-REPHRASE_MIN_WORDS = 3   # shorter replies ("continue", "yes") are not restatements
-MAX_RULES_HINT_CHARS = 1000
-
-# Tool results: a JSON object is judged by its fields only (its text may quote anything);
-# other text by its first line, plus a Python traceback anywhere.
-ERROR_WORDS = (r"errors?", r"exception", r"traceback", r"failed", r"failure", r"fatal", r"not found",
-               r"denied", r"timed out", r"no such file", r"(?-i:\w+(?:Error|Exception))")
-_ERROR_WORD = re.compile(r"\b(" + "|".join(ERROR_WORDS) + r")\b", re.IGNORECASE)
-_NEGATED_BEFORE = re.compile(r"\b(no|0|zero|without|never)\s+$", re.IGNORECASE)  # "no errors", "0 failed"
-_ZERO_AFTER = re.compile(r"\s*[:=]\s*0\b")                                       # "failed: 0"
-_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):", re.MULTILINE)
-_STATUS_KEYS = ("status", "status_code", "statusCode", "http_status", "code")
-_EXIT_KEYS = ("exit_code", "exitCode", "returncode", "return_code")
-
-
-def _normal(text: str) -> str:
-    return text.replace("\u2019", "'").replace("\u2018", "'")
-
-
-def _words(text: str) -> set[str]:
-    return set(re.findall(r"\w+", _normal(text).lower()))
-
-
-def is_rephrase(text: str, previous: str) -> bool:
-    a, b = _words(text), _words(previous)
-    if len(a) < REPHRASE_MIN_WORDS or not b:
-        return False
-    return len(a & b) / len(a | b) >= REPHRASE_JACCARD
-
-
-def _json_error(obj: dict) -> bool:
-    if obj.get("error") or obj.get("errors"):
-        return True
-    if obj.get("ok") is False or obj.get("success") is False:
-        return True
-    for key in _STATUS_KEYS:
-        v = obj.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 400:
-            return True
-        if isinstance(v, str) and (v.strip().lower() in ("error", "failed", "failure")
-                                   or (v.strip().isdigit() and int(v) >= 400)):
-            return True
-    return any(isinstance(obj.get(k), int) and not isinstance(obj.get(k), bool) and obj.get(k) != 0
-               for k in _EXIT_KEYS)
-
-
-def is_tool_error(content: str | None) -> bool:
-    """Does a tool result report an error? (heuristic, documented in the module's rule lists)"""
-    text = (content or "").strip()
-    if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            obj = None
-        if isinstance(obj, dict):
-            return _json_error(obj)
-    if _TRACEBACK.search(text):
-        return True
-    first = text.split("\n", 1)[0][:300]
-    for m in _ERROR_WORD.finditer(first):
-        if not _NEGATED_BEFORE.search(first[:m.start()]) and not _ZERO_AFTER.match(first, m.end()):
-            return True
-    return False
-
-
-def rules_vote(turn: Turn, next_state: Sequence[dict[str, Any]]) -> tuple[int, str | None]:
-    """(vote, hint) from phrase lists, no model.
-
-    -1 if a user message in the next state corrects, retries, or restates the
-    previous user request (REPHRASE_JACCARD), or a tool result is an error;
-    else +1 if a user message thanks, approves or moves on; else 0. A tool result
-    without an error scores 0 here (unlike the model judge's rule): a call that ran
-    says nothing about whether it was the right call.
-    The hint comes only from a correcting user message: the last such message,
-    stripped and cut to MAX_RULES_HINT_CHARS, if `accept_hint` keeps it.
-    """
-    previous = next((m.get("content") or "" for m in reversed(turn.messages) if m.get("role") == "user"), "")
-    negative = positive = False
-    hint = None
-    for msg in next_state:
-        role, text = msg.get("role"), msg.get("content") or ""
-        if role == "tool" and is_tool_error(text):
-            negative = True
-        elif role == "user":
-            if _NEGATIVE.search(_normal(text)) or is_rephrase(text, previous):
-                negative = True
-                hint = accept_hint(text.strip()[:MAX_RULES_HINT_CHARS]) or hint
-            elif _POSITIVE.search(_normal(text)):
-                positive = True
-    if negative:
-        return -1, hint
-    return (1 if positive else 0), None
 
 
 # --- the decision per mode -------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Scoring: a finished main turn becomes a training sample, or a recorded exclusion.
 
-One task per finished turn (DESIGN §2 step 4): judge votes (rl), hint votes
+One task per finished turn (docs/ARCHITECTURE.md §2): judge votes (rl), hint votes
 and teacher log-probs (opd), or both (combine), then the decision table of
 `judging.decide`, then the sample store (journal first, queue second). Every
 remote call is bounded by the judge client's timeout, retries and concurrency
@@ -15,15 +15,15 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Coroutine, Protocol
 
-from clawd.scoring import judging as J
+from clawd.scoring import judging, rules
 from clawd.config import Config
 from clawd.learning.journal import JournalError
 from clawd.scoring.judges import JudgeFailed, Teacher
-from clawd.serving.records import RecordWriter
+from clawd.records import RecordWriter
 from clawd.learning.store import SampleStore
-from clawd.serving.tokenizer import ChatTokenizer, TemplateError
+from clawd.tokenizer import ChatTokenizer, TemplateError
 from clawd.turns import FinishedTurn
 
 log = logging.getLogger("clawd.scoring")
@@ -55,7 +55,7 @@ class ScoringStats:
 
 class Scorer:
     def __init__(self, cfg: Config, *, tokenizer: ChatTokenizer, judge: Judge | None, teacher: Teacher | None,
-                 store: SampleStore, records: RecordWriter):
+                 store: SampleStore, records: RecordWriter, spawn: Callable[[Coroutine], asyncio.Task] | None = None):
         self.mode = cfg.scoring.mode
         self.m = cfg.scoring.prm_m
         self.at_least_one = cfg.scoring.at_least_one
@@ -67,7 +67,10 @@ class Scorer:
         self.store = store
         self.records = records
         self.stats = ScoringStats()
-        self._tasks: set[asyncio.Task] = set()  # the scoring tasks in flight; the Scorer owns them
+        # Starts a scoring task: the daemon's TaskGroup.create_task, so one group owns every task (tests pass
+        # None: the running loop's). The Scorer keeps the ones in flight to drain them at shutdown.
+        self.spawn = spawn
+        self._tasks: set[asyncio.Task] = set()
         # Sessions that already gave a sample (rl's at-least-one rule); bounded, oldest forgotten.
         self._served_sessions: OrderedDict[tuple[str, str], None] = OrderedDict()
         if self.mode != "rl" and teacher is None:
@@ -79,22 +82,25 @@ class Scorer:
         turn = finished.turn
         reason = turn.excluded or (finished.reason if finished.next_state is None else None)
         if finished.next_state is None and reason is None:
-            reason = J.NO_NEXT_STATE
+            reason = judging.NO_NEXT_STATE
         if reason is None and self.stats.pending >= self.max_pending:
             reason = SCORING_BACKLOG
         if reason is not None:
             self._exclude(finished, reason)
             return
         self.stats.pending += 1
-        task = asyncio.get_running_loop().create_task(self._score(finished))
+        task = (self.spawn or asyncio.get_running_loop().create_task)(self._guarded(finished))
         self._tasks.add(task)
-        task.add_done_callback(self._done)
+        task.add_done_callback(self._tasks.discard)
 
-    def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+    async def _guarded(self, finished: FinishedTurn) -> None:
+        """A turn's scoring; a bug in it is counted and logged and never reaches the task group (which would
+        stop the daemon)."""
+        try:
+            await self._score(finished)
+        except Exception:
             self.stats.exclude("scoring_error")
-            log.error("scoring failed", exc_info=task.exception())
+            log.exception("scoring failed")
 
     async def close(self, timeout: float) -> None:
         """Let turns in scoring finish for up to `timeout` seconds, then cancel the rest
@@ -127,14 +133,14 @@ class Scorer:
                 teacher_lps, decision = await self._teacher(finished, outcome)
             sample_id = None
             if decision.emit:
-                sample = J.build_sample(turn, decision, teacher_lps, mode=self.mode,
+                sample = judging.build_sample(turn, decision, teacher_lps, mode=self.mode,
                                         sample_id=uuid.uuid4().hex, now=time.time())
                 try:
                     await self.store.put(sample)
                 except JournalError as exc:
                     log.error("session %s turn %d: the journal refused the sample: %s",
                               turn.session_id, turn.turn_index, exc)
-                    decision = J.Decision(False, 0.0, False, JOURNAL_FAILED)
+                    decision = judging.Decision(False, 0.0, False, JOURNAL_FAILED)
                 else:
                     sample_id = sample.sample_id
                     self._served_sessions[(turn.principal, turn.session_id)] = None
@@ -154,11 +160,11 @@ class Scorer:
         finally:
             self.stats.pending -= 1
 
-    async def _judge(self, finished: FinishedTurn) -> tuple[J.Outcome, list[str | None]]:
+    async def _judge(self, finished: FinishedTurn) -> tuple[judging.Outcome, list[str | None]]:
         turn, next_state = finished.turn, finished.next_state
         wants_rl, wants_hint = self.mode in ("rl", "combine"), self.mode in ("opd", "combine")
         if self.judge is None:
-            vote, rules_hint = J.rules_vote(turn, next_state)
+            vote, rules_hint = rules.rules_vote(turn, next_state)
             votes = (vote,) if wants_rl else ()
             # As a hint judge would vote: +1 "the next state holds a hint", -1 "it does not".
             hint_votes = ((1 if rules_hint else -1, rules_hint),) if wants_hint else ()
@@ -166,15 +172,15 @@ class Scorer:
             hint = rules_hint if wants_hint else None  # already length-checked by rules_vote
             raw: list[str | None] = []
         else:
-            rl_calls = [self._ask(J.rl_judge_messages(turn, next_state)) for _ in range(self.m if wants_rl else 0)]
-            hint_calls = [self._ask(J.hint_judge_messages(turn, next_state))
+            rl_calls = [self._ask(judging.rl_judge_messages(turn, next_state)) for _ in range(self.m if wants_rl else 0)]
+            hint_calls = [self._ask(judging.hint_judge_messages(turn, next_state))
                           for _ in range(self.m if wants_hint else 0)]
             raw = list(await asyncio.gather(*rl_calls, *hint_calls))
             rl_raw, hint_raw = raw[:len(rl_calls)], raw[len(rl_calls):]
-            votes = tuple(J.parse_vote(t) if t is not None else None for t in rl_raw)
-            hint_votes = tuple(J.parse_hint_vote(t) if t is not None else (None, None) for t in hint_raw)
-            rl_vote = J.majority(votes) if wants_rl else None
-            hint = J.select_hint(hint_votes) if wants_hint else None
+            votes = tuple(judging.parse_vote(t) if t is not None else None for t in rl_raw)
+            hint_votes = tuple(judging.parse_hint_vote(t) if t is not None else (None, None) for t in hint_raw)
+            rl_vote = judging.majority(votes) if wants_rl else None
+            hint = judging.select_hint(hint_votes) if wants_hint else None
         for v in votes:
             key = {1: "+1", 0: "0", -1: "-1"}.get(v, "failed")
             self.stats.votes[key] = self.stats.votes.get(key, 0) + 1
@@ -182,9 +188,9 @@ class Scorer:
         self.stats.hints_accepted += hint is not None
         at_least_one = (self.at_least_one and self.mode == "rl"
                         and (turn.principal, turn.session_id) not in self._served_sessions)
-        decision = J.decide(self.mode, rl_vote=rl_vote, hint=hint, has_next_state=True,
+        decision = judging.decide(self.mode, rl_vote=rl_vote, hint=hint, has_next_state=True,
                             at_least_one_applies=at_least_one)
-        outcome = J.Outcome(session_id=turn.session_id, turn_index=turn.turn_index, mode=self.mode,
+        outcome = judging.Outcome(session_id=turn.session_id, turn_index=turn.turn_index, mode=self.mode,
                             judge="rules" if self.judge is None else "model", votes=votes,
                             score=rl_vote, hint_votes=hint_votes, hint=hint, decision=decision)
         return outcome, raw
@@ -197,15 +203,15 @@ class Scorer:
             log.warning("judge call failed: %s", exc)
             return None
 
-    async def _teacher(self, finished: FinishedTurn, outcome: J.Outcome) -> tuple[list[float] | None, J.Decision]:
+    async def _teacher(self, finished: FinishedTurn, outcome: judging.Outcome) -> tuple[list[float] | None, judging.Decision]:
         turn = finished.turn
         try:
-            prompt = self.tok.encode_chat(J.teacher_messages(turn, outcome.hint), turn.tools)
+            prompt = self.tok.encode_chat(judging.teacher_messages(turn, outcome.hint), turn.tools)
             return await self.teacher.logprobs(prompt, list(turn.response_ids)), outcome.decision
         except (JudgeFailed, TemplateError) as exc:
             log.warning("session %s turn %d: teacher failed: %s", turn.session_id, turn.turn_index, exc)
         # Without teacher log-probs the hint is unusable; a ±1 score still teaches (combine).
-        fallback = J.decide(self.mode, rl_vote=outcome.score, hint=None, has_next_state=True)
+        fallback = judging.decide(self.mode, rl_vote=outcome.score, hint=None, has_next_state=True)
         if fallback.emit:
             return None, fallback
-        return None, J.Decision(False, 0.0, False, TEACHER_FAILED)
+        return None, judging.Decision(False, 0.0, False, TEACHER_FAILED)

@@ -10,9 +10,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
-import sys
 import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
@@ -22,21 +21,11 @@ from clawd.serving.request import Limits, parse_chat_request
 from clawd.config import Config
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.serving.errors import ApiError
-from clawd.learning.learner import Learner
-from clawd.ops.metrics import Metrics
-from clawd.ops.pause import PauseState
-from clawd.learning.store import SampleStore
-from clawd.scoring.scorer import Scorer
-from clawd.ops.status import Status, finite
 
 log = logging.getLogger("clawd.api")
 
-CONFIG = web.AppKey("config", Config)
-CHAT = web.AppKey("chat", ChatService)
-STARTED = web.AppKey("started", float)
-SERVING = web.AppKey("serving", dict)
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
@@ -90,96 +79,93 @@ class Authenticator:
         return found
 
 
-def make_app(cfg: Config, chat: ChatService, *, scorer: Scorer | None = None, store: SampleStore | None = None,
-             supervisors: Sequence[EngineSupervisor] = (), learner: Learner | None = None,
-             pause: PauseState | None = None, status: Status | None = None, auth: Authenticator | None = None,
-             metrics: Metrics | None = None) -> web.Application:
-    # Metrics outermost: it counts the final status, the error middleware's answers and 404s included.
-    middlewares = [openai_errors] if metrics is None else [metrics.middleware, openai_errors]
-    app = web.Application(middlewares=middlewares, client_max_size=cfg.server.max_body_bytes)
+@dataclass
+class Gate:
+    """Who may come in: cleared when the drain starts; counts the chat requests being handled."""
+    accepting: bool = True
+    in_flight: int = 0
+
+
+CONFIG = web.AppKey("config", Config)
+CHAT = web.AppKey("chat", ChatService)
+AUTH = web.AppKey("auth", Authenticator)
+GATE = web.AppKey("gate", Gate)
+LIMITS = web.AppKey("limits", Limits)
+ENGINES = web.AppKey("engines", tuple)          # the engine supervisors, policy first (readiness by role)
+SERVING_PAUSED = web.AppKey("serving_paused", Callable[[], bool])  # the operator's `clawctl pause --serving`
+ON_REQUEST = web.AppKey("on_request", Callable[[], None])          # a chat request admitted (the status rate)
+STARTED = web.AppKey("started", float)
+
+
+def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = None, gate: Gate | None = None,
+             engines: Sequence[EngineSupervisor] = (), serving_paused: Callable[[], bool] = lambda: False,
+             on_request: Callable[[], None] = lambda: None,
+             outer_middlewares: Sequence[Middleware] = ()) -> web.Application:
+    """The chat API. `outer_middlewares` wrap the error middleware (metrics: it counts the final status,
+    the error middleware's answers and 404s included); other routes (/metrics) are the caller's to add."""
+    app = web.Application(middlewares=[*outer_middlewares, openai_errors], client_max_size=cfg.server.max_body_bytes)
     app[CONFIG] = cfg
     app[CHAT] = chat
+    app[AUTH] = auth or Authenticator(cfg)
+    app[GATE] = gate or Gate()
+    app[LIMITS] = Limits(max_messages=cfg.server.max_messages, max_message_chars=cfg.server.max_message_chars)
+    app[ENGINES] = tuple(engines)
+    app[SERVING_PAUSED] = serving_paused
+    app[ON_REQUEST] = on_request
     app[STARTED] = time.time()
-    app[SERVING] = {"in_flight": 0, "accepting": True}
-    auth = auth or Authenticator(cfg)
-    if auth.open:
+    if app[AUTH].open:
         log.warning("no API keys configured: the chat API is open to anyone who can reach %s:%d",
                     cfg.server.host, cfg.server.port)
-    limits = Limits(max_messages=cfg.server.max_messages, max_message_chars=cfg.server.max_message_chars)
-
-    async def chat_completions(request: web.Request) -> web.StreamResponse:
-        key_name = auth.principal(request)
-        state = app[SERVING]
-        if not state["accepting"]:
-            raise ApiError(503, "clawd is shutting down", code="shutting_down", retry_after=5)
-        if pause is not None and pause.serving:
-            raise ApiError(503, "clawd is paused by its operator (clawctl resume)", code="paused", retry_after=30)
-        if status is not None:
-            status.requests.tick()
-        if state["in_flight"] >= cfg.server.max_concurrent_requests:
-            raise ApiError(429, f"More than {cfg.server.max_concurrent_requests} requests in flight; retry shortly",
-                           code="too_many_requests", retry_after=1)
-        state["in_flight"] += 1
-        try:
-            try:
-                body = await request.read()
-            except web.RequestPayloadError:  # a body its Content-Encoding does not decode
-                raise ApiError(400, "The request body could not be decoded; check its Content-Encoding",
-                               code="invalid_body") from None
-            req = parse_chat_request(body, request.headers, limits)
-            principal = key_name if key_name is not None else (req.user or "anonymous")
-            return await chat.complete(req, principal, request)
-        finally:
-            state["in_flight"] -= 1
-
-    async def models(request: web.Request) -> web.Response:
-        auth.principal(request)
-        card = {"id": chat.model_name, "object": "model", "created": int(app[STARTED]), "owned_by": "clawd",
-                "root": chat.model_name, "parent": None, "max_model_len": chat.context_length}
-        return web.json_response({"object": "list", "data": [card]}, dumps=json.dumps)
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def ready(request: web.Request) -> web.Response:
-        # Chat needs the policy engine only; a reference engine that is down costs samples, not replies.
-        engine = chat.supervisor.state.value
-        ok = chat.supervisor.is_ready and app[SERVING]["accepting"]
-        body = {"ready": ok, "engine": engine, "policy_version": chat.policy.version,
-                "engines": {s.role: s.state.value for s in supervisors}}
-        headers = None if ok else {"Retry-After": "2"}
-        return web.json_response(body, status=200 if ok else 503, headers=headers)
-
-    async def metrics_page(request: web.Request) -> web.Response:
-        return metrics.render()
-
-    async def debug_process(request: web.Request) -> web.Response:
-        # For tests and operators: the daemon's process shape (DESIGN §1).
-        # threading is already loaded by asyncio; reading it here adds no threads.
-        threads = sys.modules["threading"].active_count()
-        return web.json_response(finite({"pid": os.getpid(), "threads": threads,
-                                  "torch_imported": "torch" in sys.modules, "engine_url": chat.engine.url, "engine_pid": chat.supervisor.pid,
-                                  "engine_restarts": chat.supervisor.restarts,
-                                  "transformers_imported": "transformers" in sys.modules,
-                                  "stats": chat.stats.__dict__, "sessions": len(chat.sessions),
-                                  "engines": {s.role: {"state": s.state.value, "url": s.client.url, "pid": s.pid,
-                                                       "restarts": s.restarts} for s in supervisors},
-                                  "scoring": scorer.stats.__dict__ if scorer else None,
-                                  "samples": {"waiting": store.waiting, "depth": store.depth} if store else None,
-                                  "learner": ({**learner.stats.__dict__, "paused": learner.paused,
-                                               "pause_reason": learner.pause_reason,
-                                               "policy_version": chat.policy.version} if learner else None),
-                                  "trainer": ({"pid": learner.trainer.pid, "alive": learner.trainer.alive,
-                                               "restarts": learner.trainer.restarts} if learner else None)}))
-
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
-    if metrics is not None:
-        # No auth, like /health: operators scrape it from localhost (server.host is 127.0.0.1 by default).
-        app.router.add_get("/metrics", metrics_page)
-    if cfg.server.debug_routes:
-        app.router.add_get("/debug/process", debug_process)
     return app
 
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    cfg, gate = app[CONFIG], app[GATE]
+    key_name = app[AUTH].principal(request)
+    if not gate.accepting:
+        raise ApiError(503, "clawd is shutting down", code="shutting_down", retry_after=5)
+    if app[SERVING_PAUSED]():
+        raise ApiError(503, "clawd is paused by its operator (clawctl resume)", code="paused", retry_after=30)
+    app[ON_REQUEST]()
+    if gate.in_flight >= cfg.server.max_concurrent_requests:
+        raise ApiError(429, f"More than {cfg.server.max_concurrent_requests} requests in flight; retry shortly",
+                       code="too_many_requests", retry_after=1)
+    gate.in_flight += 1
+    try:
+        try:
+            body = await request.read()
+        except web.RequestPayloadError:  # a body its Content-Encoding does not decode
+            raise ApiError(400, "The request body could not be decoded; check its Content-Encoding",
+                           code="invalid_body") from None
+        req = parse_chat_request(body, request.headers, app[LIMITS])
+        principal = key_name if key_name is not None else (req.user or "anonymous")
+        return await app[CHAT].complete(req, principal, request)
+    finally:
+        gate.in_flight -= 1
+
+
+async def models(request: web.Request) -> web.Response:
+    request.app[AUTH].principal(request)
+    chat = request.app[CHAT]
+    card = {"id": chat.model_name, "object": "model", "created": int(request.app[STARTED]), "owned_by": "clawd",
+            "root": chat.model_name, "parent": None, "max_model_len": chat.context_length}
+    return web.json_response({"object": "list", "data": [card]}, dumps=json.dumps)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    # Chat needs the policy engine only; a reference engine that is down costs samples, not replies.
+    chat = request.app[CHAT]
+    ok = chat.supervisor.is_ready and request.app[GATE].accepting
+    body = {"ready": ok, "engine": chat.supervisor.state.value, "policy_version": chat.policy.version,
+            "engines": {s.role: s.state.value for s in request.app[ENGINES]}}
+    headers = None if ok else {"Retry-After": "2"}
+    return web.json_response(body, status=200 if ok else 503, headers=headers)

@@ -1,6 +1,6 @@
 """One chat completion, from a validated request to an OpenAI response and a captured turn.
 
-The path (DESIGN §2): render the prompt ids with the chat template → resolve
+The path (docs/ARCHITECTURE.md §2): render the prompt ids with the chat template → resolve
 the session → engine `/generate` token-in with explicit sampling params and
 log-probs → decode and parse the output ids ourselves → answer (streamed token
 by token, or whole) → hand the finished turn to the session table. The ids
@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from clawd import turns as T
+from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, SAMPLING_PARAMS, FinishedTurn, Turn
 from clawd.serving.request import ChatRequest
 from clawd.config import Config
 from clawd.serving.detokenize import IncrementalDetokenizer
@@ -28,7 +28,7 @@ from clawd.serving.errors import ApiError, bad_request
 from clawd.serving.parsers import Content, Reasoning, ToolCall, make_parser
 from clawd.served import Policy
 from clawd.serving.sessions import SessionTable
-from clawd.serving.tokenizer import ChatTokenizer, TemplateError
+from clawd.tokenizer import ChatTokenizer, TemplateError
 
 log = logging.getLogger("clawd.chat")
 
@@ -77,7 +77,7 @@ class _SessionLocks:
 class ChatService:
     def __init__(self, cfg: Config, tokenizer: ChatTokenizer, engine: EngineClient,
                  supervisor: EngineSupervisor, sessions: SessionTable,
-                 on_finished: Callable[[T.FinishedTurn], None], policy: Policy,
+                 on_finished: Callable[[FinishedTurn], None], policy: Policy,
                  spawn: Callable[[Any], Any]):
         self.cfg = cfg
         self.tok = tokenizer
@@ -134,7 +134,7 @@ class ChatService:
             if s.seed is not None:
                 params["sampling_seed"] = s.seed
             if not s.full_distribution() or not cfg.min_train_temperature <= temperature <= 2.0:
-                excluded = T.SAMPLING_PARAMS
+                excluded = SAMPLING_PARAMS
         return params, temperature, excluded
 
     # ---- the request ----------------------------------------------------------------
@@ -147,7 +147,7 @@ class ChatService:
         main = turn_type == "main"
         params, temperature, excluded = self._sampling(req, len(prompt_ids), main)
         if req.no_train:
-            excluded = T.NO_TRAIN
+            excluded = NO_TRAIN
         if not self.supervisor.is_ready:
             raise ApiError(503, "The model engine is not ready; retry shortly", code="engine_unavailable",
                            retry_after=2)
@@ -292,8 +292,8 @@ class ChatService:
         excluded = cap.excluded
         if out.logprob_ids != out.ids or any(lp is None for lp in out.logprobs):
             log.error("rid %s: engine log-prob ids disagree with output ids; turn excluded", rid)
-            excluded = T.LOGPROB_MISMATCH
-        turn = T.Turn(
+            excluded = LOGPROB_MISMATCH
+        turn = Turn(
             session_id=cap.admission.session_id, turn_index=cap.admission.turn_index, principal=cap.principal,
             request_id=out.completion_id, rid=rid, prompt_ids=prompt_ids, response_ids=out.ids,
             response_logprobs=[float(lp) if lp is not None else float("nan") for lp in out.logprobs],
@@ -306,7 +306,7 @@ class ChatService:
             self.stats.excluded[excluded] = self.stats.excluded.get(excluded, 0) + 1
         self._finish(self.sessions.complete(cap.admission, turn, cap.req.session_done, now))
 
-    def _finish(self, finished: list[T.FinishedTurn]) -> None:
+    def _finish(self, finished: list[FinishedTurn]) -> None:
         for ft in finished:
             self.on_finished(ft)
 

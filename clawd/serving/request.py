@@ -46,7 +46,7 @@ class Sampling:
     logit_bias: Mapping[str, float] | None = None
 
     def full_distribution(self) -> bool:
-        """True when tokens come from the untruncated distribution (DESIGN §14)."""
+        """True when tokens come from the untruncated distribution (docs/ARCHITECTURE.md §14)."""
         return ((self.top_p is None or self.top_p == 1.0)
                 and (self.top_k is None or self.top_k <= 0)
                 and (self.min_p is None or self.min_p == 0.0)

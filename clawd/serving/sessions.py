@@ -1,6 +1,6 @@
 """Sessions: group main chat turns into conversations and give each turn its next state.
 
-Pure state machine (DESIGN §4, §14 "Sessions"): no I/O, no clock reads (`now`
+Pure state machine (docs/ARCHITECTURE.md §4, §14 "Sessions"): no I/O, no clock reads (`now`
 is passed in and must not go backwards), no randomness but the injected
 `new_id`. A session is keyed by (principal, session_id). For requests without
 an id it is found by stitching: each session keeps a few hashes of its
@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from clawd.messages import content_parts, tool_arguments
 from clawd.turns import (EVICTED, IDLE_TIMEOUT, MAX_TURNS, REGENERATED, SESSION_DONE,
                          SHUTDOWN, FinishedTurn, Turn)
 
@@ -33,44 +34,16 @@ Key = tuple[str, str]  # (principal, session_id)
 
 # ---------------------------------------------------------------- canonical form
 
-def _content(content: Any) -> tuple[str, list[Any]]:
-    """Text (trimmed; None ≡ ""; text parts joined) and the non-text parts."""
-    if content is None:
-        return "", []
-    if isinstance(content, str):
-        return content.strip(), []
-    if isinstance(content, list):
-        texts, others = [], []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                texts.append(part.get("text") or "")
-            elif isinstance(part, str):
-                texts.append(part)
-            else:
-                others.append(part)  # images etc. still tell conversations apart
-        return "".join(texts).strip(), others
-    return "", [content]
-
-
-def _arguments(args: Any) -> Any:
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args  # models do emit broken JSON; compare it verbatim
-    return args
-
-
 def canonical(message: dict[str, Any]) -> dict[str, Any]:
     """What counts when comparing conversations: ids, reasoning and formatting do not."""
-    text, others = _content(message.get("content"))
-    canon: dict[str, Any] = {"role": message.get("role"), "content": text}
+    text, others = content_parts(message.get("content"))  # images etc. still tell conversations apart
+    canon: dict[str, Any] = {"role": message.get("role"), "content": text.strip()}
     if others:
         canon["parts"] = others
     calls = message.get("tool_calls")
     if calls:
         canon["tool_calls"] = [
-            [(c.get("function") or {}).get("name"), _arguments((c.get("function") or {}).get("arguments"))]
+            [(c.get("function") or {}).get("name"), tool_arguments((c.get("function") or {}).get("arguments"))]
             for c in calls
         ]
     for name in ("tool_call_id", "name"):

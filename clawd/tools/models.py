@@ -1,4 +1,4 @@
-"""The models clawd runs on, built offline (DESIGN §10).
+"""The models clawd runs on, built offline (docs/ARCHITECTURE.md §10).
 
 - `build_tiny_model`: a tiny random Qwen2 with a freshly trained 4k byte-level
   BPE and a ChatML template, for tests. Same seed, byte-identical files.
@@ -21,12 +21,12 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+from clawd.weights import atomic_dir
 
 MARKER = ".clawd-complete"  # written last, inside the directory, before the rename
 
@@ -424,21 +424,6 @@ def _write_json(path: Path, obj: dict) -> None:
                     encoding="utf-8")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file, then the directories, so the rename publishes durable bytes."""
-    for path in sorted(root.rglob("*"), reverse=True):
-        _fsync(path)  # O_RDONLY + fsync works for files and directories alike
-    _fsync(root)
-
-
 def _publish(dest: Path, write: Callable[[Path], None]) -> Path:
     """Run `write` into a temporary sibling of `dest`, fsync it, rename it to `dest`.
 
@@ -449,28 +434,7 @@ def _publish(dest: Path, write: Callable[[Path], None]) -> Path:
     if dest.exists() and not (dest.is_dir() and ((dest / MARKER).is_file() or not any(dest.iterdir()))):
         raise FileExistsError(f"{dest} exists and is not a clawd model directory; "
                               "remove it or choose another destination")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    old = None
-    try:
-        write(tmp)
-        # mkdtemp makes 0700 and some writers 0600: publish with the umask's usual modes,
-        # so a service user can read what an admin built.
-        umask = os.umask(0)
-        os.umask(umask)
-        for path in [tmp, *tmp.rglob("*")]:
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-        _fsync_tree(tmp)
-        if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.replace(dest, old / dest.name)
-        os.replace(tmp, dest)
-        _fsync(dest.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
-    return dest
+    return atomic_dir(dest, write, replace=True)
 
 
 # --------------------------------------------------------------------------

@@ -1,103 +1,46 @@
-"""The trainer subprocess: where torch lives (DESIGN §1, §14).
+"""The trainer process's loop: where torch lives (docs/ARCHITECTURE.md §1, §14).
 
-The daemon spawns `main(conn, options)` with the `spawn` context and talks to it
-over one socket-pair `Connection`. This module is imported by the daemon to name
-the spawn target, so it must not import torch at import time; the handler
-(`options["handler"]`, "module:function") is imported only in the child.
+The daemon spawns `main(conn, factory, options)` with the `spawn` context and talks to it over
+one socket-pair `Connection`, in the format of `clawd.trainer.wire`. The daemon imports this
+module to name the spawn target, so it imports no torch. `factory` is the handler's factory, a
+top-level function pickled by reference (unpickling it imports its module, in the child), or
+None for the real trainer, `clawd.trainer.handler.make`, which imports torch and is imported
+here, in the child only.
 
-Wire format, shared with `trainer_link` (the daemon side):
-- A frame is multiprocessing's `send_bytes` framing: a 4-byte big-endian signed
-  length and the payload; payloads over 2**31 - 1 bytes send -1 and then an
-  8-byte big-endian unsigned length. Both ends can use plain `send_bytes` /
-  `recv_bytes`.
-- A message is a head frame (a JSON object with a `type`) and then one frame per
-  element of each top-level list field, in the order the head's
-  `"parts": [[field, count], ...]` names them. A 20 MB batch thus travels as
-  many small JSON documents, and neither side decodes 20 MB in one call.
-  `train.samples` elements are exactly `Sample.to_json()`.
+The handler: `factory(options)` returns an object with `step`, `version` (the newest version ever
+published: new ones must be above it) and `weights_version` (the version whose weights it holds;
+0 = the base model), all restored from its last checkpoint; `train(batch_id, version, samples)`
+-> {"weights_dir": str | None, "metrics": dict, "per_sample": list (optional), "checkpointed":
+bool (optional)}, where `version` is the version the new weights will carry; `publish(version)`
+-> weights_dir (its current weights as a new version, checkpointed) and `checkpoint()` ->
+(path, step). An exception becomes an `error` reply; it is retryable when the exception has a
+true `retryable` attribute (see `RetryableError`).
 
-Messages: ready{pid, step, version, weights_version} (child, once), train{batch_id,
-version, samples} -> trained{batch_id, version, weights_dir, metrics, per_sample} or
-error{batch_id, message, retryable}; publish{version} -> published{version, weights_dir};
-checkpoint{} -> checkpointed{path, step}; ping{n} -> pong{n}; shutdown{} -> the child
-exits 0 (no reply). Every request gets exactly one reply, in order.
-
-The handler: `factory(options)` returns an object with `step`, `version` (the newest
-version ever published: new ones must be above it) and `weights_version` (the version
-whose weights it holds; 0 = the base model), all restored from its last checkpoint;
-`train(batch_id, version, samples)` -> {"weights_dir": str, "metrics": dict,
-"per_sample": list (optional)}; `publish(version)` -> weights_dir (its current weights
-as a new version, checkpointed) and `checkpoint()` -> (path, step). `version` in
-`train` is the version the new weights will carry. An exception becomes an `error` reply; it is retryable when
-the exception has a true `retryable` attribute (see `RetryableError`).
+A spawned process does not inherit the daemon's logging: `main` sets it up at
+`options["log_level"]` (the daemon's [logging] level), on the stderr it shares with the daemon.
 """
 from __future__ import annotations
 
 import ctypes
-import importlib
-import json
+import logging
 import multiprocessing
 import os
 import signal
-import struct
-from typing import Any, Iterator
+import sys
+from typing import Callable
 
+from clawd.config import LOG_FORMAT
 from clawd.samples import Sample
-
-DEFAULT_HANDLER = "clawd.trainer.handler:make"  # the real trainer (clawd/trainer/step.py)
+from clawd.trainer.wire import recv_message, send_message
 
 _PR_SET_PDEATHSIG = 1
-_MAX_SHORT = 0x7FFFFFFF  # multiprocessing sends the 8-byte length only above this
+
+Factory = Callable[[dict], object]  # options -> handler; a top-level function, so that it pickles by reference
 
 
 class RetryableError(Exception):
     """Raised by a handler for a failure that may pass on a second try (e.g. out of memory)."""
     retryable = True
-
-
-def frame_header(n: int) -> bytes:
-    """The header `Connection.send_bytes` writes before an n-byte payload (CPython 3.11)."""
-    if n > _MAX_SHORT:
-        return struct.pack("!i", -1) + struct.pack("!Q", n)
-    return struct.pack("!i", n)
-
-
-def _dump(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def message_frames(msg: dict) -> Iterator[bytes]:
-    """A message's frames: the head, then one per element of each top-level list field."""
-    if "parts" in msg:
-        raise ValueError("'parts' is reserved for the wire format")
-    lists = [(k, v) for k, v in msg.items() if isinstance(v, list)]
-    head = {k: v for k, v in msg.items() if not isinstance(v, list)}
-    if lists:
-        head["parts"] = [[k, len(v)] for k, v in lists]
-    yield _dump(head)
-    for _, items in lists:
-        for item in items:
-            yield item.to_json() if isinstance(item, Sample) else _dump(item)
-
-
-def send_message(conn, msg: dict) -> None:
-    for frame in message_frames(msg):
-        conn.send_bytes(frame)
-
-
-def recv_message(conn) -> dict:
-    """One message; list fields hold their elements' raw JSON bytes (decoded by type)."""
-    msg = json.loads(conn.recv_bytes())
-    for name, count in msg.pop("parts", []):
-        msg[name] = [conn.recv_bytes() for _ in range(count)]
-    return msg
-
-
-def load_handler(path: str):
-    module, _, function = path.partition(":")
-    if not module or not function:
-        raise ValueError(f"handler {path!r} is not 'module:function'")
-    return getattr(importlib.import_module(module), function)
 
 
 def _die_with_parent() -> None:
@@ -138,12 +81,15 @@ def handle(handler, msg: dict) -> dict:
         return _error(batch_id, exc)
 
 
-def main(conn, options: dict) -> None:
+def main(conn, factory: Factory | None, options: dict) -> None:
     """The child's entry point: handshake, then one reply per request until shutdown or EOF."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
+    logging.basicConfig(level=str(options.get("log_level", "info")).upper(), stream=sys.stderr, format=LOG_FORMAT)
     try:
-        handler = load_handler(options.get("handler") or DEFAULT_HANDLER or "")(options)
+        if factory is None:
+            from clawd.trainer.handler import make as factory
+        handler = factory(options)
         ready = {"type": "ready", "pid": os.getpid(), "step": handler.step, "version": handler.version,
                  "weights_version": handler.weights_version}
     except Exception as exc:

@@ -1,24 +1,36 @@
-"""The trainer child's handler: `trainer_proc` messages → `Trainer` calls.
+"""The real trainer's handler: the messages of `clawd.trainer.wire` -> `Trainer` calls.
 
-Runs only in the spawned trainer process (imports torch through clawd.trainer.step).
-A train message trains one batch, publishes the new weights as the version the
-daemon asked for, and checkpoints when due, so the reply tells the daemon both
-where the weights are and whether the batch's samples are now safe to
-acknowledge in the journal.
+Imported only in the spawned trainer process (`clawd.trainer.child` imports it when the link
+was given no factory): it imports torch through `clawd.trainer.step`. A train message trains one
+batch, publishes the new weights as the version the daemon asked for, and checkpoints when due,
+so the reply tells the daemon both where the weights are and whether the batch's samples are now
+safe to acknowledge in the journal.
+
+Its options (`clawd.trainer.link.trainer_options`): mode, model_dir, state_dir and train, a
+`TrainConfig` or a [train] table as a dict.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from clawd.config import TrainConfig, config_from_dict
 from clawd.samples import Sample
-from clawd.trainer.step import TrainConfig, Trainer
+from clawd.trainer.step import Trainer
+
+
+def train_config(train: TrainConfig | dict | None) -> TrainConfig:
+    """The options' `train` as a TrainConfig; a table is checked as the config file's [train] is."""
+    if isinstance(train, TrainConfig):
+        return train
+    table = {k: list(v) if isinstance(v, tuple) else v for k, v in (train or {}).items()}
+    return config_from_dict({"train": table}, source="the trainer's options").train
 
 
 class TrainerHandler:
     def __init__(self, options: dict):
         self.mode = options["mode"]
         self.trainer = Trainer(Path(options["model_dir"]), Path(options["state_dir"]),
-                               TrainConfig(**options.get("train", {})))
+                               train_config(options.get("train")))
 
     @property
     def step(self) -> int:

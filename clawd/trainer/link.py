@@ -1,17 +1,18 @@
-"""The daemon's side of the trainer subprocess: one event loop, no threads, no torch.
+"""The daemon's side of the trainer process: one event loop, no threads, no torch.
 
-`TrainerLink` is one child's life: spawn (multiprocessing, `spawn` context),
-the `ready` handshake, requests whose replies come back in order, the child's
-exit noticed through its process sentinel registered with the loop, and stop.
-The socket pair is read and written with asyncio streams, so a 20 MB batch
-neither blocks the loop while it leaves nor while a large reply arrives; the
-framing is multiprocessing's, so the child uses plain `send_bytes`/`recv_bytes`
-(wire format: `trainer_proc`).
+`TrainerLink` is one child's life: spawn (multiprocessing, `spawn` context, target
+`clawd.trainer.child.main`), the `ready` handshake, requests whose replies come back in order,
+the child's exit noticed through its process sentinel registered with the loop, and stop. The
+socket pair is read and written with asyncio streams, so a 20 MB batch neither blocks the loop
+while it leaves nor while a large reply arrives (the format: `clawd.trainer.wire`).
 
-`TrainerSupervisor` keeps one child alive: `run()` restarts it with exponential
-backoff (its handler resumes from the last checkpoint) and `train()` sends the
-same batch again after a restart. After `attempts` it raises; the caller still
-holds the samples, nothing is dropped silently.
+`TrainerSupervisor` keeps one child alive: `run()` restarts it with exponential backoff (its
+handler resumes from the last checkpoint) and `train()` sends the same batch again after a
+restart. After `attempts` it raises; the caller still holds the samples, nothing is dropped
+silently.
+
+`trainer_options(cfg)` is what the real trainer is spawned with. The handler is the child's
+business: a link given no factory runs `clawd.trainer.handler.make`, imported in the child only.
 """
 from __future__ import annotations
 
@@ -19,21 +20,20 @@ import asyncio
 import atexit
 import collections
 import itertools
-import json
 import logging
 import multiprocessing
 import os
 import signal
 import socket
-import struct
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Sequence
 
-from clawd.trainer import child as trainer_proc
+from clawd.config import Config
 from clawd.samples import Sample
-from clawd.trainer.child import frame_header, message_frames
+from clawd.trainer import child
+from clawd.trainer.wire import ProtocolError, answers, encode_message, frame_header, message_frames, read_message
 
 log = logging.getLogger("clawd.trainer")
 
@@ -103,77 +103,10 @@ class Checkpointed:
     step: int
 
 
-# ---- wire -----------------------------------------------------------------------------------
-
-async def encode_message(msg: dict) -> list[bytes]:
-    """A message's frames, encoded one element at a time so a large batch never stalls the loop."""
-    frames = []
-    for frame in message_frames(msg):
-        frames.append(frame)
-        await asyncio.sleep(0)
-    return frames
-
-
-async def _frame_body(reader: asyncio.StreamReader, header: bytes, stats: collections.Counter) -> bytes:
-    (n,) = struct.unpack("!i", header)
-    if n == -1:  # multiprocessing's long form: an 8-byte unsigned length follows
-        (n,) = struct.unpack("!Q", await reader.readexactly(8))
-    elif n < 0:
-        raise TrainerProtocolError(f"frame length {n}")
-    body = await reader.readexactly(n)
-    stats["frames_in"] += 1
-    stats["bytes_in"] += n
-    return body
-
-
-async def read_frame(reader: asyncio.StreamReader, stats: collections.Counter | None = None) -> bytes:
-    """One `send_bytes` frame; `asyncio.IncompleteReadError` at end of stream."""
-    return await _frame_body(reader, await reader.readexactly(4), collections.Counter() if stats is None else stats)
-
-
-def _well_formed(parts) -> bool:
-    """`parts` is [[field, count], ...]."""
-    return isinstance(parts, list) and all(
-        isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], int) for p in parts)
-
-
-async def read_message(reader: asyncio.StreamReader, stats: collections.Counter | None = None) -> dict | None:
-    """One message, list fields decoded element by element; None at a clean end of stream."""
-    stats = collections.Counter() if stats is None else stats
-    try:
-        header = await reader.readexactly(4)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            raise TrainerProtocolError("the stream ended inside a frame header") from exc
-        return None
-    try:
-        msg = json.loads(await _frame_body(reader, header, stats))
-        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-            raise TrainerProtocolError(f"a message head must be an object with a type, not {msg!r:.80}")
-        parts = msg.pop("parts", [])
-        if not _well_formed(parts):
-            raise TrainerProtocolError(f"bad parts {parts!r:.80}")
-        for name, count in parts:
-            msg[name] = [json.loads(await read_frame(reader, stats)) for _ in range(count)]
-    except asyncio.IncompleteReadError as exc:
-        raise TrainerProtocolError("the stream ended inside a message") from exc
-    return msg
-
-
-def _answers(request: dict, reply: dict) -> bool:
-    kind, want = reply["type"], request["type"]
-    if want == "start":
-        return kind in ("ready", "error")
-    if kind == "error":
-        return reply.get("batch_id") == request.get("batch_id")
-    if want == "ping":
-        return kind == "pong" and reply.get("n") == request.get("n")
-    if want == "train":
-        return kind == "trained" and reply.get("batch_id") == request["batch_id"] \
-            and reply.get("version") == request["version"]
-    if want == "publish":
-        return kind == "published" and reply.get("version") == request["version"]
-    return want == "checkpoint" and kind == "checkpointed"
+def trainer_options(cfg: Config) -> dict:
+    """The options the real trainer (`clawd.trainer.handler`) is spawned with, for a daemon run by cfg."""
+    return {"mode": cfg.scoring.mode, "model_dir": str(cfg.model_path.resolve()),
+            "state_dir": str(cfg.state_dir.resolve()), "train": cfg.train, "log_level": cfg.logging.level}
 
 
 async def _wait(event: asyncio.Event, timeout: float | None) -> bool:
@@ -187,8 +120,9 @@ async def _wait(event: asyncio.Event, timeout: float | None) -> bool:
 # ---- one child ------------------------------------------------------------------------------
 
 class TrainerLink:
-    def __init__(self, options: dict, *, ready_timeout: float = 120.0):
-        self.options = options  # passed to the child: `handler` plus whatever the handler reads
+    def __init__(self, options: dict, *, factory: child.Factory | None = None, ready_timeout: float = 120.0):
+        self.options = options  # passed to the child: `log_level`, and whatever the handler reads
+        self.factory = factory  # None: the real trainer
         self.ready_timeout = ready_timeout
         self.ready: Ready | None = None
         self.exitcode: int | None = None
@@ -218,7 +152,7 @@ class TrainerLink:
         ours, theirs = socket.socketpair()
         child_conn = Connection(theirs.detach())
         process = multiprocessing.get_context("spawn").Process(
-            target=trainer_proc.main, args=(child_conn, self.options), name="clawd-trainer", daemon=False)
+            target=child.main, args=(child_conn, self.factory, self.options), name="clawd-trainer", daemon=False)
         try:
             process.start()  # fork+exec and a small pickle down a pipe: no helper thread
         except BaseException:
@@ -361,7 +295,7 @@ class TrainerLink:
         try:
             while (msg := await read_message(reader, self.stats)) is not None:
                 self._deliver(msg)
-        except (TrainerProtocolError, ValueError, ConnectionError) as exc:  # ValueError: bad JSON
+        except (ProtocolError, TrainerProtocolError, ValueError, ConnectionError) as exc:  # ValueError: bad JSON
             log.error("trainer %d: %s; killing it", self._pid, exc)
             self.kill()
         finally:
@@ -371,7 +305,7 @@ class TrainerLink:
         if not self._pending:
             raise TrainerProtocolError(f"unsolicited {reply['type']!r}")
         request, fut = self._pending.popleft()
-        if not _answers(request, reply):
+        if not answers(request, reply):
             err = TrainerProtocolError(f"{reply['type']!r} does not answer {request['type']!r}")
             if not fut.done():
                 fut.set_exception(err)
@@ -405,9 +339,11 @@ class TrainerLink:
 # ---- a child kept alive -----------------------------------------------------------------------
 
 class TrainerSupervisor:
-    def __init__(self, options: dict, *, ready_timeout: float = 120.0, backoff_initial: float = 1.0,
-                 backoff_max: float = 60.0, attempts: int = 3, wait_ready: float | None = 600.0):
+    def __init__(self, options: dict, *, factory: child.Factory | None = None, ready_timeout: float = 120.0,
+                 backoff_initial: float = 1.0, backoff_max: float = 60.0, attempts: int = 3,
+                 wait_ready: float | None = 600.0):
         self.options = options
+        self.factory = factory
         self.ready_timeout = ready_timeout
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
@@ -444,7 +380,7 @@ class TrainerSupervisor:
         backoff = self.backoff_initial
         try:
             while not self._stop.is_set():
-                link = self.link = TrainerLink(self.options, ready_timeout=self.ready_timeout)
+                link = self.link = TrainerLink(self.options, factory=self.factory, ready_timeout=self.ready_timeout)
                 started = time.monotonic()
                 try:
                     await link.start()

@@ -1,4 +1,4 @@
-"""The training objective: pure functions from log-probs to a loss (DESIGN §3).
+"""The training objective: pure functions from log-probs to a loss (docs/ARCHITECTURE.md §3).
 
 This module imports torch: it runs in the trainer subprocess and the daemon never imports it.
 
@@ -38,8 +38,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-MODES = ("rl", "opd", "combine")
-AGGREGATIONS = ("sample_mean", "token_mean")
+from clawd.config import AGGREGATIONS
+from clawd.samples import MODES
 
 
 # --- log-probs and entropy -------------------------------------------------------------------
@@ -85,7 +85,7 @@ def opd_term(lp_old_t1: Tensor, teacher_lp: Tensor, has_hint: Tensor, clip: floa
 def advantages(mode: str, reward: Tensor, lp_old_t1: Tensor, teacher_lp: Tensor | None = None,
                has_hint: Tensor | None = None, *, w_rl: float = 1.0, w_opd: float = 1.0,
                opd_clip: float | None = None) -> Tensor:
-    """Per-token advantages, shaped like lp_old_t1 ([B, T]) and detached (DESIGN §3):
+    """Per-token advantages, shaped like lp_old_t1 ([B, T]) and detached (docs/ARCHITECTURE.md §3):
 
         rl       A = r
         opd      A = opd_term             (teacher_lp − lp_old_t1, optionally clipped; 0 without a hint)

@@ -1,7 +1,8 @@
-"""The policy-gradient trainer: one step per batch, weight publishing, checkpoints (DESIGN §3, §6).
+"""The policy-gradient trainer: one step per batch (docs/ARCHITECTURE.md §3, §6).
 
-Runs in the trainer subprocess only (it imports torch and transformers); the pipe handler in
-`trainer_proc` calls it with decoded `Sample`s. Plain Python in, plain Python out.
+Runs in the trainer process only (it imports torch and transformers); `clawd.trainer.handler`
+calls it with decoded `Sample`s. Plain Python in, plain Python out. Publishing and checkpoints
+are `clawd.trainer.checkpoints`; the settings are `clawd.config.TrainConfig`.
 
 Packing. Samples are sorted by length and grouped greedily into micro-batches whose padded size
 (rows × longest input) stays within `micro_batch_tokens` and is at most a quarter padding; rows are right-padded and no attention
@@ -24,20 +25,14 @@ Precision: float32 master weights and optimizer state everywhere; on CUDA the fo
 bf16 autocast, on CPU in float32. Dropout is off (eval mode): the policy being trained is the one
 that sampled, and with ppo_epochs = 1 the ratio is exactly 1.
 
-Scale-out (DESIGN §13): nothing here assumes more than this process's model. Under torchrun +
-FSDP2 the same step runs on every rank (grad_norm would all-reduce), and publish/checkpoint
+Scale-out (docs/ARCHITECTURE.md §13): nothing here assumes more than this process's model. Under
+torchrun + FSDP2 the same step runs on every rank (grad_norm would all-reduce), and publish/checkpoint
 gather the full state and write from rank 0 only; the version is a directory name.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import random
-import re
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,79 +40,12 @@ from typing import Any
 
 import torch
 
-from clawd.trainer import losses
+from clawd.config import TrainConfig
 from clawd.samples import MODES, Sample
-from clawd.weights import CHECKPOINT_DIR, VERSION_DIR, complete_checkpoints, numbered, version_dir
+from clawd.trainer import checkpoints, losses
+from clawd.weights import remove_temporaries, version_dir
 
-CHECKPOINT_FORMAT = 1  # bumped when a checkpoint's files change meaning
-CHECKPOINTS_KEPT = 2
 PAUSE_AFTER_SKIPS = 3  # non-finite steps in a row before learning pauses
-
-# Files of a model directory that are weights: never copied next to the freshly saved ones.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    grad_clip: float = 1.0               # max grad norm; 0 = no clipping
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    tis_cap: float = 2.0
-    aggregation: str = "sample_mean"
-    kl_loss_coef: float = 0.0            # > 0 loads a frozen reference copy of model_dir
-    entropy_coef: float = 0.0
-    w_rl: float = 1.0
-    w_opd: float = 1.0
-    opd_clip: float | None = None        # None or 0 = off
-    ppo_epochs: int = 1
-    micro_batch_tokens: int = 8192       # padded tokens (rows × longest input) per forward
-    keep_versions: int = 3
-    checkpoint_every: int = 1            # checkpoint every N publishes
-    device: str = "cpu"                  # "cpu", "cuda" or "cuda:N"
-    seed: int = 0
-
-    def __post_init__(self):
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))  # TOML gives lists
-        problems = self.problems()
-        if problems:
-            raise ValueError("invalid trainer config: " + "; ".join(problems))
-
-    def problems(self) -> list[str]:
-        def num(x) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-        def count(x) -> bool:  # an integer >= 1
-            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-
-        checks = [
-            ("lr", num(self.lr) and self.lr > 0, "> 0"),
-            ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "two numbers in [0, 1)"),
-            ("weight_decay", num(self.weight_decay) and self.weight_decay >= 0, ">= 0"),
-            ("eps", num(self.eps) and self.eps > 0, "> 0"),
-            ("grad_clip", num(self.grad_clip) and self.grad_clip >= 0, ">= 0 (0 = off)"),
-            ("eps_clip", num(self.eps_clip) and 0 < self.eps_clip < 1, "in (0, 1)"),
-            ("eps_clip_high", num(self.eps_clip_high) and self.eps_clip_high > 0, "> 0"),
-            ("tis_cap", num(self.tis_cap) and self.tis_cap > 0, "> 0"),
-            ("aggregation", self.aggregation in losses.AGGREGATIONS, f"one of {losses.AGGREGATIONS}"),
-            ("kl_loss_coef", num(self.kl_loss_coef) and self.kl_loss_coef >= 0, ">= 0"),
-            ("entropy_coef", num(self.entropy_coef) and self.entropy_coef >= 0, ">= 0"),
-            ("w_rl", num(self.w_rl), "a finite number"),
-            ("w_opd", num(self.w_opd), "a finite number"),
-            ("opd_clip", self.opd_clip is None or (num(self.opd_clip) and self.opd_clip >= 0), "None or >= 0"),
-            ("ppo_epochs", count(self.ppo_epochs), "an integer >= 1"),
-            ("micro_batch_tokens", count(self.micro_batch_tokens), "an integer >= 1"),
-            ("keep_versions", count(self.keep_versions), "an integer >= 1"),
-            ("checkpoint_every", count(self.checkpoint_every), "an integer >= 1"),
-            ("device", isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
-             "'cpu', 'cuda' or 'cuda:N'"),
-            ("seed", isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
-             "an integer >= 0"),
-        ]
-        return [f"{name} {getattr(self, name)!r} must be {want}" for name, ok, want in checks if not ok]
 
 
 class TrainingPaused(RuntimeError):
@@ -194,62 +122,21 @@ def _micro_batch(samples: list[Sample], rows: list[int], device: torch.device) -
         tokens=sum(len(s.tokens) - 1 for s in group))
 
 
-# --- files -----------------------------------------------------------------------------------
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)  # O_RDONLY + fsync works for files and directories alike
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file and directory under root, deepest first, so a rename publishes durable bytes."""
-    for path in [*sorted(root.rglob("*"), reverse=True), root]:
-        _fsync(path)
-
-
-def _atomic_dir(dest: Path, write) -> Path:
-    """write(tmp) into a hidden sibling of dest, fsync it, rename it to dest: dest is either
-    absent or complete. A failure removes the temporary directory and re-raises."""
-    if dest.exists():
-        raise FileExistsError(f"{dest} already exists")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the engine may run as another user
-        write(tmp)
-        _fsync_tree(tmp)
-        os.rename(tmp, dest)
-        _fsync(dest.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
-
-
-def _remove_temporaries(parent: Path) -> None:
-    """Leftovers of a write that a crash interrupted (hidden `.name.tmp-*` directories)."""
-    if parent.is_dir():
-        for p in parent.glob(".*.tmp-*"):
-            shutil.rmtree(p)
-
-
 # --- the trainer -----------------------------------------------------------------------------
 
 class Trainer:
     """The policy, its optimizer and its state on disk.
 
-    state_dir/weights/v{version:06d}  published Hugging Face directories, the last keep_versions
-    state_dir/checkpoints/ckpt-{n:08d} checkpoints, the last 2; the newest complete one resumes
+    state_dir/weights/v{version:06d}   published Hugging Face directories, the last keep_versions
+    state_dir/checkpoints/ckpt-{n:08d}  checkpoints, the last CHECKPOINTS_KEPT; the newest complete one resumes
     """
 
     def __init__(self, model_dir: str | Path, state_dir: str | Path, cfg: TrainConfig = TrainConfig()):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        if problems := cfg.check():
+            raise ValueError("invalid trainer config: " + "; ".join(f"{k} {v}" for k, v in problems.items()))
         hf_logging.disable_progress_bar()  # stderr is the daemon's log
         self.cfg = cfg
         self.model_dir = Path(model_dir)
@@ -358,7 +245,7 @@ class Trainer:
         """Forward and backward every micro-batch, then one optimizer step (or a skip)."""
         cfg = self.cfg
         kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap)
-        opd_clip = cfg.opd_clip or None
+        opd_clip = cfg.opd_clip or None  # 0 = off
         parts: dict[str, float] = {}
         seen: dict[str, list[torch.Tensor]] = {k: [] for k in ("new", "old", "rollout", "adv", "entropy")}
         bad = None
@@ -429,29 +316,17 @@ class Trainer:
         """Lift a pause caused by non-finite steps (the operator's `resume`)."""
         self.paused, self.pause_reason, self.consecutive_skips = False, None, 0
 
-    # --- publishing ---------------------------------------------------------------------------
+    # --- publishing and checkpoints ---------------------------------------------------------
 
     def publish(self, version: int) -> Path:
-        """Write the current weights as a complete Hugging Face directory weights/v{version:06d}
-        (config, generation config, safetensors, the tokenizer files of model_dir), atomically,
+        """Write the current weights as weights/v{version:06d}, a complete Hugging Face directory,
         and keep the newest keep_versions. Versions must increase."""
         if not isinstance(version, int) or version <= self.version:
             raise ValueError(f"version {version!r} must be an integer above the last one, {self.version}")
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-
-        def write(tmp: Path) -> None:
-            self.model.save_pretrained(tmp)
-            for src in sorted(self.model_dir.iterdir()):
-                if (src.is_file() and not src.name.startswith(".") and not (tmp / src.name).exists()
-                        and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json")):
-                    shutil.copy2(src, tmp / src.name)
-
-        dest = _atomic_dir(version_dir(self.state_dir, version), write)
+        dest = checkpoints.publish_weights(self.model, self.model_dir, version_dir(self.state_dir, version))
         self.version = self.weights_version = version
         self._publishes_since_checkpoint += 1
-        for v, old in numbered(self.weights_dir, VERSION_DIR)[:-self.cfg.keep_versions]:
-            if v != self._checkpointed_version:  # a restart serves that one again (weights.restored_weights)
-                shutil.rmtree(old)
+        checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare=self._checkpointed_version)
         return dest
 
     @property
@@ -459,90 +334,35 @@ class Trainer:
         """True once checkpoint_every publishes have happened since the last checkpoint."""
         return self._publishes_since_checkpoint >= self.cfg.checkpoint_every
 
-    # --- checkpoints --------------------------------------------------------------------------
-
     def checkpoint(self, journal_position: Any = None) -> Path:
-        """Save everything a resume needs into a new checkpoints/ckpt-N, atomically; keep the last 2.
+        """Save everything a resume needs into a new checkpoints/ckpt-N.
 
         journal_position is the caller's, opaque and JSON-serialisable: where the journal stood
         after the last step these weights contain."""
-        import numpy as np
-        from safetensors.torch import save_model
-
-        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-        existing = numbered(self.checkpoints_dir, CHECKPOINT_DIR)
-        n = existing[-1][0] + 1 if existing else 1
-        np_state, py_state = np.random.get_state(), random.getstate()
-        state = {
-            "format": CHECKPOINT_FORMAT, "step": self.step, "version": self.weights_version,
-            "newest_version": self.version,
-            "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
-            "paused": self.paused, "pause_reason": self.pause_reason,
-            "journal_position": journal_position, "created": time.time(), "config": asdict(self.cfg),
-            "python_rng": [py_state[0], list(py_state[1]), py_state[2]],
-            "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        }
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-
-        def write(tmp: Path) -> None:
-            save_model(self.model, str(tmp / "model.safetensors"))
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(rng, tmp / "rng.pt")
-            (tmp / "state.json").write_text(json.dumps(state, allow_nan=True) + "\n")
-            (tmp / "complete").write_text(f"{CHECKPOINT_FORMAT}\n")  # last: the rest is in place
-
-        dest = _atomic_dir(self.checkpoints_dir / f"ckpt-{n:08d}", write)
+        state = {"step": self.step, "version": self.weights_version, "newest_version": self.version,
+                 "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+                 "paused": self.paused, "pause_reason": self.pause_reason,
+                 "journal_position": journal_position, "created": time.time(), "config": asdict(self.cfg)}
+        dest = checkpoints.save_checkpoint(self.checkpoints_dir, self.model, self.optimizer, state)
         self.journal_position = journal_position
         self._publishes_since_checkpoint = 0
         self._checkpointed_version = self.weights_version
-        keep = self._complete_checkpoints()[-CHECKPOINTS_KEPT:]
-        for _, path in numbered(self.checkpoints_dir, CHECKPOINT_DIR):
-            if path not in keep:  # older ones, and any without its marker (never ours to resume)
-                shutil.rmtree(path)
         return dest
-
-    def _complete_checkpoints(self) -> list[Path]:
-        return complete_checkpoints(self.checkpoints_dir)
-
-    def latest_checkpoint(self) -> Path | None:
-        """The newest checkpoint directory with its `complete` marker, or None."""
-        complete = self._complete_checkpoints()
-        return complete[-1] if complete else None
 
     def resume(self) -> Any:
         """Restore the newest complete checkpoint (model, optimizer, counters, RNG states) and
         return its journal position; without one, keep model_dir's weights (as loaded by the
         constructor, which calls this), seed from the config and return None. The version never
         goes below a directory already in weights/."""
-        import numpy as np
-        from safetensors.torch import load_model
-
-        _remove_temporaries(self.weights_dir)
-        _remove_temporaries(self.checkpoints_dir)
-        path = self.latest_checkpoint()
+        remove_temporaries(self.weights_dir)  # what crashed writes left behind
+        remove_temporaries(self.checkpoints_dir)
+        path = checkpoints.latest_checkpoint(self.checkpoints_dir)
         if path is None:
-            torch.manual_seed(self.cfg.seed)
-            random.seed(self.cfg.seed)
-            np.random.seed(self.cfg.seed)
+            checkpoints.seed_all(self.cfg.seed)
             self.step = self.skipped_steps = self.consecutive_skips = self.weights_version = newest = 0
             self.paused, self.pause_reason, self.journal_position = False, None, None
         else:
-            state = json.loads((path / "state.json").read_text())
-            if state["format"] != CHECKPOINT_FORMAT:
-                raise ValueError(f"{path}: checkpoint format {state['format']} is not {CHECKPOINT_FORMAT}")
-            load_model(self.model, str(path / "model.safetensors"), strict=True, device=str(self.device))
-            opt = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
-            self.optimizer.load_state_dict(opt)
-            rng = torch.load(path / "rng.pt", weights_only=True)
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
-            v, internal, gauss = state["python_rng"]
-            random.setstate((v, tuple(internal), gauss))
-            kind, keys, *rest = state["numpy_rng"]
-            np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+            state = checkpoints.load_checkpoint(path, self.model, self.optimizer, self.device)
             self.step = state["step"]
             self.skipped_steps = state["skipped_steps"]
             self.consecutive_skips = state["consecutive_skips"]
@@ -551,8 +371,7 @@ class Trainer:
             self.weights_version = state["version"]
             newest = state["newest_version"]
         # Versions published after that checkpoint may be live on an engine: never reuse them.
-        published = numbered(self.weights_dir, VERSION_DIR)
-        self.version = max([self.weights_version, newest] + [v for v, _ in published])
+        self.version = max(self.weights_version, newest, checkpoints.newest_published(self.weights_dir))
         self._checkpointed_version = self.weights_version
         self._publishes_since_checkpoint = 0
         return self.journal_position

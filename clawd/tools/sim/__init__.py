@@ -1,4 +1,4 @@
-"""Simulated users for showing that clawd learns (issue 6).
+"""Simulated users for showing that clawd learns.
 
 personas.py  who the users are: a verifiable preference each, thanks or a correction (pure)
 users.py     users that talk to a running clawd through the official `openai` client

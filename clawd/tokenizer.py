@@ -1,6 +1,6 @@
 """The policy's tokenizer and chat template, without transformers.
 
-transformers imports torch, and the daemon must not (DESIGN §1), so this loads
+transformers imports torch, and the daemon must not (docs/ARCHITECTURE.md §1), so this loads
 `tokenizer.json` with the `tokenizers` library and renders the Jinja chat
 template from `tokenizer_config.json` the way transformers does: a sandboxed
 environment with trim_blocks/lstrip_blocks, `raise_exception`,

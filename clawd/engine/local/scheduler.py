@@ -1,0 +1,472 @@
+"""The local engine's scheduler: requests in flight and the batch loop that runs the model.
+
+One process, one event loop, no Python threads. The model runs on the loop one
+step at a time and yields between decode steps, so aborts, health checks and
+new arrivals are served while a batch runs. Requests queued when the engine is
+ready to start work run as one left-padded batch sharing a KV cache, each
+sequence stopping on its own; requests arriving while it runs are prefilled
+and join it at a step boundary while there is room (continuous batching).
+Weight updates are applied between batches: a pending update lets the running
+batch drain, and requests arriving meanwhile wait for the new weights. Pauses
+follow SGLang's three modes: abort, retract, in_place (docs/ARCHITECTURE.md §10).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import inspect
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from clawd.engine.local.model import Batch, WeightLoadError, load_model
+from clawd.engine.local.sampling import pick_token, prompt_logprobs
+from clawd.engine.local.wire import GenerateItem, RequestError, SamplingParams
+
+log = logging.getLogger("clawd.engine.cpu")  # the engine's log namespace, as operators (and bench/swap.py) know it
+
+GATHER_YIELDS = 4  # loop turns given to requests that arrived together before a batch starts
+
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+
+
+class Group:
+    """The sequences of one HTTP request and the queue its handler reads events from."""
+
+    def __init__(self, stream: bool):
+        self.stream = stream
+        self.reqs: list[Req] = []
+        # (index, tokens so far, final): one per streamed token, and one final per sequence
+        self.events: asyncio.Queue[tuple[int, int, bool]] = asyncio.Queue()
+
+
+class Req:
+    """One sequence: its validated request, its progress, and where to report it."""
+
+    def __init__(self, item: GenerateItem, group: Group, index: int, seed: int):
+        self.item = item
+        self.params = item.params
+        self.rid = item.rid
+        self.prompt = list(item.prompt)
+        self.group, self.index = group, index
+        self.generator = torch.Generator().manual_seed(seed % 2**64)  # any int seed is valid
+        self.t0 = time.perf_counter()
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.input_logprobs: list[float | None] | None = None
+        self.versions: list[dict] = []  # SGLang's weight_versions spans over output indices
+        self.finish: dict | None = None
+        self.started = False  # has been in a batch (an abort is then "Aborted", not "in waiting queue")
+        self.abort_requested = False
+        self.num_retractions = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.item.return_logprob and self.item.logprob_start_len >= 0 and self.input_logprobs is None
+
+    def append(self, tok: int, lp: float, version: str) -> None:
+        n = len(self.output_ids)
+        self.output_ids.append(tok)
+        self.output_logprobs.append(lp)
+        if self.versions and self.versions[-1]["version"] == version:
+            self.versions[-1]["end"] = n + 1
+        else:
+            self.versions.append({"version": version, "start": n, "end": n + 1})
+
+    def notify(self, final: bool) -> None:
+        n = len(self.output_ids)
+        if final or (self.group.stream and n % self.params.stream_interval == 0):
+            self.group.events.put_nowait((self.index, n, final))
+
+
+@dataclass
+class Cursor:
+    """What an incremental stream has already sent for one sequence."""
+    n: int = 0
+    text: str = ""
+    sent_input: bool = False
+
+
+# --------------------------------------------------------------------------
+# The engine: model, queue and the batch loop
+
+class Engine:
+    """The model, the queue of requests and the loop that batches them; the HTTP side calls in."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.incremental = args.incremental_streaming_output
+        self.model_path = args.model
+        self.weight_version = args.weight_version
+        self.model = None
+        self.tokenizer = None
+        self.loaded = asyncio.Event()
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.live: dict[str, Req] = {}  # rid -> request, waiting or running
+        self.updates: collections.deque[tuple[str, str | None, asyncio.Future]] = collections.deque()
+        self.paused: str | None = None  # None or the pause mode
+        self._kick = asyncio.Event()  # something changed: new work, abort, pause, update
+        self.parked = asyncio.Event()  # the loop is waiting at a step boundary, not computing
+        self._seeds = random.Random(args.seed)
+
+    # ---- loading
+
+    def load(self) -> None:
+        """Load tokenizer and model (blocks the loop; nothing can run before this anyway)."""
+        from transformers import AutoTokenizer
+        t0 = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.args.model)
+        self.model = load_model(self.args.model)
+        cfg, gen = self.model.config, self.model.generation_config
+        eos = set()
+        for ids in (getattr(cfg, "eos_token_id", None), getattr(gen, "eos_token_id", None),
+                    self.tokenizer.eos_token_id):
+            eos.update([ids] if isinstance(ids, int) else (ids or []))
+        self.eos_ids = frozenset(eos)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.context_len = self.args.context_length or getattr(cfg, "max_position_embeddings", None) or 4096
+        # transformers 5.x renamed the cache argument; accept either spelling.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.loaded.set()
+        log.info("loaded %s (%s, vocab %d, context %d, eos %s) in %.1f s", self.args.model,
+                 cfg.model_type, self.vocab_size, self.context_len, sorted(self.eos_ids),
+                 time.perf_counter() - t0)
+
+    # ---- requests
+
+    def submit(self, items: list[GenerateItem], stream: bool) -> Group:
+        """Validate against the model and queue the items as one group (they batch together)."""
+        rids = set()
+        for it in items:
+            if it.rid in self.live or it.rid in rids:
+                raise RequestError(f"Duplicate request ID detected: {it.rid}")
+            rids.add(it.rid)
+            n, m = len(it.prompt), it.params.max_new_tokens
+            if n >= self.context_len:
+                raise RequestError(f"The input ({n} tokens) is longer than the model's context length "
+                                   f"({self.context_len} tokens).")
+            if n + m > self.context_len:
+                raise RequestError(
+                    f"Requested token count exceeds the model's maximum context length of {self.context_len} "
+                    f"tokens. You requested a total of {n + m} tokens: {n} tokens from the input messages and "
+                    f"{m} tokens for the completion. Please reduce the number of tokens in the input messages "
+                    f"or the completion to fit within the limit.")
+            if it.return_logprob and not -1 <= it.logprob_start_len <= n:
+                raise RequestError(f"logprob_start_len ({it.logprob_start_len}) must be -1 or between 0 and "
+                                   f"the number of input tokens ({n}).")
+            bad = [t for t in it.prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"input_ids hold {bad[0]}, outside the vocabulary [0, {self.vocab_size}).")
+        group = Group(stream)
+        for i, it in enumerate(items):
+            seed = it.params.sampling_seed
+            req = Req(it, group, i, self._seeds.getrandbits(63) if seed is None else seed)
+            group.reqs.append(req)
+            self.live[req.rid] = req
+            self.waiting.append(req)
+        self._kick.set()
+        return group
+
+    def finish(self, req: Req, reason: dict) -> None:
+        req.finish = reason
+        self.live.pop(req.rid, None)
+        req.notify(final=True)
+
+    def abort(self, rid: str | None) -> int:
+        """Abort requests whose rid starts with `rid` (all when None), as SGLang matches; return how many."""
+        hits = [r for r in self.live.values() if rid is None or r.rid.startswith(rid)]
+        for req in hits:
+            self._abort_one(req)
+        return len(hits)
+
+    def abort_group(self, group: Group) -> None:
+        """The client is gone (or its handler ended early): abort what it still waits for."""
+        for req in group.reqs:
+            if not req.done:
+                log.info("client disconnected; aborting %s", req.rid)
+                self._abort_one(req)
+
+    def _abort_one(self, req: Req) -> None:
+        if req in self.waiting:  # not computing: answer now
+            self.waiting.remove(req)
+            self.finish(req, ABORTED if req.started else ABORTED_WAITING)
+        else:  # running: the batch loop ends it at the next step boundary
+            req.abort_requested = True
+        self._kick.set()
+
+    # ---- control
+
+    async def pause(self, mode: str) -> None:
+        self.paused = mode
+        if mode == "abort":
+            self.abort(None)
+        self._kick.set()
+        await self.parked.wait()
+
+    def resume(self) -> None:
+        self.paused = None
+        self._kick.set()
+
+    async def update_weights(self, path: str, version: str | None) -> tuple[int, dict]:
+        """Queue a swap for the loop to apply between batches (or now, if paused); await its result."""
+        fut = asyncio.get_running_loop().create_future()
+        self.updates.append((path, version, fut))
+        self._kick.set()
+        return await fut
+
+    def _apply_update(self, path: str, version: str | None, fut: asyncio.Future) -> None:
+        t0 = time.perf_counter()
+        try:
+            model = load_model(path, like=self.model)
+        except Exception as exc:  # any failure is the caller's answer; the old weights keep serving
+            log.warning("weight update from %s failed: %s", path, exc, exc_info=not isinstance(exc, WeightLoadError))
+            result = (400, {"success": False, "num_paused_requests": 0,
+                            "message": f"Failed to update weights: {exc}. Rolled back to the previous weights."})
+        else:
+            self.model, self.model_path = model, path
+            message = "Succeeded to update model weights."
+            if version is not None:
+                self.weight_version = version
+                message += f" Weight version updated to {version}."
+            log.info("weights now %s (version %s), loaded in %.2f s", path, self.weight_version,
+                     time.perf_counter() - t0)
+            result = (200, {"success": True, "message": message, "num_paused_requests": 0})
+        if not fut.done():
+            fut.set_result(result)
+
+    # ---- the loop
+
+    async def _park(self, between_batches: bool) -> None:
+        """Wait at a step boundary while paused or idle, applying weight updates when allowed.
+
+        Between batches an update always applies; inside a batch only while paused
+        (in_place), as SGLang skips its lock when paused.
+        """
+        while True:
+            if self.updates and (between_batches or self.paused):
+                self._apply_update(*self.updates.popleft())
+                continue
+            idle = between_batches and not self.waiting
+            if not (self.paused or idle):
+                return
+            self.parked.set()
+            self._kick.clear()
+            await self._kick.wait()
+            self.parked.clear()
+
+    async def run(self) -> None:
+        await self.loaded.wait()
+        while True:
+            await self._park(between_batches=True)
+            for _ in range(GATHER_YIELDS):  # let requests that arrived together start together
+                await asyncio.sleep(0)
+            if self.paused or self.updates or not self.waiting:
+                continue
+            members = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.args.max_batch_size))]
+            try:
+                await self._run_batch(members)
+            except Exception as exc:  # fail these requests, keep serving the next ones
+                log.exception("batch of %d failed", len(members))
+                for req in members:
+                    if not req.done:
+                        self.finish(req, {"type": "abort", "message": f"Internal error: {exc}",
+                                          "status_code": 500, "err_type": "InternalServerError"})
+
+    def _forward(self, ids, mask, pos, cache, keep: int) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             logits_to_keep=keep, **{self._cache_kw: cache})
+        return out.logits.float()
+
+    async def _run_batch(self, members: list[Req]) -> None:
+        """Decode `members` to the end, one step per loop turn; newcomers join while there is room.
+
+        Requests that join are appended to `members`, so the caller can fail them all.
+        """
+        batch = self._prefill(members)
+        while batch.rows:
+            await asyncio.sleep(0)  # serve aborts, health checks and arrivals between steps
+            if self.paused == "in_place":
+                await self._park(between_batches=False)
+            for req in batch.rows:
+                if req.abort_requested and not req.done:
+                    self.finish(req, ABORTED)
+            batch.select([b for b, r in enumerate(batch.rows) if not r.done])
+            if self.paused == "retract":  # back to the queue; KV recomputed on resume
+                for req in reversed(batch.rows):
+                    req.num_retractions += 1
+                    self.waiting.appendleft(req)
+                log.info("retracted %d requests", len(batch.rows))
+                return
+            room = self.args.max_batch_size - len(batch.rows)
+            # Continuous batching, but never past a pending update: the batch drains first.
+            if batch.rows and room > 0 and self.waiting and not self.paused and not self.updates \
+                    and batch.can_extend():
+                newcomers = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+                members.extend(newcomers)
+                batch.extend(self._prefill(newcomers))
+            if not batch.rows:
+                return
+            tokens = torch.tensor([[r.output_ids[-1]] for r in batch.rows], dtype=torch.long)
+            batch.mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], dim=1)
+            last = self._forward(tokens, batch.mask, batch.next_pos, batch.cache, 1)[:, -1]
+            batch.next_pos = batch.next_pos + 1
+            self._sample(batch.rows, last)
+
+    def _prefill(self, rows: list[Req]) -> Batch:
+        """Run the prompts (plus any output so far, after a retraction) and sample each first token.
+
+        Rows are left-padded and right-aligned. The logits kept are the ones input
+        log-probs need (the last len - logprob_start_len positions) plus the last.
+        """
+        from transformers import DynamicCache
+        for req in rows:
+            req.started = True
+        seqs = [r.prompt + r.output_ids for r in rows]
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            ids[b, width - len(seq):] = torch.tensor(seq)
+            mask[b, width - len(seq):] = 1
+        keep = max(max(1, len(seq) - r.item.logprob_start_len) if r.wants_input_logprobs else 1
+                   for r, seq in zip(rows, seqs))
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, keep)
+        for b, (req, seq) in enumerate(zip(rows, seqs)):
+            if req.wants_input_logprobs:
+                start = req.item.logprob_start_len
+                req.input_logprobs = prompt_logprobs(logits[b, keep - (len(seq) - start):], seq, start)
+            if req.params.max_new_tokens == 0:  # prefill only: the scoring path
+                self.finish(req, {"type": "length", "length": 0})
+        self._sample(rows, logits[:, -1])
+        batch = Batch(list(rows), cache, mask, mask.sum(-1, keepdim=True))
+        batch.select([b for b, r in enumerate(rows) if not r.done])
+        return batch
+
+    def _sample(self, rows: list[Req], last: torch.Tensor) -> None:
+        """One token for every unfinished row from its row of `last` logits; report it."""
+        for b, req in enumerate(rows):
+            if req.done:
+                continue
+            tok, lp = pick_token(last[b], req.params, req.prompt, req.output_ids, self._banned(req),
+                                 req.generator)
+            req.append(tok, lp, self.weight_version)
+            reason = self._stop_reason(req)
+            if reason is not None:
+                self.finish(req, reason)
+            else:
+                req.notify(final=False)
+
+    def _banned(self, req: Req) -> list[int]:
+        p = req.params
+        if len(req.output_ids) >= p.min_new_tokens or p.ignore_eos:
+            return []
+        return sorted(self.eos_ids | set(p.stop_token_ids))
+
+    def _stop_reason(self, req: Req) -> dict | None:
+        """SGLang's order: length first, then stop tokens, then stop strings."""
+        p, out = req.params, req.output_ids
+        if len(out) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if len(out) < p.min_new_tokens:
+            return None
+        if not p.ignore_eos and (out[-1] in self.eos_ids or out[-1] in p.stop_token_ids):
+            return {"type": "stop", "matched": out[-1]}
+        if p.stop:
+            # A multi-byte character may take several tokens: look back far enough.
+            window = 4 * max(map(len, p.stop)) + 4
+            tail = self.decode(out[-window:], p)
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        return None
+
+    # ---- output
+
+    def decode(self, ids: list[int], p: SamplingParams) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens,
+                                     spaces_between_special_tokens=p.spaces_between_special_tokens)
+
+    def text(self, req: Req, n: int, final: bool) -> str:
+        """The output text after n tokens: trimmed at the stop on the final chunk, and with an
+        incomplete UTF-8 character held back on the others."""
+        p, ids = req.params, req.output_ids[:n]
+        reason = req.finish if final else None
+        trim = reason is not None and reason.get("type") == "stop" and not p.no_stop_trim
+        if trim and isinstance(reason["matched"], int):
+            ids = ids[:-1]
+        text = self.decode(ids, p)
+        if trim and isinstance(reason["matched"], str):
+            at = text.find(reason["matched"])
+            text = text if at < 0 else text[:at]
+        if not final:
+            text = text.rstrip("\ufffd")
+        return text
+
+    def render(self, req: Req, n: int, final: bool, cursor: Cursor | None = None) -> dict:
+        """A /generate response object (or stream chunk) for `req` after n tokens.
+
+        With a cursor (incremental streaming) ids, text and log-probs hold only
+        what is new since the cursor; input log-probs go in its first chunk only.
+        """
+        it = req.item
+        since = cursor.n if cursor is not None else 0
+        text = self.text(req, n, final)
+        waiting_abort = final and req.finish is ABORTED_WAITING  # SGLang omits the token counts then
+        meta = {"id": req.rid, "finish_reason": req.finish if final else None}
+        if not waiting_abort:
+            meta["prompt_tokens"] = len(req.prompt)
+        meta["weight_version"] = self.weight_version
+        if not waiting_abort:
+            meta["num_retractions"] = req.num_retractions
+        if it.return_logprob:
+            inputs = req.input_logprobs or []
+            if cursor is not None and cursor.sent_input:
+                inputs = []
+            scored = req.prompt[it.logprob_start_len:] if it.logprob_start_len >= 0 else []
+            meta["input_token_logprobs"] = [self._entry(lp, tok) for lp, tok in zip(inputs, scored)]
+            meta["output_token_logprobs"] = [self._entry(lp, tok, it.return_text_in_logprobs) for lp, tok in
+                                             zip(req.output_logprobs[since:n], req.output_ids[since:n])]
+        meta["completion_tokens"] = n
+        if not waiting_abort:
+            meta["cached_tokens"] = 0
+            meta["reasoning_tokens"] = 0
+        meta["weight_versions"] = [{**s, "end": min(s["end"], n)} for s in req.versions if s["start"] < n]
+        meta["e2e_latency"] = time.perf_counter() - req.t0
+        out_text = text
+        if cursor is not None:
+            out_text = text[len(cursor.text):] if text.startswith(cursor.text) else ""
+            cursor.n, cursor.text, cursor.sent_input = n, text, True
+        return {"text": out_text, "output_ids": req.output_ids[since:n], "meta_info": meta}
+
+    def _entry(self, lp: float | None, tok: int, with_text: bool = False) -> list:
+        return [lp, tok, self.tokenizer.decode([tok]) if with_text else None]
+
+    def model_info(self) -> dict:
+        cfg = self.model.config
+        return {
+            "model_path": self.model_path, "served_model_name": self.model_path,
+            "tokenizer_path": self.args.model, "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.weight_version, "load_format": "auto", "reasoning_parser": None,
+            "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": cfg.model_type,
+            "architectures": list(getattr(cfg, "architectures", None) or [type(self.model).__name__]),
+            "max_context_length": self.context_len,
+        }
+
+    def shutdown(self) -> None:
+        """Answer everything still waiting so handlers finish and the server can close."""
+        for req in list(self.live.values()):
+            self.finish(req, ABORTED if req.started else ABORTED_WAITING)
+        self.waiting.clear()

@@ -1,0 +1,121 @@
+"""What the trainer writes and reads under its state directory (docs/ARCHITECTURE.md §6, §7).
+
+    state_dir/weights/v{version:06d}     published Hugging Face directories, the newest keep_versions
+    state_dir/checkpoints/ckpt-{n:08d}   everything a resume needs, the newest CHECKPOINTS_KEPT
+
+Every directory is written by `clawd.weights.atomic_dir`: absent or complete. A checkpoint's
+`complete` marker is its last file; one without it is never resumed. The trainer process only
+(torch); `clawd.weights` reads the same layout in the daemon.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+from clawd.weights import CHECKPOINT_DIR, VERSION_DIR, atomic_dir, complete_checkpoints, numbered
+
+CHECKPOINT_FORMAT = 1  # bumped when a checkpoint's files change meaning
+CHECKPOINTS_KEPT = 2
+
+# Files of a model directory that are weights: never copied next to the freshly saved ones.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+# --- published weights -----------------------------------------------------------------------
+
+def publish_weights(model, model_dir: Path, dest: Path) -> Path:
+    """model as a complete Hugging Face directory at dest (config, generation config, safetensors)
+    with the other files of model_dir (the tokenizer's), written atomically."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        for src in sorted(model_dir.iterdir()):
+            if (src.is_file() and not src.name.startswith(".") and not (tmp / src.name).exists()
+                    and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json")):
+                shutil.copy2(src, tmp / src.name)
+
+    return atomic_dir(dest, write)
+
+
+def prune_versions(weights_dir: Path, keep: int, spare: int) -> None:
+    """Remove all but the newest `keep` published versions, and never `spare`: the last checkpoint's,
+    which a restart serves again (clawd.weights.restored_weights)."""
+    for version, path in numbered(weights_dir, VERSION_DIR)[:-keep]:
+        if version != spare:
+            shutil.rmtree(path)
+
+
+def newest_published(weights_dir: Path) -> int:
+    """The highest version under weights_dir, 0 without one."""
+    return max((v for v, _ in numbered(weights_dir, VERSION_DIR)), default=0)
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+def save_checkpoint(checkpoints_dir: Path, model, optimizer, state: dict[str, Any]) -> Path:
+    """A new ckpt-N: the model, the optimizer, every RNG's state and `state` (the trainer's
+    counters, JSON-serialisable) in state.json; then only the newest CHECKPOINTS_KEPT complete
+    ones are kept."""
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    existing = numbered(checkpoints_dir, CHECKPOINT_DIR)
+    n = existing[-1][0] + 1 if existing else 1
+    np_state, py_state = np.random.get_state(), random.getstate()
+    state = {"format": CHECKPOINT_FORMAT, **state,
+             "python_rng": [py_state[0], list(py_state[1]), py_state[2]],
+             "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+
+    def write(tmp: Path) -> None:
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(rng, tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps(state, allow_nan=True) + "\n")
+        (tmp / "complete").write_text(f"{CHECKPOINT_FORMAT}\n")  # last: the rest is in place
+
+    dest = atomic_dir(checkpoints_dir / f"ckpt-{n:08d}", write)
+    keep = complete_checkpoints(checkpoints_dir)[-CHECKPOINTS_KEPT:]
+    for _, path in numbered(checkpoints_dir, CHECKPOINT_DIR):
+        if path not in keep:  # older ones, and any without its marker (never ours to resume)
+            shutil.rmtree(path)
+    return dest
+
+
+def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
+    """The newest checkpoint with its `complete` marker, or None."""
+    complete = complete_checkpoints(checkpoints_dir)
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(path: Path, model, optimizer, device: torch.device) -> dict[str, Any]:
+    """Restore the model, the optimizer and every RNG from the checkpoint at path; its state.json."""
+    state = json.loads((path / "state.json").read_text())
+    if state["format"] != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: checkpoint format {state['format']} is not {CHECKPOINT_FORMAT}")
+    load_model(model, str(path / "model.safetensors"), strict=True, device=str(device))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    v, internal, gauss = state["python_rng"]
+    random.setstate((v, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy_rng"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    return state
+
+
+def seed_all(seed: int) -> None:
+    """A fresh start's RNGs: torch's, Python's and NumPy's."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
