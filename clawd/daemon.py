@@ -119,11 +119,12 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             exits.push_async_callback(engine.client.close)
 
         # Scoring: a finished turn → judge votes / hint / teacher log-probs → a sample in the store.
-        judge = _judge(cfg, tokenizer, {e.role: e.client for e in engines})
+        engine_for = {e.role: e.client for e in engines}
+        judge = _judge(cfg, tokenizer, engine_for)
         if isinstance(judge, OpenAIJudge):
             await judge.start()
             exits.push_async_callback(judge.close)
-        teacher = _teacher(cfg, {e.role: e.client for e in engines})
+        teacher = _teacher(cfg, engine_for)
         scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records,
                         spawn=tasks.create_task)
 
