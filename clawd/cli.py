@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="clawd", description="Serve chat and learn from the people who use it.")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"TOML configuration (default {DEFAULT_CONFIG})")
     parser.add_argument("--check-config", action="store_true", help="check the configuration and exit")
+    parser.add_argument("--plan", action="store_true",
+                        help="print every process clawd would start (command, environment, GPUs), start none")
+    parser.add_argument("--json", action="store_true", help="with --plan: as JSON")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config)
@@ -23,6 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check_config:
         print(f"clawd: {args.config} is valid")
+        return 0
+    if args.plan:
+        from clawd.ops.plan import plan_json, plan_text
+        try:
+            print(plan_json(cfg) if args.json else plan_text(cfg))
+        except (OSError, ValueError) as exc:  # the base model's config.json, for the dtype
+            print(f"clawd: cannot plan: {exc}", file=sys.stderr)
+            return 2
         return 0
     logging.basicConfig(level=cfg.logging.level.upper(), stream=sys.stderr, format=LOG_FORMAT)
     from clawd.daemon import run  # after logging is set up

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from clawd import devices, secrets
+
 
 class ConfigError(ValueError):
     """A configuration problem, already phrased for the operator."""
@@ -29,7 +31,9 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ApiKey:
     name: str
-    key: str
+    key: str = ""
+    key_env: str = ""   # secrets: see clawd.secrets (resolved into `key` when the file is loaded)
+    key_file: str = ""
 
     def check(self) -> dict[str, str]:
         errors = {}
@@ -89,6 +93,7 @@ class ModelConfig:
     max_tokens_cap: int = 1024
     tool_parser: str = "hermes"
     reasoning_parser: str = "think"
+    dtype: typing.Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
     def check(self) -> dict[str, str]:
         errors = {}
@@ -107,10 +112,18 @@ class EngineConfig:
     url: str = "http://127.0.0.1:30000"
     reference_url: str = "http://127.0.0.1:30001"
     api_key: str = ""
+    api_key_env: str = ""
+    api_key_file: str = ""
+    admin_api_key: str = ""
+    admin_api_key_env: str = ""
+    admin_api_key_file: str = ""
+    gpus: str = ""
+    reference_gpus: str = ""
     sglang_args: tuple[str, ...] = ()
+    reference_sglang_args: tuple[str, ...] = ()
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
-    startup_timeout: float = 300.0
+    startup_timeout: float = 0.0
     restart_backoff_initial: float = 1.0
     restart_backoff_max: float = 30.0
     health_interval: float = 5.0
@@ -124,15 +137,33 @@ class EngineConfig:
         """Engines clawd launches always stream deltas: cumulative chunks cost O(n²) to read."""
         return self.launch != "none" or self.incremental_streaming_output
 
+    @property
+    def startup_seconds(self) -> float:
+        """startup_timeout, or its launch kind's default when 0: a cold SGLang start loads the weights,
+        captures CUDA graphs and may JIT kernels first, which takes many minutes."""
+        return self.startup_timeout or STARTUP_TIMEOUTS[self.launch]
+
     def check(self) -> dict[str, str]:
         errors = {}
         for name in ("url", "reference_url"):
             if problem := _ip_url_problem(getattr(self, name)):
                 errors[name] = problem
-        for name in ("request_timeout", "connect_timeout", "startup_timeout",
+        for name in ("request_timeout", "connect_timeout",
                      "restart_backoff_initial", "restart_backoff_max", "health_interval"):
             if getattr(self, name) <= 0:
                 errors[name] = "must be positive"
+        if self.startup_timeout < 0:
+            errors["startup_timeout"] = "must be 0 (the launch kind's default) or positive"
+        for name in ("gpus", "reference_gpus"):
+            if problem := devices.set_problem(getattr(self, name)):
+                errors[name] = problem
+            elif getattr(self, name) and self.launch != "sglang":
+                errors[name] = 'applies to launch = "sglang" only (clawd starts no GPU engine otherwise)'
+        for name in ("sglang_args", "reference_sglang_args"):
+            if "--config" in getattr(self, name):
+                errors[name] = "must not hold --config: clawd passes its own (the engine keys go in it)"
+            elif flag := next((a for a in getattr(self, name) if a.split("=")[0] in devices.CLAWD_FLAGS), None):
+                errors[name] = f"must not hold {flag.split('=')[0]}: clawd sets it (see docs/ARCHITECTURE.md §10)"
         if self.restart_backoff_max < self.restart_backoff_initial:
             errors["restart_backoff_max"] = "must be at least restart_backoff_initial"
         if self.cpu_threads < 0:
@@ -142,14 +173,19 @@ class EngineConfig:
         return errors
 
 
-def _ip_url_problem(url: str) -> str | None:
+# Seconds a starting engine may take to answer, per launch kind, when startup_timeout is 0.
+STARTUP_TIMEOUTS = {"local": 300.0, "sglang": 1800.0, "none": 300.0}
+
+
+def _ip_url_problem(url: str, names: bool = False) -> str | None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "must be an http(s) URL"
     try:
         ipaddress.ip_address(parts.hostname)
     except ValueError:
-        return "host must be an IP literal such as 127.0.0.1 (no name lookups in the daemon)"
+        if not names:
+            return "host must be an IP literal such as 127.0.0.1 (no name lookups in the daemon)"
     return None
 
 
@@ -181,7 +217,11 @@ class JudgeConfig:
     teacher_engine: typing.Literal["reference", "policy"] = "reference"
     url: str = ""
     api_key: str = ""
+    api_key_env: str = ""
+    api_key_file: str = ""
     model: str = ""
+    ca_file: str = ""
+    nameserver: str = ""
     temperature: float = 0.6
     max_new_tokens: int = 512
     timeout: float = 120.0
@@ -194,10 +234,12 @@ class JudgeConfig:
     def check(self) -> dict[str, str]:
         errors = {}
         if self.backend == "openai":
-            if problem := _ip_url_problem(self.url):
-                errors["url"] = problem + ' (backend "openai" needs url, e.g. "http://127.0.0.1:8000/v1")'
+            if problem := _ip_url_problem(self.url, names=True):
+                errors["url"] = problem + ' (backend "openai" needs url, e.g. "https://judge.example.com/v1")'
             if not self.model:
                 errors["model"] = 'backend "openai" needs a model name'
+        if problem := devices.nameserver_problem(self.nameserver):
+            errors["nameserver"] = problem
         if not 0 <= self.temperature <= 2:
             errors["temperature"] = "must be in [0, 2]"
         if self.max_new_tokens < 1:
@@ -266,8 +308,10 @@ class TrainConfig:
     ppo_epochs: int = 1
     micro_batch_tokens: int = 8192       # padded tokens (rows x longest input) per forward
     keep_versions: int = 3
-    checkpoint_every: int = 1            # checkpoint every N publishes
-    device: str = "cpu"
+    checkpoint_every: int = 10           # checkpoint every N publishes (12 bytes/parameter each)
+    device: str = "cpu"                  # "cuda" when gpus is set and device is not written
+    gpus: str = ""                       # the trainer process's CUDA_VISIBLE_DEVICES
+    memory_fraction: float = 0.0         # share of each GPU the trainer may take; 0 = all of it
     seed: int = 0
 
     def check(self) -> dict[str, str]:
@@ -302,17 +346,18 @@ class TrainConfig:
                 errors[name] = "must be an integer, at least 1"
         if not (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)):
             errors["device"] = 'must be "cpu", "cuda" or "cuda:N"'
+        elif self.gpus and self.device == "cpu":
+            errors["device"] = 'must be "cuda" when gpus is set'
+        if problem := devices.set_problem(self.gpus):
+            errors["gpus"] = problem
+        number("memory_fraction", lambda x: 0 <= x <= 1, "in [0, 1] (0 = the whole device)")
         if not (_is_int(self.seed) and 0 <= self.seed < 2**32):  # numpy's seed range
             errors["seed"] = "must be an integer in 0..2**32 - 1"
         return errors
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_number(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -411,8 +456,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the daemon's l
 class LoggingConfig:
     level: typing.Literal["debug", "info", "warning", "error"] = "info"
 
-    def check(self) -> dict[str, str]:
-        return {}
+    check = dict  # nothing to check beyond the type
 
 
 @dataclass(frozen=True)
@@ -495,7 +539,11 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
         if key == "source" or key not in hints:
             raise ConfigError(f"{source}: unknown section [{key}]")
         sections[key] = _build(hints[key], value, key, source)
-    return Config(**sections, source=source)
+    cfg = Config(**sections, source=source)
+    if problem := devices.placement_problem(cfg):  # across sections: which role runs on which GPU
+        key, text = problem
+        raise ConfigError(f"{source}: {key}: {text}")
+    return cfg
 
 
 def _build(cls, value, where: str, source: str):
@@ -508,6 +556,14 @@ def _build(cls, value, where: str, source: str):
         if key not in names:
             raise ConfigError(f"{source}: {where}.{key}: unknown key")
         kwargs[key] = _convert(hints[key], item, f"{where}.{key}", source)
+    for key in secrets.SECRET_FIELDS & names:  # a secret may come from the environment or a file instead
+        try:
+            kwargs[key] = secrets.resolve(kwargs.get(key, ""), kwargs.get(f"{key}_env", ""),
+                                          kwargs.get(f"{key}_file", ""))
+        except secrets.SecretError as exc:
+            raise ConfigError(f"{source}: {where}.{key}{exc.suffix}: {exc}") from None
+    if cls is TrainConfig and kwargs.get("gpus") and "device" not in kwargs:
+        kwargs["device"] = "cuda"
     obj = cls(**kwargs)
     for key, problem in obj.check().items():
         raise ConfigError(f"{source}: {where}.{key}: {problem}")

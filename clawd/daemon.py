@@ -164,8 +164,9 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
 
         async with tasks:
             engine_tasks = [tasks.create_task(e.run(), name=f"{e.role}-engine") for e in engines]
-            learning_tasks = [] if learner is None else [tasks.create_task(trainer.run(), name="trainer"),
-                                                         tasks.create_task(learner.run(), name="learner")]
+            learning_tasks = [] if learner is None else [
+                tasks.create_task(_after(_trainer_waits_for(cfg, engines), trainer.run()), name="trainer"),
+                tasks.create_task(learner.run(), name="learner")]
             sweeper = tasks.create_task(_expire_sessions(sessions, to_scoring, cfg.sessions.sweep_interval),
                                         name="session-sweeper")
             watchdog = None
@@ -250,9 +251,34 @@ async def _cut_short(draining: asyncio.Task, trainer: TrainerSupervisor | None, 
 
 
 def _startup_budget(cfg: Config) -> float:
-    """Seconds systemd should wait for READY: the engine's load, then the trainer's."""
+    """Seconds systemd should wait for READY: the engines' loads and the trainer's, one after the other
+    where the start is staged (on GPUs), else the longest."""
+    engines = cfg.engine.startup_seconds * (2 if _staged(cfg) and cfg.reference_engine_needed else 1)
     trainer = cfg.learner.trainer_ready_timeout if cfg.learner.enabled else 0.0
-    return max(cfg.engine.startup_timeout, trainer) + 60
+    trainer_staged = cfg.learner.enabled and cfg.train.device.startswith("cuda")
+    return (engines + trainer if trainer_staged else max(engines, trainer)) + 60
+
+
+def _staged(cfg: Config) -> bool:
+    """SGLang engines clawd launches start one after the other: each measures the GPU's free memory as it
+    starts, and two at once (or a trainer joining) would each count the other's as free."""
+    return cfg.engine.launch == "sglang"
+
+
+def _trainer_waits_for(cfg: Config, engines: list[EngineSupervisor]) -> tuple[asyncio.Event, ...]:
+    """A trainer on CUDA starts once the engines are up, for the same reason."""
+    return tuple(e.ready for e in engines) if cfg.train.device.startswith("cuda") else ()
+
+
+async def _after(events: tuple[asyncio.Event, ...], work) -> None:
+    """Run the coroutine `work` once every event is set (closed unrun if cancelled first)."""
+    try:
+        for event in events:
+            await event.wait()
+    except BaseException:
+        work.close()
+        raise
+    await work
 
 
 async def _announce_ready(engines: list[EngineSupervisor], trainer: TrainerSupervisor | None, policy: Policy,
@@ -326,12 +352,14 @@ def _restored_policy(state_dir) -> Policy:
 def _engine_supervisors(cfg: Config, policy: Policy) -> list[EngineSupervisor]:
     """The policy engine's supervisor, then the reference engine's when the mode needs one."""
     def client(url: str) -> EngineClient:
-        return EngineClient(url, api_key=cfg.engine.api_key, connect_timeout=cfg.engine.connect_timeout,
-                            request_timeout=cfg.engine.request_timeout, incremental_stream=cfg.engine.streams_deltas)
+        return EngineClient(url, api_key=cfg.engine.api_key, admin_api_key=cfg.engine.admin_api_key,
+                            connect_timeout=cfg.engine.connect_timeout, request_timeout=cfg.engine.request_timeout,
+                            incremental_stream=cfg.engine.streams_deltas)
 
     engines = [EngineSupervisor(cfg, client(cfg.engine.url), "policy", policy)]
     if cfg.reference_engine_needed:
-        engines.append(EngineSupervisor(cfg, client(cfg.engine.reference_url), "reference"))
+        after = (engines[0].ready,) if _staged(cfg) else ()
+        engines.append(EngineSupervisor(cfg, client(cfg.engine.reference_url), "reference", after=after))
     return engines
 
 
@@ -347,7 +375,7 @@ def _judge(cfg: Config, tokenizer: ChatTokenizer, engine_for: dict[str, EngineCl
         return None
     if j.backend == "openai":
         return OpenAIJudge(j.url, j.api_key, j.model, temperature=j.temperature, max_tokens=j.max_new_tokens,
-                           policy=_call_policy(j))
+                           policy=_call_policy(j), ca_file=j.ca_file, nameserver=j.nameserver)
     # The reference engine holds the initial weights: the policy's tokenizer fits it.
     return SGLangJudge(engine_for[j.engine], tokenizer, temperature=j.temperature,
                        max_new_tokens=j.max_new_tokens, policy=_call_policy(j))

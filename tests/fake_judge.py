@@ -9,11 +9,15 @@ records every request and the most calls it ever had in flight at once.
     async with FakeJudge(api_key="k") as fake:
         fake.script(Reply(status=500), Reply(content="\\boxed{1}"))
         ... OpenAIJudge(fake.url, "k", "judge-model") ...
+
+With `ssl_context` it serves https; `name` is the host its URL names (a certificate's
+name, looked up through a stub nameserver in tests/test_judge_dns.py).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,9 +51,11 @@ def error_body(status: int) -> dict:
 
 class FakeJudge:
     def __init__(self, default: Reply = Reply(), *, api_key: str | None = None, host: str = "127.0.0.1",
-                 port: int = 0):
+                 port: int = 0, ssl_context: ssl.SSLContext | None = None, name: str | None = None):
         self.default, self.api_key, self.host, self.port = default, api_key, host, port
+        self.ssl_context, self.name = ssl_context, name
         self.requests: list[tuple[dict[str, str], Any]] = []  # (headers, JSON body) in arrival order
+        self.peers: set[tuple] = set()  # client addresses seen: one per connection
         self.active = 0
         self.max_active = 0
         self.disconnects = 0  # handlers cancelled because the client went away
@@ -59,7 +65,8 @@ class FakeJudge:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://{self.name or self.host}:{self.port}/v1"
 
     def script(self, *replies: Reply) -> None:
         self._script.extend(replies)
@@ -70,7 +77,7 @@ class FakeJudge:
         # handler_cancellation: a client that hangs up cancels its handler (counted).
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        await web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context).start()
         self.port = self._runner.addresses[0][1]
         return self
 
@@ -93,6 +100,7 @@ class FakeJudge:
         except ValueError:
             body = raw
         self.requests.append((dict(request.headers), body))
+        self.peers.add(request.transport.get_extra_info("peername"))
         if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.json_response({"error": {"message": "Incorrect API key provided", "type":
                                                 "invalid_request_error", "param": None,

@@ -6,8 +6,11 @@ checked against each other.
 It "generates" token ids from a script (`responder(input_ids, sampling_params)`)
 and answers with the exact JSON of /generate (single, batch, n>1, SSE stream,
 prefill scoring with input log-probs), /abort_request, /pause_generation,
-/continue_generation, /update_weights_from_disk, /flush_cache, /model_info and
-/health (SGLang 0.5.23's shapes, read from its source: docs/ARCHITECTURE.md §10). Faults can be
+/continue_generation, /update_weights_from_disk, /flush_cache, /model_info,
+/server_info and /health (SGLang 0.5.23's shapes, read from its source:
+docs/ARCHITECTURE.md §10), with its context limits, its API keys (`api_key=`,
+`admin_api_key=`) and, with `max_running_requests`, its waiting queue and
+`waiting_timeout` (SGLANG_REQ_WAITING_TIMEOUT). Faults can be
 injected at run time: an HTTP error, a dropped connection, a request that hangs
 until aborted. Everything it received is recorded for tests to assert on.
 
@@ -26,6 +29,7 @@ import asyncio
 import inspect
 import json
 import math
+import secrets
 import signal
 import time
 import uuid
@@ -53,6 +57,12 @@ _BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_token
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
                    "err_type": None}
+TIMED_OUT = {"type": "abort", "status_code": 503, "message": "Request waiting timeout reached."}
+VERSION = "0.5.23"
+# utils/auth.py: always open by path prefix; the control routes that take the admin key.
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+ADMIN_ROUTES = frozenset({"/abort_request", "/pause_generation", "/continue_generation",
+                          "/update_weights_from_disk", "/flush_cache"})
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
            "or waiting requests, the operation will not be performed.)\n")
 _SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -216,11 +226,30 @@ def _json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=dumps(obj), content_type="application/json")
 
 
+def _abort_error(finish: dict | None) -> web.Response | None:
+    """tokenizer_manager.py, _handle_abort_finish_reason: a non-streamed request aborted with
+    status 400 raises ValueError (400 {"error": {"message"}}), with 500 or 503 HTTPException
+    (that status, {"object": "error", ...}); any other abort is an ordinary 200 answer. A
+    streamed request gets the abort as its last chunk either way."""
+    if not finish or finish.get("type") != "abort":
+        return None
+    code = finish.get("status_code")
+    if code == 400:
+        return _json_response({"error": {"message": finish["message"]}}, 400)
+    if code in (500, 503):
+        return _json_response({"object": "error", "message": finish["message"], "type": str(code),
+                               "param": None, "code": code}, code)
+    return None
+
+
 class FakeSGLang:
     def __init__(self, responder: Responder | None = None, *, tokens: int = 32, eos_id: int = 2,
                  token_delay: float = 0.0, incremental_streaming_output: bool = False,
                  weight_version: str = "0", model_path: str = "fake/model",
-                 vocab_size: int = 4096, host: str = "127.0.0.1", port: int = 0):
+                 vocab_size: int = 4096, context_length: int = 32768,
+                 max_total_num_tokens: int | None = None, max_running_requests: int | None = None,
+                 waiting_timeout: float | None = None, api_key: str | None = None,
+                 admin_api_key: str | None = None, host: str = "127.0.0.1", port: int = 0):
         self.responder = responder or (lambda ids, sp: default_script(ids, tokens, eos_id))
         self.eos_id = eos_id
         self.token_delay = token_delay
@@ -228,6 +257,15 @@ class FakeSGLang:
         self.weight_version = weight_version
         self.model_path = model_path
         self.vocab_size = vocab_size
+        self.context_length = context_length
+        # tp_worker.py: max_req_len = min(context - 1, pool - 1); prompts need 5 tokens of room more.
+        pool = context_length * 8 if max_total_num_tokens is None else max_total_num_tokens
+        self.max_total_num_tokens = pool
+        self.max_req_len = min(context_length - 1, pool - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        self.max_running_requests = max_running_requests
+        self.waiting_timeout = waiting_timeout
+        self._keys = (api_key, admin_api_key)
         self.host, self.port = host, port
         # What tests assert on.
         self.requests: list[dict] = []  # /generate bodies, in arrival order
@@ -260,7 +298,7 @@ class FakeSGLang:
         return self._paused
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._auth])
         r = app.router
         r.add_post("/generate", self._generate)
         r.add_put("/generate", self._generate)
@@ -273,7 +311,28 @@ class FakeSGLang:
         r.add_get("/health_generate", self._faulty(self._health))
         r.add_get("/ready", self._faulty(self._ready))
         r.add_get("/model_info", self._faulty(self._model_info))
+        r.add_get("/get_model_info", self._faulty(self._model_info))  # deprecated alias
+        r.add_get("/server_info", self._faulty(self._server_info))
+        r.add_get("/get_server_info", self._faulty(self._server_info))  # deprecated alias
         return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        """utils/auth.py: /health*, /ready*, /metrics* are open; control routes need the admin
+        key when one is set (the API key is refused there), the API key otherwise; every other
+        route needs the API key when one is set. Bearer or x-api-key; 401 when missing or wrong."""
+        api_key, admin_key = self._keys
+        path = request.path
+        if request.method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
+            return await handler(request)
+        expected = (admin_key or api_key) if path in ADMIN_ROUTES else api_key
+        if expected is not None:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            offered = [token] if scheme.lower() == "bearer" else []
+            offered.append(request.headers.get("x-api-key", ""))
+            if not any(t and secrets.compare_digest(t.encode(), expected.encode()) for t in offered):
+                return _json_response({"error": "Unauthorized"}, 401)
+        return await handler(request)
 
     async def start(self) -> FakeSGLang:
         # handler_cancellation: a client that hangs up cancels its handler, which is
@@ -372,6 +431,10 @@ class FakeSGLang:
             if stream:
                 return await self._stream(request, gen)
             await self._run(gen)
+            for it in items:
+                error = _abort_error(it.finish)
+                if error is not None:
+                    return error
             out = [self._chunk(it, 0) for it in items]
             return _json_response(out if batch else out[0])
         except asyncio.CancelledError:
@@ -431,6 +494,7 @@ class FakeSGLang:
             if start > len(prompt):
                 raise ValueError(f"logprob_start_len ({start}) is larger than the input length "
                                  f"({len(prompt)}).")
+            refused = self._check_length(prompt, sp)
             for j in range(n):
                 if n > 1 or rid is None:
                     r = uuid.uuid4().hex  # SGLang regenerates rids for n > 1
@@ -438,15 +502,44 @@ class FakeSGLang:
                     r = rid[b]
                 else:
                     r = f"{rid}_{b}" if batch else rid
-                items.append(_Item(r, len(items), prompt, sp, logprob, start, topk, self.eos_id))
+                item = _Item(r, len(items), prompt, sp, logprob, start, topk, self.eos_id)
+                # scheduler.py: max_new_tokens, given or not, is cut to the room left
+                item.max_new = min(item.max_new, self.max_req_len - len(prompt) - 1)
+                if refused is not None:
+                    item.finish, item.started = dict(refused), True
+                items.append(item)
         return items, batch or n > 1
+
+    def _check_length(self, prompt: list[int], sp: dict) -> dict | None:
+        """The context limits, in SGLang's order. The tokenizer (_validate_one_request) refuses
+        with ValueError a prompt of the whole context or more, and a given max_new_tokens that
+        with the prompt exceeds the context; the scheduler (validate_input_length) then aborts
+        with status 400 a prompt of max_req_input_len tokens or more: returned here."""
+        n, context = len(prompt), self.context_length
+        if n >= context:
+            raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
+                             f"({context} tokens).")
+        max_new = sp.get("max_new_tokens")
+        if max_new is not None and n + max_new > context:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {context} "
+                f"tokens. You requested a total of {n + max_new} tokens: {n} tokens from the input "
+                f"messages and {max_new} tokens for the completion. Please reduce the number of "
+                f"tokens in the input messages or the completion to fit within the limit.")
+        if n >= self.max_req_input_len:
+            return {"type": "abort", "message": f"Input length ({n} tokens) exceeds the maximum "
+                    f"allowed length ({self.max_req_input_len} tokens). Use a shorter input or "
+                    f"enable --allow-auto-truncate.", "status_code": 400,
+                    "err_type": "BadRequestError"}
+        return None
 
     def _register(self, items: list[_Item]) -> None:
         rids = [it.rid for it in items]
         if len(set(rids)) != len(rids) or any(r in self._inflight for r in rids):
             raise ValueError("Duplicate request ID detected")
         for it in items:
-            self._inflight[it.rid] = it
+            if it.finish is None:  # not refused by the scheduler
+                self._inflight[it.rid] = it
 
     async def _stream(self, request: web.Request, gen: _Gen) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE)
@@ -483,11 +576,28 @@ class FakeSGLang:
                 it.finish = ABORTED
                 self._finished(it)
 
-    async def _hold(self, gen: _Gen, blocked: Callable[[], bool]) -> None:
-        """Wait while blocked() holds, unless every item of the call gets aborted."""
+    async def _hold(self, gen: _Gen, blocked: Callable[[], bool],
+                    deadline: float | None = None) -> bool:
+        """Wait while blocked() holds, unless every item of the call gets aborted; False when
+        the deadline (time.monotonic()) passed first."""
         while blocked() and any(it.abort is None for it in gen.items):
             gen.wake.clear()
-            await gen.wake.wait()
+            if deadline is None:
+                await gen.wake.wait()
+                continue
+            try:
+                await asyncio.wait_for(gen.wake.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                return not blocked()
+        return True
+
+    def _no_room(self, gen: _Gen) -> Callable[[], bool]:
+        """Whether the call must wait for room: max_running_requests items already run."""
+        def full() -> bool:
+            running = sum(1 for it in self._inflight.values() if it.started and it.finish is None)
+            wanted = sum(1 for it in gen.items if it.finish is None)
+            return running > 0 and wanted > 0 and running + wanted > self.max_running_requests
+        return full
 
     async def _run(self, gen: _Gen, emit=None, flush=None) -> None:
         """Generate every item of a call one token at a time: emit(item, lo) after each step,
@@ -497,10 +607,18 @@ class FakeSGLang:
             for it in items:
                 it.started = True
             await self._hold(gen, lambda: True)
-        else:  # the waiting queue: held while paused or while an update holds the writer lock
+        else:  # held before the scheduler while paused or while an update holds the writer lock
             await self._hold(gen, lambda: self._paused or self._updating > 0)
+            if self.max_running_requests is not None:  # the scheduler's waiting queue
+                timeout = self.waiting_timeout
+                deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+                if not await self._hold(gen, self._no_room(gen), deadline):
+                    for it in items:
+                        if it.finish is None and it.abort is None:
+                            it.finish = dict(TIMED_OUT)
+                            self._finished(it)
         for it in items:
-            if it.abort is None and not it.started:
+            if it.finish is None and it.abort is None and not it.started:
                 it.started = True
                 script = self.responder(it.ids, it.sp)
                 it.script = list(await script if inspect.isawaitable(script) else script)
@@ -553,6 +671,8 @@ class FakeSGLang:
             del self._inflight[it.rid]
         if it.abort is not None:
             self.aborted.append((it.rid, it.abort))
+        if self.max_running_requests is not None:
+            self._wake_all()  # room in the batch for a waiting call
 
     def _chunk(self, it: _Item, lo: int) -> dict:
         """The response dict for an item, holding output tokens [lo:] (lo > 0: a delta chunk)."""
@@ -725,6 +845,17 @@ class FakeSGLang:
     async def _ready(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self._paused else 200)
 
+    async def _server_info(self, request: web.Request) -> web.Response:
+        """Server arguments, the scheduler's limits and the version (never a key)."""
+        return _json_response({
+            "model_path": self.model_path, "tokenizer_path": self.model_path,
+            "served_model_name": self.model_path, "context_length": self.context_length,
+            "max_running_requests": self.max_running_requests,
+            "incremental_streaming_output": self.incremental,
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_req_input_len": self.max_req_input_len, "internal_states": [{}],
+            "version": VERSION})
+
     async def _model_info(self, request: web.Request) -> web.Response:
         return _json_response({
             "model_path": self.model_path, "served_model_name": self.model_path,
@@ -739,7 +870,8 @@ class FakeSGLang:
 async def _serve(args: argparse.Namespace) -> None:
     fake = FakeSGLang(tokens=args.tokens, eos_id=args.eos_id, token_delay=args.token_delay,
                       incremental_streaming_output=args.incremental_streaming_output,
-                      weight_version=args.weight_version, host=args.host, port=args.port)
+                      weight_version=args.weight_version, context_length=args.context_length,
+                      host=args.host, port=args.port)
     await fake.start()
     print(f"PORT {fake.port}", flush=True)
     stop = asyncio.Event()
@@ -759,6 +891,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds between tokens")
     p.add_argument("--weight-version", default="0")
     p.add_argument("--incremental-streaming-output", action="store_true")
+    p.add_argument("--context-length", type=int, default=32768)
     asyncio.run(_serve(p.parse_args(argv)))
 
 

@@ -9,6 +9,8 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from clawd.engine.client import NEUTRAL_SAMPLING
+
 from .fake_sglang import FakeSGLang
 from .harness import Daemon, wait_ready_async
 
@@ -61,6 +63,10 @@ async def test_non_streamed_reply_is_decoded_from_engine_ids(stack):
     assert script.decode(sent["input_ids"]).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert sent["return_logprob"] is True and isinstance(sent["rid"], str)
     assert (sp["temperature"], sp["top_p"], sp["top_k"]) == (1.0, 1.0, -1)
+    # A trainable turn names every distribution-shaping field, so an engine's preferred params fill none.
+    assert {k: sp[k] for k in NEUTRAL_SAMPLING} == NEUTRAL_SAMPLING == {
+        "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+        "repetition_penalty": 1.0, "min_new_tokens": 0}
     assert script.eos in sp["stop_token_ids"]
 
 
@@ -130,6 +136,7 @@ async def test_session_headers_and_exclusions(stack):
     assert recs["a"]["excluded"] is None
     assert recs["b"]["excluded"] == "sampling_params" and recs["b"]["next_state"] == [{"role": "user", "content": "c"}]
     assert fake.requests[-3]["sampling_params"]["top_p"] == 0.5  # served exactly as asked
+    assert "min_p" not in fake.requests[-3]["sampling_params"]  # not trainable: the engine's defaults apply
     assert recs["c"]["excluded"] == "no_train"
     assert recs["c"]["next_state"] is None and recs["c"]["reason"] == "session_done"
 
@@ -314,13 +321,24 @@ async def test_engine_side_abort_is_an_error_not_an_answer(stack):
             async with http.post(fake.url + "/abort_request", json={"abort_all": True}) as r:
                 assert r.status == 200
             resp = await task
-            if not stream:
-                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
-                assert (await resp.json())["error"]["code"] == "engine_aborted"
-            else:
-                events = [line for line in (await resp.text()).split("\n\n") if line]
-                assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_error"
-                assert events[-1] == "data: [DONE]"
+            # Aborted before its first token: nothing was sent, so a stream too gets a proper status.
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+            assert (await resp.json())["error"]["code"] == "engine_aborted"
             resp.release()
+        # Aborted after tokens went out: the stream ends with an error event, not a finish.
+        fake.token_delay = 0.05
+        script.queue.append("word " * 200)
+        async with http.post(daemon.url + "/v1/chat/completions", json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            seen = b""
+            while seen.count(b"\n\n") < 4:  # the role event, then content
+                more = await asyncio.wait_for(resp.content.readany(), 10)
+                assert more, seen
+                seen += more
+            async with http.post(fake.url + "/abort_request", json={"abort_all": True}) as r:
+                assert r.status == 200
+            events = [line for line in (seen + await resp.read()).decode().split("\n\n") if line]
+            assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_error"
+            assert events[-1] == "data: [DONE]"
     # Counted as engine errors.
-    assert daemon.get("/debug/process")[1]["chat"]["engine_errors"] == 2
+    assert daemon.get("/debug/process")[1]["chat"]["engine_errors"] == 3

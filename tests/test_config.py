@@ -1,4 +1,5 @@
 """Configuration: the documented default file loads; every kind of mistake names the key and the file."""
+import re
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ def test_every_option_is_in_the_default_file_under_a_comment():
                 j -= 1
             assert lines[j].lstrip().startswith("#"), f"option without a comment: {line}"
     present = {ln.split("=")[0].strip() for ln, opt in zip(lines, is_option) if opt}
+    present |= {"startup_timeout"} if "# startup_timeout = 0.0" in lines else set()  # shipped commented out
     for section in dataclasses.fields(Config):
         if section.name != "source":
             for f in dataclasses.fields(section.type if isinstance(section.type, type) else
@@ -97,3 +99,33 @@ def test_check_config_cli(tmp_path, capsys):
     assert main(["--config", str(bad), "--check-config"]) == 2
     assert "engine.launch" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_secrets_come_inline_from_the_environment_or_from_a_file(tmp_path, monkeypatch):
+    from clawd.config import config_from_dict
+    monkeypatch.setenv("CLAWD_TEST_ENGINE_KEY", "sk-from-env-1234")
+    (tmp_path / "judge-key").write_text("sk-from-file-1234\n")
+    (tmp_path / "creds").mkdir()
+    (tmp_path / "creds" / "alice").write_text("sk-alice-credential")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path / "creds"))  # systemd's LoadCredential=
+    cfg = config_from_dict({"engine": {"api_key_env": "CLAWD_TEST_ENGINE_KEY", "admin_api_key": "sk-inline"},
+                            "judge": {"api_key_file": str(tmp_path / "judge-key")},
+                            "auth": {"keys": [{"name": "alice", "key_file": "alice"}]}})
+    assert (cfg.engine.api_key, cfg.engine.admin_api_key) == ("sk-from-env-1234", "sk-inline")
+    assert cfg.judge.api_key == "sk-from-file-1234"  # the file's trailing newline is not part of the key
+    assert cfg.auth.keys[0].key == "sk-alice-credential"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"engine": {"api_key": "x", "api_key_env": "HOME"}}, "engine.api_key_env: give the secret one way only"),
+    ({"engine": {"admin_api_key_env": "CLAWD_TEST_UNSET_VARIABLE"}},
+     "engine.admin_api_key_env: the environment variable CLAWD_TEST_UNSET_VARIABLE is not set"),
+    ({"judge": {"api_key_file": "/nonexistent/key"}}, "judge.api_key_file: cannot read /nonexistent/key"),
+    ({"auth": {"keys": [{"name": "a", "key_env": "CLAWD_TEST_SHORT"}]}}, "auth.keys[0].key: must be at least 8"),
+])
+def test_a_secret_that_cannot_be_read_names_its_key(raw, message, monkeypatch):
+    from clawd.config import config_from_dict
+    monkeypatch.setenv("CLAWD_TEST_SHORT", "short")
+    monkeypatch.delenv("CLAWD_TEST_UNSET_VARIABLE", raising=False)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict(raw)

@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from clawd.engine.local.sampling import prompt_logprobs, truncate_probs
+from clawd.engine.local.server import parse_args
 from clawd.engine.local.wire import ContractError, RequestError, parse_sampling_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -223,6 +224,36 @@ def test_prompt_logprobs_alignment():
     assert prompt_logprobs(logits, ids, 1) == pytest.approx([None, torch.log(torch.tensor(0.3)).item(),
                                                                 torch.log(torch.tensor(0.1)).item()])
     assert prompt_logprobs(logits[:0], ids, 4) == []
+
+
+def test_keys_come_only_from_the_config_file(tmp_path, capsys):
+    """SGLang's --config (a .yaml/.yml mapping of flag names with dashes, read here as JSON, the
+    YAML subset clawd writes): the only way in for api-key and admin-api-key; flags on the
+    command line win over the file; anything it cannot use stops the engine, naming no value."""
+    secret = "sk-never-shown-0001"
+    config = tmp_path / "engine.yaml"
+    config.write_text(json.dumps({"api-key": secret, "admin-api-key": secret + "-admin", "max-batch-size": 3,
+                                  "incremental-streaming-output": True, "context-length": "512"}))
+    args = parse_args(["--model", "m", "--config", str(config), "--max-batch-size", "5"])
+    assert (args.api_key, args.admin_api_key) == (secret, secret + "-admin")
+    assert (args.max_batch_size, args.incremental_streaming_output, args.context_length) == (5, True, 512)
+    config.write_text(json.dumps({"model": "from-file"}))
+    assert parse_args(["--config", str(config)]).model == "from-file"
+    assert parse_args(["--model", "m"]).api_key is None
+
+    bad = {"engine.json": {"api-key": secret}, "engine.yml": {"api-key": secret, "api_key_file": "x"},
+           "other.yml": {"api-key": 5}, "third.yaml": {"max-batch-size": secret},
+           "list.yaml": [secret], "text.yaml": "api-key: " + secret, "flag.yaml": {"incremental-streaming-output": 1}}
+    for name, content in bad.items():
+        path = tmp_path / name
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", "--config", str(path)])
+        err = capsys.readouterr().err
+        assert "--config" in err and secret not in err, err
+    with pytest.raises(SystemExit):  # never on the command line, where any user can read it
+        parse_args(["--model", "m", "--api-key", secret])
+    assert "unrecognized arguments" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------

@@ -31,7 +31,8 @@ def _learning(tiny_model, **sections) -> dict:
                         # no stale drops: every ACK then means "trained, and the step checkpointed"
                         "max_staleness": 1_000_000},
             "journal": {"fsync": "always"},
-            "train": {"lr": 1e-4}}
+            # a checkpoint before every publish (the default is every 10th): the assertions below rely on it
+            "train": {"lr": 1e-4, "checkpoint_every": 1}}
     for name, table in sections.items():
         base[name] = {**base.get(name, {}), **table}
     return base

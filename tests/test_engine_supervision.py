@@ -62,18 +62,3 @@ def test_sigterm_stops_daemon_and_engine_cleanly(daemon):
     engine_pid = daemon.get("/debug/process")[1]["engines"]["policy"]["pid"]
     assert daemon.stop() == 0
     assert not _alive(engine_pid)
-
-
-def test_sglang_launch_command_uses_the_configured_port_and_arguments(tmp_path):
-    from clawd.config import config_from_dict
-    from clawd.engine.client import EngineClient
-    from clawd.engine.supervisor import EngineSupervisor
-    cfg = config_from_dict({"model": {"path": str(tmp_path / "m")},
-                            "engine": {"launch": "sglang", "url": "http://127.0.0.1:31000",
-                                       "sglang_args": ["--tp-size", "2"]}})
-    argv, fds = EngineSupervisor(cfg, EngineClient(cfg.engine.url))._command()
-    assert argv[1:3] == ["-m", "sglang.launch_server"] and fds == ()
-    assert argv[argv.index("--model-path") + 1] == str((tmp_path / "m").resolve())
-    assert argv[argv.index("--port") + 1] == "31000" and argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert "--incremental-streaming-output" in argv and argv[-2:] == ["--tp-size", "2"]
-    assert cfg.engine.streams_deltas

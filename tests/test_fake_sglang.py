@@ -464,6 +464,18 @@ async def test_flush_cache_health_and_model_info(http):
     assert fake.weight_version == "v2"  # SGLang swaps the weights even when the flush fails
 
 
+async def test_a_small_kv_pool_lowers_the_input_limit(http):
+    """tp_worker.py: max_req_len = min(context - 1, KV pool - 1); the input limit is 5 under it."""
+    async with FakeSGLang(context_length=4096, max_total_num_tokens=100) as fake:
+        _, info = await post_get(http, fake, "/server_info")
+        status, out = await post(http, fake, "/generate", {"input_ids": [1] * 94})
+        _, fits = await post(http, fake, "/generate", {"input_ids": [1] * 93, "sampling_params": {
+            "max_new_tokens": 50, "ignore_eos": True}})
+    assert (info["context_length"], info["max_total_num_tokens"], info["max_req_input_len"]) == (4096, 100, 94)
+    assert status == 400 and "maximum allowed length (94 tokens)" in out["error"]["message"]
+    assert fits["meta_info"]["finish_reason"] == {"type": "length", "length": 5}  # 99 - 93 - 1
+
+
 # ---- standalone -------------------------------------------------------------------------------
 
 def test_standalone_prints_port_and_serves():

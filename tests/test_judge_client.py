@@ -21,6 +21,7 @@ from clawd.engine.client import EngineClient
 from clawd.scoring.judges import (AttemptFailed, CallPolicy, JudgeFailed, JudgeStats, OpenAIJudge, SGLangJudge,
                                 Teacher, backoff_delay, chat_content, error_message, parse_retry_after,
                                 teacher_logprobs)
+from clawd.scoring.resolver import LookupFailed, NoLookups
 from clawd.tokenizer import ChatTokenizer
 from tests.fake_judge import FakeJudge, Reply
 from tests.fake_sglang import ABORTED, FakeSGLang, input_logprob
@@ -289,14 +290,16 @@ async def test_openai_cancellation_propagates_in_flight_and_in_backoff():
         assert (s.calls, s.cancelled, s.failed, s.ok) == (1, 1, 0, 0) and settled(s)
 
 
-async def test_openai_judge_by_host_name_needs_a_pinned_address_and_starts_no_thread():
-    with pytest.raises(ValueError, match="names a host"):
-        OpenAIJudge("https://api.example.com/v1", "k", "m")
+async def test_openai_judge_by_ip_looks_up_no_name_and_starts_no_thread():
+    # Names are looked up on the loop (tests/test_judge_dns.py); an IP-literal URL needs no
+    # nameserver, and a name reached from it (a redirect) is refused, not sent to a thread.
     threads = set(threading.enumerate())
     async with FakeJudge() as fake:
-        async with OpenAIJudge(f"http://judge.invalid:{fake.port}/v1", "k", "m", address="127.0.0.1") as judge:
+        async with OpenAIJudge(fake.url, "k", "m", nameserver="127.0.0.1:9") as judge:
+            assert isinstance(judge._resolver, NoLookups)
             assert await judge.complete(MESSAGES) == "\\boxed{1}"
-        assert fake.requests[0][0]["Host"] == f"judge.invalid:{fake.port}"
+            with pytest.raises(LookupFailed, match="judge.invalid"):
+                await judge._resolver.resolve("judge.invalid", fake.port)
     assert set(threading.enumerate()) == threads  # no resolver thread, no executor
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from clawd.config import LearnerConfig
-from clawd.engine.client import EngineClient, EngineUnavailable
+from clawd.engine.client import EngineError, EngineClient, EngineUnavailable
 from clawd.learning.journal import Journal
 from clawd.learning.learner import Learner, Publisher
 from clawd.served import Policy
@@ -178,5 +178,22 @@ async def test_a_publish_waits_for_the_engine_to_be_ready_and_gives_up_after_its
             with pytest.raises(EngineUnavailable, match="not ready"):
                 await Publisher(engine, 0.2, ready=ready).publish(str(weights), 2)
             assert fake.calls == []
+        finally:
+            await engine.close()
+
+
+@pytest.mark.parametrize("status, body", [(503, {"error": "busy"}), (403, {"error": "Forbidden"})])
+async def test_a_publish_whose_pause_fails_still_sends_continue(tmp_path, status, body):
+    """A pause that failed on clawd's side may still have paused the engine (or the next one will find it
+    paused): continue is sent all the same, and the update is not."""
+    async with FakeSGLang() as fake:
+        engine = EngineClient(fake.url)
+        await engine.start()
+        try:
+            fake.fail_next(status, body, path="/pause_generation")
+            with pytest.raises(EngineError):
+                await Publisher(engine, 10).publish(str(tmp_path / "v000001"), 1)
+            assert [path for path, _ in fake.calls] == ["/continue_generation"]
+            assert not fake.paused
         finally:
             await engine.close()

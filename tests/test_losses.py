@@ -69,6 +69,61 @@ def test_entropy_at_temperature():
     assert close(losses.entropy(torch.zeros(2, 4, dtype=F64), t([0.3, 1.7])), [ln(4), ln(4)])
 
 
+# --- the same from hidden states, in chunks --------------------------------------------------
+
+def _full_head(hidden, weight, bias, targets, temps):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return (losses.token_logprobs(logits, targets, temps), losses.entropy(logits, temps),
+            losses.token_logprobs(logits, targets, 1.0))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 100])
+def test_head_logprobs_in_chunks_equal_the_full_logits_path(chunk):
+    # [B=3, R=5] positions, V = 11, rows at T 0.7, 1 and 1.3; chunks of 4 and 7 cut rows in two.
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 5, 6, dtype=F64, generator=gen, requires_grad=True)
+    weight = torch.randn(11, 6, dtype=F64, generator=gen, requires_grad=True)
+    bias = torch.randn(11, dtype=F64, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 5), generator=gen)
+    temps = t([0.7, 1.0, 1.3])
+    a, c = torch.randn(3, 5, dtype=F64, generator=gen), torch.randn(3, 5, dtype=F64, generator=gen)
+    want = _full_head(hidden, weight, bias, targets, temps)
+    got = losses.head_logprobs(hidden, weight, targets, temps, bias=bias, with_t1=True, chunk_tokens=chunk)
+    assert all(close(x, y, atol=1e-13) for x, y in zip(got, want))
+    assert not got[2].requires_grad  # the T = 1 log-probs only ever feed the (detached) OPD term
+    # gradients through the log-probs, the entropy, and both (float64: rounding only)
+    for f in (lambda lp, ent: (a * lp).sum(), lambda lp, ent: (c * ent).sum(),
+              lambda lp, ent: (a * lp).sum() + (c * ent).sum()):
+        g_want = torch.autograd.grad(f(*_full_head(hidden, weight, bias, targets, temps)[:2]), (hidden, weight, bias))
+        lp, ent, _ = losses.head_logprobs(hidden, weight, targets, temps, bias=bias, chunk_tokens=chunk)
+        g_got = torch.autograd.grad(f(lp, ent), (hidden, weight, bias))
+        assert all(close(x, y, atol=1e-12) for x, y in zip(g_got, g_want))
+
+
+def test_head_logprobs_gradcheck_and_without_t1():
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 3, 4, dtype=F64, generator=gen, requires_grad=True)
+    weight = torch.randn(6, 4, dtype=F64, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 6, (2, 3), generator=gen)
+    temps = t([0.5, 2.0])
+    assert losses.head_logprobs(hidden, weight, targets, temps)[2] is None
+    assert torch.autograd.gradcheck(
+        lambda h, w: losses.head_logprobs(h, w, targets, temps, chunk_tokens=4)[:2], (hidden, weight))
+
+
+def test_head_logprobs_in_bfloat16_are_those_of_autocast_logits():
+    # The trainer on CUDA: bf16 logits (what autocast's linear gives), log-softmax in float32.
+    gen = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(2, 9, 16, generator=gen), torch.randn(50, 16, generator=gen)
+    targets, temps = torch.randint(0, 50, (2, 9), generator=gen), torch.tensor([0.7, 1.0])
+    logits = torch.nn.functional.linear(hidden.bfloat16(), weight.bfloat16())
+    lp, ent, _ = losses.head_logprobs(hidden, weight, targets, temps, chunk_tokens=5, compute_dtype=torch.bfloat16)
+    assert lp.dtype == ent.dtype == torch.float32
+    # float32 after the same bf16 logits: only the reductions' order may differ (|lp| ~ 5, |H| ~ 3)
+    assert torch.allclose(lp, losses.token_logprobs(logits, targets, temps), rtol=0, atol=1e-6)
+    assert torch.allclose(ent, losses.entropy(logits, temps), rtol=0, atol=1e-6)
+
+
 # --- advantages ------------------------------------------------------------------------------
 
 REWARD = t([1.0, -1.0, 0.0])

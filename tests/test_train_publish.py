@@ -40,7 +40,7 @@ async def test_trained_weights_are_published_and_served(engine_url, tiny_model, 
                               has_hint=False, policy_version=0, created=0.0, scored=0.0))
 
     cfg = Config(model=ModelConfig(path=str(tiny_model)), state=StateConfig(dir=str(tmp_path / "state")),
-                 scoring=ScoringConfig(mode="rl"), train=TrainConfig(lr=1e-2, seed=0))
+                 scoring=ScoringConfig(mode="rl"), train=TrainConfig(lr=1e-2, seed=0, checkpoint_every=1))
     link = TrainerLink(trainer_options(cfg))
     ready = await link.start()
     assert (ready.step, ready.version) == (0, 0)

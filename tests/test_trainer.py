@@ -18,6 +18,7 @@ import torch
 
 from clawd.config import TrainConfig
 from clawd.samples import Sample
+from clawd.trainer import losses
 from clawd.trainer.handler import train_config
 from clawd.trainer.step import Trainer, TrainingPaused, pack
 from clawd.weights import restored_weights
@@ -113,6 +114,74 @@ def test_packed_logprobs_equal_one_sample_per_forward(make):
         assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)
 
 
+def full_logits_path(trainer: Trainer, mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unchunked reference: [b, R, V] logits, then losses.token_logprobs / entropy on them."""
+    hidden = trainer.model.get_decoder()(input_ids=mb.input_ids, use_cache=False).last_hidden_state
+    hidden = hidden.gather(1, mb.positions[..., None].expand(-1, -1, hidden.shape[-1]))
+    logits = trainer.model.get_output_embeddings()(hidden)
+    return (losses.token_logprobs(logits, mb.targets, mb.temperature), losses.entropy(logits, mb.temperature),
+            losses.token_logprobs(logits, mb.targets, 1.0))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_the_chunked_output_layer_equals_full_logits_on_the_tiny_model(make, chunk):
+    # Rows at T 0.7, 1, 1.3 and 1, right-padded in both micro-batches; chunks of 5 cut rows in two.
+    trainer = make()
+    trainer.head_chunk_tokens = chunk
+    gen = torch.Generator().manual_seed(0)
+    for mb in trainer._micro_batches(mixed_batch()):
+        weights_lp, weights_ent = (torch.randn(mb.mask.shape, generator=gen) * mb.mask for _ in range(2))
+        want = full_logits_path(trainer, mb)
+        g_want = torch.autograd.grad((weights_lp * want[0]).sum() + (weights_ent * want[1]).sum(), trainer.params)
+        got = trainer._forward(trainer.model, mb, mb.temperature, with_t1=True)
+        g_got = torch.autograd.grad((weights_lp * got[0]).sum() + (weights_ent * got[1]).sum(), trainer.params)
+        # float32 rounding only (the matmul's with another row count, the analytic backward's): values
+        # within 5e-6 (|lp| ~ 8.3); each gradient within 1e-5 of its largest entry (seen: up to 1e-6)
+        assert all(torch.allclose(x, y, rtol=0, atol=5e-6) for x, y in zip(got, want))
+        assert all(float((x - y).abs().max()) <= 1e-5 * float(y.abs().max()) for x, y in zip(g_got, g_want))
+
+
+def test_attention_gets_no_mask_so_sdpa_may_pick_its_flash_kernel(make, monkeypatch):
+    # Right-padded rows need only the causal mask; transformers then calls SDPA with is_causal and no
+    # attn_mask, the one form its flash kernel takes (any explicit mask rules flash out).
+    trainer = make()
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kw):
+        calls.append((attn_mask is None, is_causal, enable_gqa))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    trainer.train_step(mixed_batch(), "combine")
+    assert len(calls) == 2 * 2 and set(calls) == {(True, True, True)}  # 2 micro-batches × 2 layers; GQA 4:2
+
+
+def test_cuda_options_memory_fraction_before_loading_and_sdpa(tiny_model, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+
+    def load(*args, **kwargs):
+        calls.append(("load", kwargs["attn_implementation"]))
+        raise RuntimeError("no GPU here: stop before moving the model")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append(("fraction", f, d)))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
+    for fraction, want in ((0.4, [("fraction", 0.4, torch.device("cuda")), ("load", "sdpa")]),
+                           (0.0, [("load", "sdpa")])):  # 0: the whole device, nothing set
+        calls.clear()
+        with pytest.raises(RuntimeError, match="stop before"):
+            Trainer(tiny_model, tmp_path / "state", TrainConfig(device="cuda", memory_fraction=fraction))
+        assert calls == want
+
+
+def test_on_cpu_adamw_is_not_fused_and_the_head_is_one_chunk(make):
+    trainer = make()
+    assert trainer.optimizer.defaults["fused"] is None and trainer.compute_dtype is None
+    assert trainer.head_chunk_tokens == (1 << 28) // 4096  # the tiny vocabulary: 65,536 positions a chunk
+
+
 # --- one step --------------------------------------------------------------------------------
 
 def test_train_step_changes_the_weights_and_reports_finite_metrics(make):
@@ -182,6 +251,17 @@ def test_ppo_epochs_take_several_steps_against_a_fixed_lp_old(make):
     assert m["epochs"] == 2 and trainer.step == 1
     assert m["approx_kl"] > 0  # the second epoch's ratio is no longer 1
     assert int(trainer.optimizer.state[trainer.params[0]]["step"]) == 2
+
+
+def test_an_entropy_bonus_reaches_the_weights_through_the_chunked_head(make):
+    # entropy_coef > 0 sends a gradient through the entropy output (it is a detached metric otherwise);
+    # token_mean, so the entropy term is the plain per-token mean that the metric reports
+    plain, bonus = make("plain", aggregation="token_mean"), make("bonus", aggregation="token_mean", entropy_coef=10.0)
+    g_plain, g_bonus = grads_at_step(plain), grads_at_step(bonus)
+    m0, m1 = plain.train_step(mixed_batch(), "combine"), bonus.train_step(mixed_batch(), "combine")
+    assert "loss_entropy" not in m0 and m1["loss_entropy"] == pytest.approx(m0["entropy"], rel=1e-6)
+    assert m1["loss"] == pytest.approx(m0["loss"] - 10.0 * m1["loss_entropy"], rel=1e-6)
+    assert not torch.equal(g_plain[0], g_bonus[0])
 
 
 def test_kl_term_is_zero_at_the_reference_and_grows_after(make):

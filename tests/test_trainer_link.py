@@ -131,16 +131,28 @@ async def test_messages_travel_as_a_head_and_one_frame_per_list_element():
 
 
 def test_trainer_options_carry_the_config_itself(tmp_path):
-    cfg = Config(model=ModelConfig(path=str(tmp_path / "model")), state=StateConfig(dir=str(tmp_path / "state")),
-                 scoring=ScoringConfig(mode="opd"), train=TrainConfig(lr=0.5, opd_clip=0.0),
-                 logging=LoggingConfig(level="debug"))
+    cfg = Config(model=ModelConfig(path=str(tmp_path / "model"), dtype="bfloat16"),
+                 state=StateConfig(dir=str(tmp_path / "state")), scoring=ScoringConfig(mode="opd"),
+                 train=TrainConfig(lr=0.5, opd_clip=0.0, gpus="3", device="cuda"), logging=LoggingConfig(level="debug"))
     options = trainer_options(cfg)
     assert options == {"mode": "opd", "model_dir": str(tmp_path / "model"), "state_dir": str(tmp_path / "state"),
-                       "train": cfg.train, "log_level": "debug"}
+                       "train": cfg.train, "dtype": "bfloat16", "log_level": "debug",
+                       "env": {"CUDA_VISIBLE_DEVICES": "3"}}  # the child sets it before torch starts CUDA
     assert pickle.loads(pickle.dumps(options)) == options  # what the spawn sends
 
 
 # ---- one child --------------------------------------------------------------------------------
+
+async def test_the_child_sets_its_gpus_and_drops_scrubbed_variables_before_building_the_handler(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("CLAWD_TEST_SCRUBBED", "1")  # inherited through the spawn, then removed by the child
+    env = {"CUDA_VISIBLE_DEVICES": "3", "CLAWD_TEST_SCRUBBED": None}
+    link = TrainerLink(options(tmp_path, env=env, report_env=["CUDA_VISIBLE_DEVICES", "CLAWD_TEST_SCRUBBED"]),
+                       factory=build)
+    await link.start()
+    assert await link.stop(10) == 0
+    assert json.loads((tmp_path / "env.json").read_text()) == {"CUDA_VISIBLE_DEVICES": "3", "CLAWD_TEST_SCRUBBED": None}
+
 
 async def test_handshake_ping_handler_errors_checkpoint_and_shutdown(tmp_path):
     link = TrainerLink(options(tmp_path, script={"1": "raise", "2": "retryable"}), factory=build)

@@ -41,6 +41,8 @@ class Scripted:
         state = json.loads(ckpt.read_text()) if ckpt.exists() else {"step": 0, "version": 0}
         self.step, self.version = state["step"], state["version"]
         self.weights_version = self.version  # every train call "publishes"
+        if names := options.get("report_env"):  # what the child's environment held as its handler was built
+            (self.dir / "env.json").write_text(json.dumps({k: os.environ.get(k) for k in names}))
 
     def train(self, batch_id: str, version: int, samples: list[Sample]) -> dict:
         call = len(calls(self.dir)) + 1

@@ -63,11 +63,50 @@ def _error_text(body: Any) -> str:
     return str(body)[:500]
 
 
+# The neutral value of every /generate sampling field that shapes the distribution besides the temperature
+# (SGLang 0.5.23's defaults). A trainable turn sends them all, so an engine's --preferred-sampling-params,
+# merged into the fields a request leaves out, cannot change what it samples (docs/ARCHITECTURE.md §10).
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                    "repetition_penalty": 1.0, "min_new_tokens": 0}
+
+# One SSE line may hold a whole reply: SGLang's default (cumulative) chunks repeat everything so far with
+# its log-probs, about 30 bytes a token. aiohttp's line reader raises LineTooLong past 512 KiB (3.14);
+# clawd splits lines itself, up to this bound.
+MAX_SSE_LINE = 64 * 1024 * 1024
+
+
+class _LineTooLong(ValueError):
+    pass
+
+
+async def _sse_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The stripped lines of a response body, read in chunks of any size (a long line is joined once)."""
+    parts: list[bytes] = []  # the current line's pieces, so far without a newline
+    size = 0
+    async for chunk in content.iter_any():
+        if b"\n" not in chunk:
+            parts.append(chunk)
+            size += len(chunk)
+            if size > MAX_SSE_LINE:
+                raise _LineTooLong(f"engine sent a stream line over {MAX_SSE_LINE} bytes")
+            continue
+        first, *lines, rest = chunk.split(b"\n")
+        yield b"".join([*parts, first]).strip()
+        for line in lines:
+            yield line.strip()
+        parts, size = [rest], len(rest)
+    if size:
+        yield b"".join(parts).strip()
+
+
 class EngineClient:
-    def __init__(self, url: str, *, api_key: str = "", connect_timeout: float = 5.0,
+    def __init__(self, url: str, *, api_key: str = "", admin_api_key: str = "", connect_timeout: float = 5.0,
                  request_timeout: float = 600.0, incremental_stream: bool = False):
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # SGLang started with --admin-api-key takes only that key on its control endpoints (pause, update,
+        # continue, abort) and refuses the ordinary one there (docs/ARCHITECTURE.md §10).
+        self._admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else self._headers
         self._timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout, 5.0), sock_connect=connect_timeout)
         self._incremental = incremental_stream
@@ -100,9 +139,11 @@ class EngineClient:
             raise EngineUnavailable(self._refusing)
         return self._session
 
-    async def _post(self, path: str, payload: dict, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+    async def _post(self, path: str, payload: dict, timeout: aiohttp.ClientTimeout,
+                    admin: bool = False) -> aiohttp.ClientResponse:
+        headers = self._admin_headers if admin else self._headers
         try:
-            return await self.session.post(self.url + path, json=payload, headers=self._headers, timeout=timeout)
+            return await self.session.post(self.url + path, json=payload, headers=headers, timeout=timeout)
         except aiohttp.ClientConnectorError as exc:
             raise EngineUnavailable(f"engine unreachable: {exc}") from None
         except asyncio.TimeoutError:  # before OSError: on 3.11 TimeoutError is one
@@ -146,15 +187,17 @@ class EngineClient:
         seen = 0
         try:
             async with resp:
-                async for raw in resp.content:
-                    line = raw.strip()
+                async for line in _sse_lines(resp.content):
                     if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         return
                     obj = json.loads(data)
-                    if "error" in obj:
+                    if "error" in obj:  # SGLang's ValueErrors inside a started stream carry their 400
+                        err = obj["error"]
+                        if isinstance(err, dict) and err.get("code") == 400:
+                            raise EngineRejected(_error_text(obj))
                         raise EngineError(f"engine stream error: {_error_text(obj)}")
                     ids = obj.get("output_ids") or []
                     meta = obj.get("meta_info") or {}
@@ -166,6 +209,8 @@ class EngineClient:
                                 finish=meta.get("finish_reason"), meta=meta)
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise EngineError(f"engine connection lost mid-stream: {exc}") from None
+        except _LineTooLong as exc:
+            raise EngineError(str(exc)) from None
         except ValueError:
             raise EngineError("engine sent a stream chunk that is not JSON") from None
         except asyncio.TimeoutError:
@@ -173,14 +218,30 @@ class EngineClient:
 
     async def control(self, path: str, body: dict, timeout: float) -> None:
         """A control call (pause, update weights, continue): anything but 200 is an EngineError."""
-        resp = await self._post(path, body, aiohttp.ClientTimeout(total=timeout))
+        resp = await self._post(path, body, aiohttp.ClientTimeout(total=timeout), admin=True)
         async with resp:
             if resp.status != 200:
                 raise EngineError(f"{path} answered {resp.status}: {(await resp.text())[:300]}")
 
     async def abort(self, rid: str) -> None:
-        resp = await self._post("/abort_request", {"rid": rid}, self._short)
+        resp = await self._post("/abort_request", {"rid": rid}, self._short, admin=True)
         resp.release()
+
+    async def server_info(self) -> dict | None:
+        """SGLang's /server_info (its input limit, `max_req_input_len`, among the server's arguments);
+        None from an engine without the route (404)."""
+        try:
+            async with self.session.get(self.url + "/server_info", headers=self._headers, timeout=self._short) as resp:
+                if resp.status == 404:
+                    return None
+                if resp.status != 200:
+                    raise EngineError(f"/server_info answered {resp.status}")
+                info = await resp.json(content_type=None)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable("engine did not answer /server_info in time") from None
+        except (aiohttp.ClientError, ConnectionError, OSError, ValueError) as exc:
+            raise EngineUnavailable(f"engine unreachable: {exc}") from None
+        return info if isinstance(info, dict) else None
 
     async def model_info(self, timeout: float | None = None) -> dict:
         """Liveness and what the engine serves; `timeout` for a caller that expects it busy."""

@@ -70,10 +70,13 @@ class Publisher:
                     await self.ready.wait()
             except TimeoutError:
                 raise EngineUnavailable(f"the engine is not ready after {self.timeout:.0f}s") from None
-        # Retract parks running requests (they resume on the new weights); nothing is refused.
-        await self.engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
+        # Retract parks running requests (they resume on the new weights); nothing is refused. Continue is
+        # sent whatever happened, a failed pause included: a pause that failed on our side may have
+        # happened on the engine's, and a paused engine holds every chat. (The supervisor also sends it
+        # whenever an engine becomes ready, for a clawd that died between the two.)
         held = time.monotonic()
         try:
+            await self.engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
             await self.engine.control("/update_weights_from_disk",
                                       {"model_path": weights_dir, "weight_version": str(version)}, self.timeout)
         finally:

@@ -113,7 +113,7 @@ class Status:
                         "hints_accepted": sc.hints_accepted, "not_learned_while_paused": self.pause.turns_not_learned},
             "learner": None if learner is None else dataclasses.asdict(learner.stats),
             "engines": {s.role: {"state": s.state.value, "ready": s.is_ready, "pid": s.pid, "restarts": s.restarts,
-                                 "url": s.client.url} for s in self.supervisors},
+                                 "url": s.client.url, "input_limit": s.input_limit} for s in self.supervisors},
             "trainer": None if trainer is None else {
                 "alive": trainer.alive, "pid": trainer.pid, "restarts": trainer.restarts,
                 "step": trainer.ready.step if trainer.ready else None, "version": trainer.version},
@@ -122,9 +122,10 @@ class Status:
 
     async def handle_debug_process(self, request: web.Request) -> web.Response:
         """`GET /debug/process` (server.debug_routes): the snapshot plus the daemon's process shape, for tests
-        and operators. threading is already loaded by asyncio; reading it here adds no threads."""
-        process = {"threads": sys.modules["threading"].active_count(), "torch_imported": "torch" in sys.modules,
-                   "transformers_imported": "transformers" in sys.modules}
+        and operators. threading is already loaded by asyncio; reading it here adds no threads. `os_threads` is
+        the kernel's count, which also sees threads a native library starts (a DNS resolver's, say)."""
+        process = {"threads": sys.modules["threading"].active_count(), "os_threads": len(os.listdir("/proc/self/task")),
+                   "torch_imported": "torch" in sys.modules, "transformers_imported": "transformers" in sys.modules}
         return web.json_response(finite({**self.snapshot(), **process}))
 
 

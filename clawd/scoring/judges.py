@@ -4,10 +4,11 @@ A finished turn is scored by a judge (votes, hints) and, for OPD, by a teacher
 (log-probs of the response under a hinted prompt). Every backend call goes
 through the same wrapper (docs/ARCHITECTURE.md §5): a per-attempt timeout, retries
 with exponential backoff and jitter on timeouts, connection errors, 5xx and
-429 (Retry-After honoured up to `backoff_max`), no retry on other 4xx, and a
-semaphore bounding the calls in flight. After the last failure it raises
-`JudgeFailed`: the caller drops the sample; nothing waits forever, and other
-turns never wait on a failing one except through the concurrency limit.
+429 (Retry-After honoured up to `backoff_max`), no retry on other 4xx or on a
+refused TLS certificate, and a semaphore bounding the calls in flight. After
+the last failure it raises `JudgeFailed`: the caller drops the sample; nothing
+waits forever, and other turns never wait on a failing one except through the
+concurrency limit.
 Every outcome is counted in the backend's `JudgeStats`.
 
 Backends:
@@ -18,9 +19,9 @@ Backends:
   `input_ids = P' + R`, `max_new_tokens: 0`, `logprob_start_len = len(P') - 1`,
   `meta_info.input_token_logprobs[1:]` lines up with R, first token included.
 
-No DNS: aiohttp resolves host names in a thread, and the daemon has none. A URL
-names an IP literal, or `address` pins the name to one resolved at start-up
-(TLS still checks the name).
+Host names: aiohttp's own resolver runs getaddrinfo in a thread, and the daemon has
+none; the OpenAI judge's session looks names up on the loop (`scoring/resolver.py`),
+and TLS is verified against the system's trust store or `ca_file`.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import json
 import logging
 import math
 import random
-import socket
+import ssl
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -40,10 +41,11 @@ from typing import Any, Awaitable, Callable, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp.abc import AbstractResolver, ResolveResult
 
+from clawd.devices import nameserver_problem, parse_nameserver
 from clawd.engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable
 from clawd.messages import content_parts
+from clawd.scoring.resolver import LookupFailed, LoopResolver, NoLookups
 from clawd.tokenizer import ChatTokenizer, TemplateError
 
 log = logging.getLogger("clawd.judge")
@@ -357,22 +359,15 @@ class Teacher(Backend):
 
 # --- OpenAI-compatible judge -----------------------------------------------------------------
 
-class PinnedResolver(AbstractResolver):
-    """Answers for one host name with an address fixed at start-up: no resolver thread."""
-
-    def __init__(self, host: str, address: str):
-        self.host, self.address = host, address
-        self.family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
-
-    async def resolve(self, host: str, port: int = 0,
-                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
-        if host != self.host:
-            raise OSError(f"{host} is not pinned (judges are reached by address, not DNS)")
-        return [ResolveResult(hostname=host, host=self.address, port=port, family=self.family,
-                              proto=0, flags=socket.AI_NUMERICHOST)]
-
-    async def close(self) -> None:
-        pass
+def _tls_context(ca_file: str) -> ssl.SSLContext | bool:
+    """True: aiohttp's verifying default (the system's trust store). A `ca_file` context trusts
+    that CA only, and still checks the host name."""
+    if not ca_file:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"judge ca_file {ca_file!r}: {exc}") from None
 
 
 def _is_ip(host: str) -> bool:
@@ -384,19 +379,23 @@ def _is_ip(host: str) -> bool:
 
 
 class OpenAIJudge(Backend):
-    """A judge behind any OpenAI-compatible API. `url` is the base, e.g. http://10.0.0.5:8000/v1;
-    when it names a host, `address` is the IP to reach it at (resolved before the loop starts)."""
+    """A judge behind any OpenAI-compatible API. `url` is the base, e.g. https://prm.example.com/v1
+    or http://10.0.0.5:8000/v1. A host name is looked up on the loop (scoring/resolver.py) at
+    `nameserver` ("IP", "IP:port", "[IPv6]:port"; "" reads /etc/resolv.conf); https verifies
+    the server against `ca_file` when set (a private CA), else the system's trust store."""
 
     name = "judge.openai"
 
     def __init__(self, url: str, api_key: str, model: str, *, temperature: float = 0.6,
-                 max_tokens: int = 1024, address: str | None = None, policy: CallPolicy = CallPolicy()):
+                 max_tokens: int = 1024, policy: CallPolicy = CallPolicy(), ca_file: str = "",
+                 nameserver: str = ""):
         super().__init__(policy)
         self.url = url.rstrip("/")
-        host = urlsplit(self.url).hostname or ""
-        if not _is_ip(host) and address is None:
-            raise ValueError(f"judge URL {url!r} names a host: give its IP address (no DNS in the daemon)")
-        self._resolver = PinnedResolver(host, address) if address is not None and not _is_ip(host) else None
+        self.host = urlsplit(self.url).hostname or ""
+        if problem := nameserver_problem(nameserver):
+            raise ValueError(f"judge nameserver {nameserver!r} {problem}")
+        self._resolver = NoLookups() if _is_ip(self.host) else LoopResolver(parse_nameserver(nameserver))
+        self._tls = _tls_context(ca_file)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model, self.temperature, self.max_tokens = model, temperature, max_tokens
         self._session: aiohttp.ClientSession | None = None
@@ -406,7 +405,8 @@ class OpenAIJudge(Backend):
         self.temperature, self.max_tokens = temperature, max_tokens
 
     async def start(self) -> OpenAIJudge:
-        connector = aiohttp.TCPConnector(limit=0, resolver=self._resolver)
+        # aiohttp's DNS cache keeps every name a fixed 10 s; the resolver keeps each for its TTL.
+        connector = aiohttp.TCPConnector(limit=0, resolver=self._resolver, use_dns_cache=False, ssl=self._tls)
         # The wrapper's asyncio.timeout bounds each attempt; aiohttp only bounds the connect.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.policy.timeout)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
@@ -416,6 +416,7 @@ class OpenAIJudge(Backend):
         if self._session is not None:
             await self._session.close()
             self._session = None
+        await self._resolver.close()
 
     async def __aenter__(self) -> OpenAIJudge:
         return await self.start()
@@ -434,7 +435,13 @@ class OpenAIJudge(Backend):
                                               headers=self._headers) as resp:
                     raw = await resp.read()
                     status, retry_after = resp.status, parse_retry_after(resp.headers.get("Retry-After"))
+            except aiohttp.ClientConnectorCertificateError as exc:  # a wrong certificate stays wrong: no retry
+                raise AttemptFailed("tls", "connection_errors", retryable=False,
+                                    detail=f"{self.host}: {exc.certificate_error}") from None
             except (aiohttp.ClientError, OSError) as exc:
+                if isinstance(getattr(exc, "os_error", None), LookupFailed):  # the name gave no address
+                    raise AttemptFailed("dns", "connection_errors", retryable=True,
+                                        detail=str(exc.os_error)) from None
                 raise AttemptFailed("connection", "connection_errors", retryable=True,
                                     detail=f"{type(exc).__name__}: {exc}") from None
             try:

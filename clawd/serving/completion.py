@@ -22,7 +22,7 @@ from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, SAMPLING_PARAMS, FinishedTur
 from clawd.serving.request import ChatRequest
 from clawd.config import Config
 from clawd.serving.detokenize import IncrementalDetokenizer
-from clawd.engine.client import Chunk, EngineClient, EngineError, EngineUnavailable
+from clawd.engine.client import NEUTRAL_SAMPLING, Chunk, EngineClient, EngineError, EngineUnavailable
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.serving.errors import ApiError, bad_request
 from clawd.serving.parsers import Content, Reasoning, ToolCall, make_parser
@@ -109,6 +109,10 @@ class ChatService:
             raise ApiError(400, f"The prompt is {prompt_len} tokens, which leaves no room in the model's "
                            f"context of {self.context_length} tokens", param="messages",
                            code="context_length_exceeded")
+        limit = self.supervisor.input_limit  # the engine's own, a few tokens under the context (SGLang)
+        if limit is not None and prompt_len >= limit:
+            raise ApiError(400, f"The prompt is {prompt_len} tokens; the model engine accepts prompts of fewer "
+                           f"than {limit}", param="messages", code="context_length_exceeded")
         if s.max_tokens is not None and s.max_tokens > room:
             raise ApiError(400, f"max_tokens is {s.max_tokens}, but the prompt ({prompt_len} tokens) leaves "
                            f"{room} of the model's {self.context_length}", param="max_tokens",
@@ -135,6 +139,10 @@ class ChatService:
                 params["sampling_seed"] = s.seed
             if not s.full_distribution() or not cfg.min_train_temperature <= temperature <= 2.0:
                 excluded = SAMPLING_PARAMS
+        if main and excluded is None:
+            # A trainable turn names every field that shapes the distribution, at its neutral value: an
+            # engine's --preferred-sampling-params fill only the fields a request leaves out.
+            params = {**NEUTRAL_SAMPLING, **params}
         return params, temperature, excluded
 
     # ---- the request ----------------------------------------------------------------
@@ -246,6 +254,17 @@ class ChatService:
         # Wait for the engine's first chunk before sending headers, so an engine
         # failure at the start is still a proper 502/503 rather than a broken stream.
         first = await self._engine_call(anext(chunks, None))
+        finish = (first.finish or {}) if first is not None else {}
+        if finish.get("type") == "abort" and not first.ids:
+            # SGLang refuses some requests inside a started stream (HTTP 200, an abort carrying a status):
+            # nothing was sent yet, so the client still gets a proper status.
+            await chunks.aclose()
+            self.stats.engine_errors += 1
+            if finish.get("status_code") == 400:
+                raise ApiError(400, f"The model engine rejected the request: {finish.get('message')}",
+                               code="engine_rejected")
+            raise ApiError(503, "The model engine aborted the request; retry it", code="engine_aborted",
+                           retry_after=1)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)

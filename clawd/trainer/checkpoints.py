@@ -9,6 +9,7 @@ Every directory is written by `clawd.weights.atomic_dir`: absent or complete. A 
 """
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -30,19 +31,41 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h
 
 # --- published weights -----------------------------------------------------------------------
 
-def publish_weights(model, model_dir: Path, dest: Path) -> Path:
+def publish_weights(model, model_dir: Path, dest: Path, dtype: str = "float32") -> Path:
     """model as a complete Hugging Face directory at dest (config, generation config, safetensors)
-    with the other files of model_dir (the tokenizer's), written atomically."""
+    with the other files of model_dir (the tokenizer's), written atomically. dtype is what the
+    engines serve (`clawd.weights.model_dtype`): weights of another dtype are cast to it, one tensor
+    at a time into host memory (the device holds no second copy), and config.json says so."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    target = getattr(torch, dtype)
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        if all(t.dtype == target for t in model.state_dict().values() if t.is_floating_point()):
+            model.save_pretrained(tmp)  # the master weights as they are: float32 stays bit-exact
+        else:
+            model.save_pretrained(tmp, state_dict=cast_state_dict(model, target))
+            config = copy.deepcopy(model.config)  # save_pretrained wrote the model's own dtype
+            config.dtype = dtype
+            config.save_pretrained(tmp)
         for src in sorted(model_dir.iterdir()):
             if (src.is_file() and not src.name.startswith(".") and not (tmp / src.name).exists()
                     and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json")):
                 shutil.copy2(src, tmp / src.name)
 
     return atomic_dir(dest, write)
+
+
+def cast_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """model's state_dict with its floating-point tensors cast to dtype on the host. Tensors that share
+    storage (tied embeddings) stay shared, so save_pretrained still writes them once."""
+    out: dict[str, torch.Tensor] = {}
+    done: dict[tuple, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in done:
+            done[key] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
+        out[name] = done[key]
+    return out
 
 
 def prune_versions(weights_dir: Path, keep: int, spare: int) -> None:

@@ -84,6 +84,11 @@ def handle(handler, msg: dict) -> dict:
 def main(conn, factory: Factory | None, options: dict) -> None:
     """The child's entry point: handshake, then one reply per request until shutdown or EOF."""
     _die_with_parent()
+    for name, value in options.get("env", {}).items():  # its GPUs: set before torch initialises CUDA
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
     logging.basicConfig(level=str(options.get("log_level", "info")).upper(), stream=sys.stderr, format=LOG_FORMAT)
     try:

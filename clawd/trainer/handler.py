@@ -7,7 +7,8 @@ so the reply tells the daemon both where the weights are and whether the batch's
 safe to acknowledge in the journal.
 
 Its options (`clawd.trainer.link.trainer_options`): mode, model_dir, state_dir and train, a
-`TrainConfig` or a [train] table as a dict.
+`TrainConfig` or a [train] table as a dict; dtype, the `[model] dtype` that versions are published
+in ("auto", the base model's, when absent). The GPU share is train's memory_fraction.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class TrainerHandler:
     def __init__(self, options: dict):
         self.mode = options["mode"]
         self.trainer = Trainer(Path(options["model_dir"]), Path(options["state_dir"]),
-                               train_config(options.get("train")))
+                               train_config(options.get("train")), dtype=options.get("dtype", "auto"))
 
     @property
     def step(self) -> int:

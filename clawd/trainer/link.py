@@ -25,12 +25,14 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Sequence
 
 from clawd.config import Config
+from clawd.devices import Launch, child_env, device_set
 from clawd.samples import Sample
 from clawd.trainer import child
 from clawd.trainer.wire import ProtocolError, answers, encode_message, frame_header, message_frames, read_message
@@ -104,9 +106,20 @@ class Checkpointed:
 
 
 def trainer_options(cfg: Config) -> dict:
-    """The options the real trainer (`clawd.trainer.handler`) is spawned with, for a daemon run by cfg."""
+    """The options the real trainer (`clawd.trainer.handler`) is spawned with, for a daemon run by cfg.
+    `env`: what the child changes in its inherited environment before torch starts CUDA (its GPUs)."""
     return {"mode": cfg.scoring.mode, "model_dir": str(cfg.model_path.resolve()),
-            "state_dir": str(cfg.state_dir.resolve()), "train": cfg.train, "log_level": cfg.logging.level}
+            "state_dir": str(cfg.state_dir.resolve()), "train": cfg.train, "dtype": cfg.model.dtype,
+            "log_level": cfg.logging.level, "env": child_env(cfg, cfg.train.gpus, dict(os.environ), unbuffered=False)}
+
+
+def trainer_launch(cfg: Config) -> Launch:
+    """The trainer process as `bin/clawd --plan` prints it: multiprocessing's spawn command line, whose
+    target is `clawd.trainer.child.main` (the pipe and tracker descriptors exist only at run time)."""
+    argv = (sys.executable, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(...)",
+            "--multiprocessing-fork")
+    return Launch("trainer", argv, trainer_options(cfg)["env"], None, device_set(cfg.train.gpus),
+                  cfg.learner.trainer_ready_timeout)
 
 
 async def _wait(event: asyncio.Event, timeout: float | None) -> bool:

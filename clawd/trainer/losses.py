@@ -29,6 +29,10 @@ One optimizer step in the trainer, sketched:
         loss, parts = total_loss(lp_new, lp_new.detach(), mb.lp_rollout, adv, mb.mask, normaliser=norm)
         loss.backward()        # micro-batch losses and gradients add up to the whole batch's
     metrics = loss_metrics(...) | {"grad_norm": grad_norm(model.parameters())}
+
+The trainer takes lp_new, the entropy and lp_old_t1 from one `head_logprobs` call on the decoder's
+hidden states: the same values as the functions above on the full logits, computed a chunk of
+positions at a time, so the [B, T, V] logits never exist (152k entries a position for Qwen).
 """
 from __future__ import annotations
 
@@ -66,6 +70,125 @@ def entropy(logits: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
     """Entropy −Σ p·log p of softmax(logits / T) at each position: [..., V] → [...]."""
     logp = torch.log_softmax(_tempered(logits, temperature), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+# --- the same, from hidden states, a chunk of positions at a time ----------------------------
+
+HEAD_CHUNK_ELEMENTS = 1 << 28  # logits per chunk: 1 GiB a float32 buffer; 1,766 positions of Qwen's 151,936
+
+
+def head_chunk_tokens(vocab: int) -> int:
+    """Positions per chunk for a vocabulary of `vocab` entries (HEAD_CHUNK_ELEMENTS logits)."""
+    return max(1, HEAD_CHUNK_ELEMENTS // vocab)
+
+
+def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float | Tensor = 1.0, *,
+                  bias: Tensor | None = None, with_t1: bool = False, chunk_tokens: int | None = None,
+                  compute_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`token_logprobs`, `entropy` and (with_t1) `token_logprobs` at T = 1 of the logits
+    linear(hidden, weight, bias), without ever holding them whole: [..., H] hidden states and [...]
+    target ids → three [...] tensors in at least float32 (the third None without with_t1).
+
+    The output layer and the softmax run on `chunk_tokens` positions at a time (default
+    `head_chunk_tokens(V)`), and the backward recomputes each chunk's logits instead of keeping them,
+    so memory is chunk × V rather than tokens × V (Qwen's vocabulary: 0.6 MB a position in float32).
+    Per position the operations are those of the unchunked functions on linear(hidden, weight, bias):
+    only the matmul's rounding may differ with the number of rows. `compute_dtype` is the logits'
+    dtype (bfloat16 for the trainer on CUDA, as autocast gives); None: the weight's. Gradients reach
+    hidden, weight and bias through the log-probs at T and the entropy; the T = 1 ones carry none."""
+    lead, size = targets.shape, hidden.shape[-1]
+    dtype = compute_dtype or weight.dtype
+    acc = torch.promote_types(dtype, torch.float32)
+    t = torch.as_tensor(temperature, dtype=acc, device=hidden.device)
+    t = t.reshape(t.shape + (1,) * (len(lead) - t.dim())).expand(lead).reshape(-1)
+    chunk = chunk_tokens or head_chunk_tokens(weight.shape[0])
+    lp, ent, lp1 = _ChunkedHead.apply(hidden.reshape(-1, size), weight, bias, targets.reshape(-1), t,
+                                      chunk, dtype, with_t1)
+    return lp.view(lead), ent.view(lead), lp1.view(lead) if with_t1 else None
+
+
+def _tempered_logsoftmax(logits: Tensor, t: Tensor) -> Tensor:
+    """log_softmax(logits / t) in t's dtype, as `token_logprobs` computes it: the division promotes
+    bf16 logits to float32 in the same pass (the values of logits.float() / t)."""
+    return torch.log_softmax(logits / t[:, None], dim=-1)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """The autograd side of head_logprobs. Saves the hidden states, the weight and the entropy, never
+    logits; the backward recomputes a chunk's logits and log-softmax and forms their gradient directly:
+
+        d lp / d z_k = [k = y] − p_k        d H / d z_k = −p_k (log p_k + H)        z = logits / T"""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, t, chunk, dtype, with_t1):
+        acc = t.dtype
+        n = hidden.shape[0]
+        lp, ent = hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc)
+        lp1 = hidden.new_empty(n if with_t1 else 0, dtype=acc)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here
+            for s in range(0, n, chunk):
+                rows, y = slice(s, s + chunk), targets[s:s + chunk, None]
+                logits = torch.nn.functional.linear(hidden[rows].to(dtype), w, b)
+                if with_t1:
+                    lp1[rows] = torch.log_softmax(logits, dim=-1, dtype=acc).gather(1, y)[:, 0]
+                logp = _tempered_logsoftmax(logits, t[rows])
+                del logits
+                lp[rows] = logp.gather(1, y)[:, 0]
+                ent[rows] = -(logp.exp().mul_(logp)).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, t, ent)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.mark_non_differentiable(lp1)
+        ctx.set_materialize_grads(False)  # an unused output (the entropy, as a metric) sends None
+        return lp, ent, lp1
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _):
+        hidden, weight, bias, targets, t, ent = ctx.saved_tensors
+        chunk, dtype, acc = ctx.chunk, ctx.dtype, t.dtype
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        if g_lp is None and g_ent is None:
+            return (None,) * 8
+        gh = torch.empty_like(hidden) if want_h else None
+        gw = torch.zeros_like(weight) if want_w else None
+        gb = torch.zeros_like(bias) if want_b else None
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, hidden.shape[0], chunk):
+                rows, y = slice(s, s + chunk), targets[s:s + chunk, None]
+                h = hidden[rows].to(dtype)
+                logp = _tempered_logsoftmax(torch.nn.functional.linear(h, w, b), t[rows])
+                g, t_rows = None if g_lp is None else g_lp[rows, None], t[rows, None]
+                # d/dlogits = −q / T with q = p·(g_lp + g_ent·(log p + H)) − g_lp·[k = y]; one id a
+                # row, so scatter_ needs no accumulation. Written in place over p and log p.
+                if g_ent is None:
+                    q = logp.exp_()
+                    q.scatter_(1, y, q.gather(1, y) - 1)
+                    scale = -g / t_rows  # q above is p − [k = y]: g_lp joins the final product
+                else:
+                    q = logp.exp()
+                    coef = logp.add_(ent[rows, None]).mul_(g_ent[rows, None])
+                    q.mul_(coef if g is None else coef.add_(g))
+                    del coef
+                    if g is not None:
+                        q.scatter_(1, y, q.gather(1, y) - g)
+                    scale = -1 / t_rows
+                del logp
+                if q.dtype == dtype:
+                    dlogits = q.mul_(scale)
+                else:  # the product written straight in dtype: one pass, no float32 copy to cast
+                    dlogits = torch.mul(q, scale, out=torch.empty_like(q, dtype=dtype))
+                del q
+                if want_h:
+                    gh[rows] = dlogits @ w
+                if want_w:  # a chunk's share: in dtype (as autocast's would be), summed in the weight's
+                    if gw.dtype == dtype:
+                        gw.addmm_(dlogits.t(), h)
+                    else:
+                        gw.add_(dlogits.t() @ h)
+                if want_b:
+                    gb.add_(dlogits.sum(0, dtype=acc))
+        return gh, gw, gb, None, None, None, None, None
 
 
 # --- advantages ------------------------------------------------------------------------------
@@ -204,23 +327,37 @@ def total_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, 
     `entropy` is per token (the `entropy` function, with grad when entropy_coef > 0). The parts
     come back as floats: this call's share of the whole batch's values (same normaliser), so the
     parts of micro-batches add up. "kl" and "entropy" appear only when their term is on."""
+    loss, parts = total_loss_terms(lp_new, lp_old, lp_rollout, adv, mask, eps_clip=eps_clip,
+                                   eps_clip_high=eps_clip_high, tis_cap=tis_cap, aggregation=aggregation,
+                                   normaliser=normaliser, lp_ref=lp_ref, kl_coef=kl_coef, entropy=entropy,
+                                   entropy_coef=entropy_coef)
+    return loss, {k: float(v) for k, v in parts.items()}
+
+
+def total_loss_terms(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor, *,
+                     eps_clip: float = 0.2, eps_clip_high: float = 0.28, tis_cap: float = 2.0,
+                     aggregation: str = "sample_mean", normaliser: float | None = None,
+                     lp_ref: Tensor | None = None, kl_coef: float = 0.0,
+                     entropy: Tensor | None = None, entropy_coef: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """`total_loss` with its parts as detached 0-d tensors: reading them as floats waits for the
+    device, which the trainer does once per step, not once per micro-batch."""
     kw = dict(aggregation=aggregation, normaliser=normaliser)
     pg = policy_loss(lp_new, lp_old, lp_rollout, adv, mask, eps_clip=eps_clip,
                      eps_clip_high=eps_clip_high, tis_cap=tis_cap, **kw)
-    loss, parts = pg, {"policy_loss": float(pg.detach())}
+    loss, parts = pg, {"policy_loss": pg.detach()}
     keep = mask.bool()
     if kl_coef:
         if lp_ref is None:
             raise ValueError("kl_coef > 0 needs lp_ref")
         kl = aggregate(kl_k3(torch.where(keep, lp_new, 0.0), torch.where(keep, lp_ref.detach(), 0.0)), mask, **kw)
         loss = loss + kl_coef * kl
-        parts["kl"] = float(kl.detach())
+        parts["kl"] = kl.detach()
     if entropy_coef:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs entropy")
         ent = aggregate(torch.where(keep, entropy, 0.0), mask, **kw)
         loss = loss - entropy_coef * ent  # a bonus: higher entropy, lower loss
-        parts["entropy"] = float(ent.detach())
+        parts["entropy"] = ent.detach()
     return loss, parts
 
 

@@ -13,17 +13,23 @@ works with sdpa, eager and flash kernels alike, needs no 4-D mask (an [L, L] blo
 costs memory quadratic in the whole pack) and, sorted by length, wastes little padding.
 Logits are computed only at the response positions: the decoder's last hidden states are
 gathered there and only those go through the output layer, so memory scales with response
-tokens, not with prompt tokens × vocabulary.
+tokens, not with prompt tokens × vocabulary. Even those never exist whole: `losses.head_logprobs`
+runs the output layer and the log-softmax a chunk of positions at a time and recomputes a chunk's
+logits in the backward (a [b, R, V] float32 tensor is 0.6 MB a position at Qwen's vocabulary).
 
 One step (ppo_epochs = 1): per micro-batch, forward → log-probs at each sample's temperature →
-advantages → `losses.total_loss` with the whole batch's normaliser → backward; then the grad
-norm, a non-finite check, clipping and one AdamW step. lp_old is lp_new detached from the same
-forward; the OPD term reads log-probs at T = 1, computed without grad from the same logits.
-With ppo_epochs > 1 a no-grad pass first fixes lp_old (and lp_old at T = 1) for every epoch.
+advantages → `losses.total_loss_terms` with the whole batch's normaliser → backward; then the
+non-finite checks (the loss, then the grad norm), clipping and one AdamW step. lp_old is lp_new
+detached from the same forward; the OPD term reads log-probs at T = 1, computed without grad in the
+same pass over the logits. With ppo_epochs > 1 a no-grad pass first fixes lp_old (and lp_old at
+T = 1) for every epoch. Nothing in the micro-batch loop reads a value back from the device, so on
+CUDA the host queues the next micro-batch while this one runs; the loss is read once per step.
 
-Precision: float32 master weights and optimizer state everywhere; on CUDA the forward runs under
-bf16 autocast, on CPU in float32. Dropout is off (eval mode): the policy being trained is the one
-that sampled, and with ppo_epochs = 1 the ratio is exactly 1.
+Precision: float32 master weights and optimizer state everywhere (a bf16 base model is upcast
+exactly); on CUDA the forward runs under bf16 autocast with SDPA attention (no mask, so its flash
+kernel applies) and AdamW is fused, on CPU in float32. Published versions are cast to the served
+dtype (`clawd.weights.model_dtype`). Dropout is off (eval mode): the policy being trained is the
+one that sampled, and with ppo_epochs = 1 the ratio is exactly 1.
 
 Scale-out (docs/ARCHITECTURE.md §13): nothing here assumes more than this process's model. Under
 torchrun + FSDP2 the same step runs on every rank (grad_norm would all-reduce), and publish/checkpoint
@@ -43,7 +49,7 @@ import torch
 from clawd.config import TrainConfig
 from clawd.samples import MODES, Sample
 from clawd.trainer import checkpoints, losses
-from clawd.weights import remove_temporaries, version_dir
+from clawd.weights import model_dtype, remove_temporaries, version_dir
 
 PAUSE_AFTER_SKIPS = 3  # non-finite steps in a row before learning pauses
 
@@ -88,6 +94,8 @@ class _MicroBatch:
     lp_rollout: torch.Tensor      # [b, R]
     teacher_lp: torch.Tensor      # [b, R], 0 where there is no hint
     tokens: int                   # real input tokens (no padding)
+    keep: torch.Tensor            # flat indices into [b, R] of the loss tokens (mask 1), built on the host
+    needs_t1: bool                # a hinted row sampled at T != 1: the OPD term needs log-probs at T = 1
     old: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)  # (lp_old, lp_old_t1) when ppo_epochs > 1
 
 
@@ -119,7 +127,9 @@ def _micro_batch(samples: list[Sample], rows: list[int], device: torch.device) -
         reward=to(torch.tensor([s.reward for s in group])),
         has_hint=to(torch.tensor([s.has_hint for s in group])),
         lp_rollout=to(lp_rollout), teacher_lp=to(teacher_lp),
-        tokens=sum(len(s.tokens) - 1 for s in group))
+        tokens=sum(len(s.tokens) - 1 for s in group),
+        keep=to(mask.flatten().nonzero()[:, 0]),  # indexing by it later needs no device sync
+        needs_t1=any(s.has_hint and s.temperature != 1 for s in group))
 
 
 # --- the trainer -----------------------------------------------------------------------------
@@ -131,7 +141,9 @@ class Trainer:
     state_dir/checkpoints/ckpt-{n:08d}  checkpoints, the last CHECKPOINTS_KEPT; the newest complete one resumes
     """
 
-    def __init__(self, model_dir: str | Path, state_dir: str | Path, cfg: TrainConfig = TrainConfig()):
+    def __init__(self, model_dir: str | Path, state_dir: str | Path, cfg: TrainConfig = TrainConfig(), *,
+                 dtype: str = "auto"):
+        """dtype: `[model] dtype`, the dtype versions are published in ("auto": the base model's)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -146,9 +158,15 @@ class Trainer:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device {cfg.device!r} asked for, but CUDA is not available")
+        self.publish_dtype = model_dtype(self.model_dir, dtype)
+        cuda = self.device.type == "cuda"
+        if cuda and cfg.memory_fraction > 0:  # before anything is allocated: an engine may share the GPU
+            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device)
 
         def load():
-            m = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            # sdpa named: with no attention mask it runs the causal flash kernel on CUDA.
+            m = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32,
+                                                     attn_implementation="sdpa")
             return m.to(self.device).eval()  # eval: dropout off, the policy that sampled
 
         self.model = load()
@@ -160,7 +178,10 @@ class Trainer:
             self.ref_model = load().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay, fused=True if cuda else None)
+        # The logits' dtype (what autocast gives on CUDA) and positions per output-layer chunk.
+        self.compute_dtype = torch.bfloat16 if cuda else None
+        self.head_chunk_tokens = losses.head_chunk_tokens(self.model.get_output_embeddings().weight.shape[0])
         self.step = 0                  # batches trained (train_step calls), skipped ones included
         self.version = 0               # the newest version published: new ones must be above it
         self.weights_version = 0       # the version the current weights were published as; 0: model_dir
@@ -179,12 +200,15 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logits(self, model, mb: _MicroBatch) -> torch.Tensor:
-        """[b, R, V] logits at the response positions only."""
+    def _forward(self, model, mb: _MicroBatch, temperature: float | torch.Tensor, with_t1: bool = False):
+        """(log-probs at temperature, entropy, log-probs at T = 1 or None), each [b, R], from the
+        decoder's last hidden states at the response positions through `losses.head_logprobs`."""
         with self._autocast():
             hidden = model.get_decoder()(input_ids=mb.input_ids, use_cache=False).last_hidden_state
-            hidden = hidden.gather(1, mb.positions[..., None].expand(-1, -1, hidden.shape[-1]))
-            return model.get_output_embeddings()(hidden)
+        hidden = hidden.gather(1, mb.positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        head = model.get_output_embeddings()
+        return losses.head_logprobs(hidden, head.weight, mb.targets, temperature, bias=head.bias, with_t1=with_t1,
+                                    chunk_tokens=self.head_chunk_tokens, compute_dtype=self.compute_dtype)
 
     def _micro_batches(self, samples: list[Sample]) -> list[_MicroBatch]:
         groups = pack([len(s.tokens) - 1 for s in samples], self.cfg.micro_batch_tokens)
@@ -197,7 +221,7 @@ class Trainer:
         out: list[list[float]] = [[] for _ in samples]
         for mb in self._micro_batches(samples):
             t = mb.temperature if temperature is None else temperature
-            lp = losses.token_logprobs(self._logits(self.model, mb), mb.targets, t).float().cpu()
+            lp = self._forward(self.model, mb, t)[0].float().cpu()
             for r, i in enumerate(mb.rows):
                 out[i] = lp[r, :samples[i].response_length].tolist()
         return out
@@ -205,9 +229,8 @@ class Trainer:
     @torch.no_grad()
     def _fix_old(self, mb: _MicroBatch) -> None:
         """ppo_epochs > 1: lp_old at T and at 1 from a no-grad pass before any update."""
-        logits = self._logits(self.model, mb)
-        mb.old = (losses.token_logprobs(logits, mb.targets, mb.temperature),
-                  losses.token_logprobs(logits, mb.targets, 1.0))
+        lp, _, lp_t1 = self._forward(self.model, mb, mb.temperature, with_t1=mb.needs_t1)
+        mb.old = (lp, lp if lp_t1 is None else lp_t1)  # at T = 1 they are the same numbers
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -246,43 +269,38 @@ class Trainer:
         cfg = self.cfg
         kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap)
         opd_clip = cfg.opd_clip or None  # 0 = off
-        parts: dict[str, float] = {}
+        parts: dict[str, torch.Tensor] = {}
         seen: dict[str, list[torch.Tensor]] = {k: [] for k in ("new", "old", "rollout", "adv", "entropy")}
-        bad = None
         for mb in mbs:
-            logits = self._logits(self.model, mb)
-            lp_new = losses.token_logprobs(logits, mb.targets, mb.temperature)
+            # The OPD term compares at T = 1; only needed when some hinted row was sampled at T != 1.
+            with_t1 = mb.old is None and mode != "rl" and mb.needs_t1
+            lp_new, ent, lp_t1 = self._forward(self.model, mb, mb.temperature, with_t1=with_t1)
             if mb.old is not None:
                 lp_old, lp_old_t1 = mb.old
             else:
                 lp_old = lp_new.detach()
-                lp_old_t1 = lp_old
-                # The OPD term compares at T = 1; only needed when some hinted row was sampled at T != 1.
-                if mode != "rl" and bool((mb.has_hint & (mb.temperature != 1)).any()):
-                    with torch.no_grad():
-                        lp_old_t1 = losses.token_logprobs(logits, mb.targets, 1.0)
+                lp_old_t1 = lp_old if lp_t1 is None else lp_t1
             adv = losses.advantages(mode, mb.reward, lp_old_t1, mb.teacher_lp, mb.has_hint,
                                     w_rl=cfg.w_rl, w_opd=cfg.w_opd, opd_clip=opd_clip)
-            with (contextlib.nullcontext() if cfg.entropy_coef else torch.no_grad()):
-                ent = losses.entropy(logits, mb.temperature)  # a metric always, a loss term when asked
+            if not cfg.entropy_coef:
+                ent = ent.detach()  # a metric only: no gradient through it
             lp_ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    lp_ref = losses.token_logprobs(self._logits(self.ref_model, mb), mb.targets, mb.temperature)
-            loss, mb_parts = losses.total_loss(
+                    lp_ref = self._forward(self.ref_model, mb, mb.temperature)[0]
+            loss, mb_parts = losses.total_loss_terms(
                 lp_new, lp_old, mb.lp_rollout, adv, mb.mask, aggregation=cfg.aggregation, normaliser=norm,
                 lp_ref=lp_ref, kl_coef=cfg.kl_loss_coef, entropy=ent, entropy_coef=cfg.entropy_coef, **kw)
-            for k, v in mb_parts.items():
-                parts[k] = parts.get(k, 0.0) + v
-            parts["loss"] = parts.get("loss", 0.0) + float(loss.detach())
-            keep = mb.mask.bool()
+            for k, v in [*mb_parts.items(), ("loss", loss.detach())]:  # summed in float64, as floats were
+                parts[k] = parts[k] + v.double() if k in parts else v.double()
             for k, x in zip(seen, (lp_new, lp_old, mb.lp_rollout, adv, ent)):
-                seen[k].append(x.detach()[keep].float())
-            if not torch.isfinite(loss):
-                bad = f"non-finite loss ({float(loss.detach())})"
-                break
+                seen[k].append(x.detach().flatten().index_select(0, mb.keep).float())
+            # Backward even when this loss is not finite: checking first would wait for the device on
+            # every micro-batch; a non-finite loss skips the step below, its gradients unused.
             loss.backward()
 
+        totals = dict(zip(parts, torch.stack(list(parts.values())).tolist()))  # the step's one read-back
+        bad = None if math.isfinite(totals["loss"]) else f"non-finite loss ({totals['loss']})"
         gn = math.nan
         if bad is None:
             gn = losses.grad_norm(self.params)
@@ -290,10 +308,8 @@ class Trainer:
                 bad = f"non-finite gradient norm ({gn})"
         if bad is None:
             if cfg.grad_clip and gn > cfg.grad_clip:
-                coef = cfg.grad_clip / (gn + 1e-6)
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+                grads = [p.grad for p in self.params if p.grad is not None]
+                torch._foreach_mul_(grads, cfg.grad_clip / (gn + 1e-6))  # one launch, not one per tensor
             self.optimizer.step()
             self.consecutive_skips = 0
         else:  # the weights and the optimizer state stay exactly as they were
@@ -308,7 +324,7 @@ class Trainer:
         metrics = losses.loss_metrics(cat["new"], cat["old"], cat["rollout"], cat["adv"],
                                       torch.ones_like(cat["adv"]), entropy=cat["entropy"], **kw)
         names = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy"}
-        metrics.update({names[k]: v for k, v in parts.items()})
+        metrics.update({names[k]: v for k, v in totals.items()})
         metrics.update(grad_norm=gn, skipped=bad is not None, skip_reason=bad)
         return metrics
 
@@ -319,11 +335,12 @@ class Trainer:
     # --- publishing and checkpoints ---------------------------------------------------------
 
     def publish(self, version: int) -> Path:
-        """Write the current weights as weights/v{version:06d}, a complete Hugging Face directory,
-        and keep the newest keep_versions. Versions must increase."""
+        """Write the current weights as weights/v{version:06d}, a complete Hugging Face directory in
+        publish_dtype, and keep the newest keep_versions. Versions must increase."""
         if not isinstance(version, int) or version <= self.version:
             raise ValueError(f"version {version!r} must be an integer above the last one, {self.version}")
-        dest = checkpoints.publish_weights(self.model, self.model_dir, version_dir(self.state_dir, version))
+        dest = checkpoints.publish_weights(self.model, self.model_dir, version_dir(self.state_dir, version),
+                                           self.publish_dtype)
         self.version = self.weights_version = version
         self._publishes_since_checkpoint += 1
         checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare=self._checkpointed_version)

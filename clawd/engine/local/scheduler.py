@@ -9,6 +9,8 @@ and join it at a step boundary while there is room (continuous batching).
 Weight updates are applied between batches: a pending update lets the running
 batch drain, and requests arriving meanwhile wait for the new weights. Pauses
 follow SGLang's three modes: abort, retract, in_place (docs/ARCHITECTURE.md §10).
+As in SGLang, `SGLANG_REQ_WAITING_TIMEOUT` (seconds; unset or <= 0: off) aborts,
+with status 503, a request left waiting for room in the batch that long.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import asyncio
 import collections
 import inspect
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ import torch
 
 from clawd.engine.local.model import Batch, WeightLoadError, load_model
 from clawd.engine.local.sampling import pick_token, prompt_logprobs
-from clawd.engine.local.wire import GenerateItem, RequestError, SamplingParams
+from clawd.engine.local.wire import GenerateItem, RequestError, SamplingParams, fit_to_context
 
 log = logging.getLogger("clawd.engine.cpu")  # the engine's log namespace, as operators (and bench/swap.py) know it
 
@@ -33,6 +36,8 @@ GATHER_YIELDS = 4  # loop turns given to requests that arrived together before a
 
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+TIMED_OUT = {"type": "abort", "status_code": 503, "message": "Request waiting timeout reached."}
+WAITING_TIMEOUT_ENV = "SGLANG_REQ_WAITING_TIMEOUT"
 
 
 class Group:
@@ -56,6 +61,7 @@ class Req:
         self.group, self.index = group, index
         self.generator = torch.Generator().manual_seed(seed % 2**64)  # any int seed is valid
         self.t0 = time.perf_counter()
+        self.queued_at = time.monotonic()  # since when it waits for room in the batch
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.input_logprobs: list[float | None] | None = None
@@ -117,6 +123,8 @@ class Engine:
         self._kick = asyncio.Event()  # something changed: new work, abort, pause, update
         self.parked = asyncio.Event()  # the loop is waiting at a step boundary, not computing
         self._seeds = random.Random(args.seed)
+        timeout = float(os.environ.get(WAITING_TIMEOUT_ENV) or 0)
+        self.waiting_timeout = timeout if timeout > 0 else None
 
     # ---- loading
 
@@ -145,22 +153,20 @@ class Engine:
     # ---- requests
 
     def submit(self, items: list[GenerateItem], stream: bool) -> Group:
-        """Validate against the model and queue the items as one group (they batch together)."""
-        rids = set()
+        """Validate against the model and queue the items as one group (they batch together).
+
+        A refusal by SGLang's tokenizer raises RequestError for the whole group; one by its
+        scheduler (a prompt too long for the input limit) ends that sequence with an abort
+        that carries status 400.
+        """
+        rids, checked = set(), []
         for it in items:
             if it.rid in self.live or it.rid in rids:
                 raise RequestError(f"Duplicate request ID detected: {it.rid}")
             rids.add(it.rid)
-            n, m = len(it.prompt), it.params.max_new_tokens
-            if n >= self.context_len:
-                raise RequestError(f"The input ({n} tokens) is longer than the model's context length "
-                                   f"({self.context_len} tokens).")
-            if n + m > self.context_len:
-                raise RequestError(
-                    f"Requested token count exceeds the model's maximum context length of {self.context_len} "
-                    f"tokens. You requested a total of {n + m} tokens: {n} tokens from the input messages and "
-                    f"{m} tokens for the completion. Please reduce the number of tokens in the input messages "
-                    f"or the completion to fit within the limit.")
+            n = len(it.prompt)
+            it, refused = fit_to_context(it, self.context_len)
+            checked.append((it, refused))
             if it.return_logprob and not -1 <= it.logprob_start_len <= n:
                 raise RequestError(f"logprob_start_len ({it.logprob_start_len}) must be -1 or between 0 and "
                                    f"the number of input tokens ({n}).")
@@ -168,10 +174,14 @@ class Engine:
             if bad:
                 raise RequestError(f"input_ids hold {bad[0]}, outside the vocabulary [0, {self.vocab_size}).")
         group = Group(stream)
-        for i, it in enumerate(items):
+        for i, (it, refused) in enumerate(checked):
             seed = it.params.sampling_seed
             req = Req(it, group, i, self._seeds.getrandbits(63) if seed is None else seed)
             group.reqs.append(req)
+            if refused is not None:
+                req.started = True  # the scheduler saw it: its meta_info has the token counts
+                self.finish(req, refused)
+                continue
             self.live[req.rid] = req
             self.waiting.append(req)
         self._kick.set()
@@ -215,7 +225,25 @@ class Engine:
 
     def resume(self) -> None:
         self.paused = None
+        self._requeued()
         self._kick.set()
+
+    def _requeued(self) -> None:
+        """Requests held by a pause or an update reach the waiting queue only now, as in SGLang
+        (whose tokenizer holds them): their waiting time starts here."""
+        now = time.monotonic()
+        for req in self.waiting:
+            req.queued_at = now
+
+    def _expire_waiting(self) -> None:
+        """Abort requests that waited longer than SGLANG_REQ_WAITING_TIMEOUT for room in the batch."""
+        if self.waiting_timeout is None or self.paused or self.updates:
+            return
+        deadline = time.monotonic() - self.waiting_timeout
+        for req in [r for r in self.waiting if not r.started and r.queued_at < deadline]:
+            self.waiting.remove(req)
+            log.info("request %s waited over %.3g s; aborted", req.rid, self.waiting_timeout)
+            self.finish(req, dict(TIMED_OUT))
 
     async def update_weights(self, path: str, version: str | None) -> tuple[int, dict]:
         """Queue a swap for the loop to apply between batches (or now, if paused); await its result."""
@@ -241,6 +269,7 @@ class Engine:
             log.info("weights now %s (version %s), loaded in %.2f s", path, self.weight_version,
                      time.perf_counter() - t0)
             result = (200, {"success": True, "message": message, "num_paused_requests": 0})
+        self._requeued()
         if not fut.done():
             fut.set_result(result)
 
@@ -315,6 +344,7 @@ class Engine:
                 newcomers = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
                 members.extend(newcomers)
                 batch.extend(self._prefill(newcomers))
+            self._expire_waiting()
             if not batch.rows:
                 return
             tokens = torch.tensor([[r.output_ids[-1]] for r in batch.rows], dtype=torch.long)
@@ -423,7 +453,8 @@ class Engine:
         it = req.item
         since = cursor.n if cursor is not None else 0
         text = self.text(req, n, final)
-        waiting_abort = final and req.finish is ABORTED_WAITING  # SGLang omits the token counts then
+        # SGLang omits the token counts of a request aborted before it left the waiting queue
+        waiting_abort = final and not req.started and req.finish.get("type") == "abort"
         meta = {"id": req.rid, "finish_reason": req.finish if final else None}
         if not waiting_abort:
             meta["prompt_tokens"] = len(req.prompt)
@@ -452,18 +483,6 @@ class Engine:
 
     def _entry(self, lp: float | None, tok: int, with_text: bool = False) -> list:
         return [lp, tok, self.tokenizer.decode([tok]) if with_text else None]
-
-    def model_info(self) -> dict:
-        cfg = self.model.config
-        return {
-            "model_path": self.model_path, "served_model_name": self.model_path,
-            "tokenizer_path": self.args.model, "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": self.weight_version, "load_format": "auto", "reasoning_parser": None,
-            "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": cfg.model_type,
-            "architectures": list(getattr(cfg, "architectures", None) or [type(self.model).__name__]),
-            "max_context_length": self.context_len,
-        }
 
     def shutdown(self) -> None:
         """Answer everything still waiting so handlers finish and the server can close."""

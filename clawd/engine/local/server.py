@@ -7,15 +7,17 @@ shapes, so clawd runs unchanged on either engine (docs/ARCHITECTURE.md §10):
     POST /abort_request             by rid prefix, or abort_all
     POST /update_weights_from_disk  swap in a same-architecture HF directory
     POST /pause_generation, /continue_generation   modes abort | retract | in_place
-    GET  /health, /health_generate, /ready, /model_info;  GET|POST /flush_cache
+    GET  /health, /health_generate, /ready, /model_info, /server_info;  GET|POST /flush_cache
+    (and SGLang's deprecated aliases /get_model_info, /get_server_info)
 
 This module is the HTTP side and the process. The package's layers, each using
 only the ones before it: wire (the request schema), sampling (token math),
-model (loading, KV cache), scheduler (requests and the batch loop), server.
+model (loading, KV cache), scheduler (requests and the batch loop), auth (API
+keys, the --config file), server.
 
     python -m clawd.engine.local --model DIR [--fd N | --host 127.0.0.1 --port P]
         [--weight-version 0] [--seed 0] [--threads N] [--max-batch-size 8]
-        [--context-length N] [--incremental-streaming-output]
+        [--context-length N] [--incremental-streaming-output] [--config FILE.yaml]
 """
 from __future__ import annotations
 
@@ -32,12 +34,14 @@ import sys
 import torch
 from aiohttp import web
 
+from clawd.engine.local import auth
 from clawd.engine.local.scheduler import Cursor, Engine, Group
-from clawd.engine.local.wire import BadBody, ContractError, RequestError, parse_generate
+from clawd.engine.local.wire import BadBody, ContractError, RequestError, max_req_input_len, parse_generate
 
 log = logging.getLogger("clawd.engine.cpu")  # the engine's log namespace, as operators (and bench/swap.py) know it
 
 ENGINE = web.AppKey("engine", Engine)
+SGLANG_VERSION = "0.5.23"  # the SGLang release whose API this engine speaks (/server_info "version")
 
 
 # --------------------------------------------------------------------------
@@ -72,6 +76,24 @@ async def _body(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise BadBody("body must be a JSON object")
     return body
+
+
+def _abort_error(finish: dict | None) -> web.Response | None:
+    """The HTTP error SGLang 0.5.23 makes of a non-streamed request aborted with a status
+    (tokenizer_manager.py, _handle_abort_finish_reason); None for a plain abort or a finish.
+
+    400 (e.g. the input limit) is its ValueError shape; 500 and 503 (e.g. the waiting
+    timeout) its HTTPException shape; a streamed request gets the abort as its last chunk.
+    """
+    if not finish or finish.get("type") != "abort":
+        return None
+    code = finish.get("status_code")
+    if code == 400:
+        return _json({"error": {"message": finish["message"]}}, 400)
+    if code in (500, 503):
+        return _json({"object": "error", "message": finish["message"], "type": str(code), "param": None,
+                      "code": code}, code)
+    return None
 
 
 def with_body(handler):
@@ -114,16 +136,13 @@ async def handle_generate(request: web.Request, engine: Engine, body: dict) -> w
     try:
         remaining = len(group.reqs)
         while remaining:
-            _, _, final = await group.events.get()
+            i, _, final = await group.events.get()
             remaining -= final
+            if final and (error := _abort_error(group.reqs[i].finish)) is not None:
+                return error  # the whole call fails, as SGLang's gather does; the rest is aborted
     finally:
         engine.abort_group(group)  # cancelled on client disconnect: stop computing for nobody
     outs = [engine.render(r, len(r.output_ids), True) for r in group.reqs]
-    failed = [r.finish for r in group.reqs if (r.finish.get("status_code") or 0) >= 400]
-    if failed:
-        code = failed[0]["status_code"]
-        return _json({"object": "error", "message": failed[0]["message"], "type": str(code),
-                      "param": None, "code": code}, code)
     return _json(outs if is_batch else outs[0])
 
 
@@ -203,11 +222,43 @@ async def handle_ready(request: web.Request) -> web.Response:
     return web.Response(status=200 if engine.loaded.is_set() and not engine.paused else 503)
 
 
-async def handle_model_info(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    if not engine.loaded.is_set():
-        return _json({"error": {"message": "The model is still loading."}}, 503)
-    return _json(engine.model_info())
+def model_info(engine: Engine) -> dict:
+    cfg = engine.model.config
+    return {
+        "model_path": engine.model_path, "served_model_name": engine.model_path,
+        "tokenizer_path": engine.args.model, "is_generation": True, "preferred_sampling_params": None,
+        "weight_version": engine.weight_version, "load_format": "auto", "reasoning_parser": None,
+        "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
+        "has_audio_understanding": False, "model_type": cfg.model_type,
+        "architectures": list(getattr(cfg, "architectures", None) or [type(engine.model).__name__]),
+        "max_context_length": engine.context_len,
+    }
+
+
+def server_info(engine: Engine) -> dict:
+    """SGLang's /server_info: server arguments, the scheduler's limits, `version`; never a key.
+
+    `context_length` is the context in force (SGLang reports its --context-length flag,
+    null when not given); `max_req_input_len` is what SGLang's scheduler computes from it;
+    `max_total_num_tokens` (SGLang: the KV pool) is what a full batch can hold here.
+    """
+    args, context = engine.args, engine.context_len
+    return {
+        "model_path": engine.model_path, "tokenizer_path": args.model, "served_model_name": engine.model_path,
+        "context_length": context, "max_running_requests": args.max_batch_size, "random_seed": args.seed,
+        "incremental_streaming_output": args.incremental_streaming_output,
+        "max_total_num_tokens": context * args.max_batch_size, "max_req_input_len": max_req_input_len(context),
+        "internal_states": [{}], "version": SGLANG_VERSION, "engine": "clawd-cpu",
+    }
+
+
+def _loaded(describe):
+    async def handle(request: web.Request) -> web.Response:
+        engine = request.app[ENGINE]
+        if not engine.loaded.is_set():
+            return _json({"error": {"message": "The model is still loading."}}, 503)
+        return _json(describe(engine))
+    return handle
 
 
 async def handle_flush_cache(request: web.Request) -> web.Response:
@@ -215,7 +266,9 @@ async def handle_flush_cache(request: web.Request) -> web.Response:
 
 
 def build_app(engine: Engine) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    keys = getattr(engine.args, "api_key", None), getattr(engine.args, "admin_api_key", None)
+    middlewares = [auth.middleware(*keys)] if any(keys) else []
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
     app[ENGINE] = engine
     app.router.add_post("/generate", handle_generate)
     app.router.add_put("/generate", handle_generate)
@@ -226,7 +279,9 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_get("/health", handle_health)
     app.router.add_get("/health_generate", handle_health)
     app.router.add_get("/ready", handle_ready)
-    app.router.add_get("/model_info", handle_model_info)
+    for path, describe in (("/model_info", model_info), ("/get_model_info", model_info),
+                           ("/server_info", server_info), ("/get_server_info", server_info)):
+        app.router.add_get(path, _loaded(describe))
     app.router.add_get("/flush_cache", handle_flush_cache)
     app.router.add_post("/flush_cache", handle_flush_cache)
     return app
@@ -294,7 +349,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context-length", type=int, default=None, help="default: the model's")
     ap.add_argument("--incremental-streaming-output", action="store_true",
                     help="stream chunks hold only new tokens (SGLang's flag of the same name)")
+    ap.add_argument("--config", default=None, metavar="FILE.yaml",
+                    help="flag values, as SGLang's --config; the only way to give api-key and admin-api-key")
+    keys = dict.fromkeys(auth.KEY_OPTIONS)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    config, _ = pre.parse_known_args(argv)
+    if config.config is not None:
+        try:
+            keys = auth.apply_config(ap, config.config)
+        except auth.ConfigError as exc:
+            ap.error(str(exc))
     args = ap.parse_args(argv)
+    args.api_key, args.admin_api_key = keys["api_key"], keys["admin_api_key"]
     if args.max_batch_size < 1:
         ap.error("--max-batch-size must be at least 1")
     return args

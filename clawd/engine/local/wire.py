@@ -7,6 +7,7 @@ Pure Python, no torch: nothing here needs the model but a tokenizer callable.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     sampling_seed: int | None = None
     stream_interval: int = 1
+    max_new_tokens_set: bool = False  # given in the request (SGLang checks only that one against the context)
 
     @property
     def greedy(self) -> bool:
@@ -141,7 +143,8 @@ def parse_sampling_params(raw) -> SamplingParams:
     stop_ids = tuple(given.pop("stop_token_ids", ()))
     floats = {k: float(given[k]) for k in ("temperature", "top_p", "min_p", "frequency_penalty",
                                              "presence_penalty", "repetition_penalty") if k in given}
-    p = SamplingParams(**{**given, **floats}, stop=stop, stop_token_ids=stop_ids, logit_bias=tuple(bias))
+    p = SamplingParams(**{**given, **floats}, stop=stop, stop_token_ids=stop_ids, logit_bias=tuple(bias),
+                       max_new_tokens_set="max_new_tokens" in given)
     check_sampling_params(p)
     return p
 
@@ -260,3 +263,51 @@ def parse_generate(body: dict, tokenize) -> tuple[list[GenerateItem], bool, bool
     items = [GenerateItem(tuple(prompts[i]), params[i], rids[i], return_logprob[i], start[i], with_text)
              for i in range(n)]
     return items, is_batch, stream
+
+
+# --------------------------------------------------------------------------
+# The context window (SGLang 0.5.23: managers/tokenizer_manager.py _validate_one_request,
+# managers/tp_worker.py, managers/scheduler.py)
+
+# SGLang's scheduler keeps max_req_len = context - 1 (while its KV pool holds a whole context) and
+# max_req_input_len = max_req_len - 5: a prompt must leave room for at least a few new tokens.
+INPUT_RESERVE = 6
+
+
+def max_req_input_len(context_len: int) -> int:
+    """The longest prompt plus one: prompts of this many tokens or more are refused."""
+    return context_len - INPUT_RESERVE
+
+
+def input_too_long(n: int, context_len: int) -> dict:
+    """The scheduler's refusal: an abort carrying status 400 (HTTP 400 when not streamed)."""
+    limit = max_req_input_len(context_len)
+    return {"type": "abort", "message": f"Input length ({n} tokens) exceeds the maximum allowed length ({limit} "
+            f"tokens). Use a shorter input or enable --allow-auto-truncate.",
+            "status_code": 400, "err_type": "BadRequestError"}
+
+
+def fit_to_context(item: GenerateItem, context_len: int) -> tuple[GenerateItem, dict | None]:
+    """SGLang's length rules for one sequence, in its order.
+
+    The tokenizer refuses (RequestError) a prompt of the whole context or more, and an
+    explicit max_new_tokens that with the prompt exceeds the context. The scheduler then
+    refuses a prompt of max_req_input_len tokens or more (returned as an abort reason) and
+    trims max_new_tokens, given or default, to the room left: max_req_len - len(prompt) - 1.
+    """
+    n, p = len(item.prompt), item.params
+    if n >= context_len:
+        raise RequestError(f"The input ({n} tokens) is longer than the model's context length "
+                           f"({context_len} tokens).")
+    if p.max_new_tokens_set and n + p.max_new_tokens > context_len:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+            f"You requested a total of {n + p.max_new_tokens} tokens: {n} tokens from the input messages and "
+            f"{p.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+            f"messages or the completion to fit within the limit.")
+    if n >= max_req_input_len(context_len):
+        return item, input_too_long(n, context_len)
+    room = context_len - 2 - n
+    if p.max_new_tokens > room:
+        item = dataclasses.replace(item, params=dataclasses.replace(p, max_new_tokens=room))
+    return item, None

@@ -1,0 +1,53 @@
+"""`bin/clawd --plan [--json]`: every process a configuration would start, without starting any.
+
+Built by the same functions that start them (`clawd.engine.launch.engine_launch`,
+`clawd.trainer.link.trainer_launch`), so the plan is what runs. It needs neither SGLang nor a GPU,
+only the configuration and the base model's config.json (for the dtype). No secret appears in it:
+engine keys travel in a file only clawd can read, and `env` lists what clawd sets (a value) or
+removes (null), never what it inherits.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from clawd.config import Config
+from clawd.devices import Launch
+from clawd.engine.launch import engine_launch, keys_file_path
+from clawd.trainer.link import trainer_launch
+from clawd.weights import restored_weights
+
+
+def launches(cfg: Config) -> list[Launch]:
+    """In start order: the policy engine, the reference engine, the trainer (each as far as cfg starts it)."""
+    found = []
+    if cfg.engine.launch != "none":
+        restored = restored_weights(cfg.state_dir)  # a restart serves the checkpointed version, not the base
+        weights, version = ((str(restored[1]), str(restored[0])) if restored
+                            else (str(Path(cfg.model.path).resolve()), "0"))
+        found.append(engine_launch(cfg, "policy", weights, version, keys_file=keys_file_path(cfg, "policy")))
+        if cfg.reference_engine_needed:
+            found.append(engine_launch(cfg, "reference", str(Path(cfg.model.path).resolve()), "0",
+                                       keys_file=keys_file_path(cfg, "reference")))
+    if cfg.learner.enabled:
+        found.append(trainer_launch(cfg))
+    return found
+
+
+def plan_json(cfg: Config) -> str:
+    return json.dumps({"processes": [launch.as_json() for launch in launches(cfg)]}, indent=2)
+
+
+def plan_text(cfg: Config) -> str:
+    lines = [f"clawd would start (config {cfg.source}), in this order:"]
+    for launch in launches(cfg):
+        devices = ",".join(map(str, launch.devices)) or "none"
+        port = "" if launch.port is None else f", port {launch.port}"
+        lines.append(f"\n{launch.role}: GPUs {devices}{port}, ready within {launch.startup_timeout:.0f}s")
+        for name, value in launch.env.items():
+            lines.append(f"  env {name}={shlex.quote(value)}" if value is not None else f"  env -u {name}")
+        lines.append("  " + shlex.join(launch.argv))
+    if cfg.engine.launch == "none":
+        lines.append(f"\nengines: none (clawd uses the ones at {cfg.engine.url} and {cfg.engine.reference_url})")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""`bin/clawd --plan`: every process a configuration starts, its GPUs, command and environment, and no secret;
+`--check-config` refuses placements that would collide on a GPU, naming the key."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from clawd.config import ConfigError, config_from_dict, to_toml
+from clawd.engine.launch import write_keys_file
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRETS = ("sk-engine-0123456789", "sk-admin-0123456789", "sk-judge-0123456789", "sk-alice-0123456789")
+
+
+def _model(tmp_path, dtype="bfloat16") -> Path:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "dtype": dtype}))
+    return model
+
+
+def _gpu_config(tmp_path) -> dict:
+    return {"model": {"path": str(_model(tmp_path))}, "state": {"dir": str(tmp_path / "state")},
+            "auth": {"keys": [{"name": "alice", "key_env": "CLAWD_TEST_ALICE"}]},
+            "engine": {"launch": "sglang", "gpus": "0,1", "reference_gpus": "2", "api_key": SECRETS[0],
+                       "admin_api_key_env": "CLAWD_TEST_ADMIN", "sglang_args": ["--tp-size", "2"],
+                       "reference_sglang_args": ["--mem-fraction-static", "0.5"]},
+            "judge": {"api_key_file": str(tmp_path / "judge-key")},
+            "train": {"gpus": "3"}}
+
+
+def _plan(tmp_path, raw: dict, *args: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "clawd.toml"
+    path.write_text(to_toml(raw))
+    (tmp_path / "judge-key").write_text(SECRETS[2] + "\n")
+    env = {**os.environ, "CLAWD_TEST_ADMIN": SECRETS[1], "CLAWD_TEST_ALICE": SECRETS[3]}
+    return subprocess.run([str(ROOT / "bin/clawd"), "--config", str(path), *args],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_plan_places_each_role_on_its_own_gpus_with_the_dtype_and_no_secret(tmp_path):
+    done = _plan(tmp_path, _gpu_config(tmp_path), "--plan", "--json")
+    assert done.returncode == 0, done.stderr
+    processes = {p["role"]: p for p in json.loads(done.stdout)["processes"]}
+    assert list(processes) == ["policy", "reference", "trainer"]  # the order they start in
+    assert {role: p["devices"] for role, p in processes.items()} == {"policy": [0, 1], "reference": [2],
+                                                                     "trainer": [3]}
+    assert {role: p["env"].get("CUDA_VISIBLE_DEVICES") for role, p in processes.items()} == {
+        "policy": "0,1", "reference": "2", "trainer": "3"}
+    for role in ("policy", "reference"):
+        argv = processes[role]["argv"]
+        assert argv[0].endswith("/sglang") and argv[1] == "serve"
+        assert argv[argv.index("--dtype") + 1] == "bfloat16"
+        assert argv[argv.index("--port") + 1] == str(processes[role]["port"])
+        assert "--incremental-streaming-output" in argv
+        assert processes[role]["startup_timeout"] >= 1200
+        # The keys travel in a file named on the command line; the variables they came from are removed.
+        keys = argv[argv.index("--config") + 1]
+        assert keys.endswith(f"{role}-engine-keys.yaml") and not Path(keys).exists()  # a plan writes nothing
+        assert processes[role]["env"]["CLAWD_TEST_ADMIN"] is None
+        assert processes[role]["env"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] is None if (
+            "SGLANG_RETURN_ORIGINAL_LOGPROB" in os.environ) else "SGLANG_RETURN_ORIGINAL_LOGPROB" not in processes[role]["env"]
+    assert processes["policy"]["argv"][-2:] == ["--tp-size", "2"]
+    assert processes["reference"]["argv"][-2:] == ["--mem-fraction-static", "0.5"]
+    text = _plan(tmp_path, _gpu_config(tmp_path), "--plan")
+    assert text.returncode == 0 and "policy: GPUs 0,1, port 30000, ready within 1800s" in text.stdout
+    for secret in SECRETS:
+        assert secret not in done.stdout + done.stderr + text.stdout + text.stderr
+
+
+def test_the_child_environment_scrubs_log_prob_switches(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    done = _plan(tmp_path, _gpu_config(tmp_path), "--plan", "--json")
+    for process in json.loads(done.stdout)["processes"]:
+        assert process["env"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] is None
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"engine": {"reference_gpus": "1"}}, "engine.gpus: GPU 1 is shared by the policy engine"),
+    ({"train": {"gpus": "2"}}, "train.gpus: GPU 2 is shared by the reference engine (engine.reference_gpus) and "
+                               "the trainer (train.gpus): every role on a shared GPU must set its memory share "
+                               "(train.memory_fraction for the trainer)"),
+    ({"train": {"gpus": "2", "memory_fraction": 0.6}}, "train.gpus: GPU 2 is shared by the reference engine "
+                                                        "(engine.reference_gpus) and the trainer (train.gpus), "
+                                                        "whose memory shares add up to 1.10"),
+    ({"engine": {"reference_gpus": ""}}, "engine.reference_gpus: must name the GPUs of the reference engine"),
+    ({"engine": {"gpus": "0"}}, "engine.gpus: names 1 GPU(s), but the SGLang arguments of the policy engine use 2"),
+    ({"train": {"gpus": ""}, "learner": {}}, None),  # no trainer GPUs: the trainer runs on the CPU
+])
+def test_check_config_refuses_overlapping_gpus_naming_the_key(tmp_path, change, key):
+    raw = _gpu_config(tmp_path)
+    for section, values in change.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    done = _plan(tmp_path, raw, "--check-config")
+    if key is None:
+        assert done.returncode == 0, done.stderr
+    else:
+        assert done.returncode == 2 and key in done.stderr, done.stderr
+
+
+def test_a_shared_gpu_is_accepted_when_every_role_on_it_sets_its_share(tmp_path):
+    raw = _gpu_config(tmp_path)
+    raw["engine"] |= {"gpus": "0", "reference_gpus": "0", "sglang_args": ["--mem-fraction-static", "0.4"],
+                      "reference_sglang_args": ["--mem-fraction-static=0.25"]}
+    raw["train"] |= {"gpus": "0", "memory_fraction": 0.3}
+    done = _plan(tmp_path, raw, "--plan", "--json")
+    assert done.returncode == 0, done.stderr
+    assert {p["role"]: p["devices"] for p in json.loads(done.stdout)["processes"]} == {
+        "policy": [0], "reference": [0], "trainer": [0]}
+
+
+def test_train_gpus_make_the_trainer_run_on_cuda_unless_told_otherwise():
+    assert config_from_dict({"train": {"gpus": "3"}}).train.device == "cuda"
+    with pytest.raises(ConfigError, match='train.device: must be "cuda" when gpus is set'):
+        config_from_dict({"train": {"gpus": "3", "device": "cpu"}})
+
+
+def test_keys_file_is_private_and_holds_sglang_config_keys(tmp_path):
+    path = write_keys_file(tmp_path / "run" / "policy-engine-keys.yaml", "sk-a", "sk-b")
+    assert json.loads(path.read_text()) == {"api-key": "sk-a", "admin-api-key": "sk-b"}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
