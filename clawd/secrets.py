@@ -4,7 +4,8 @@ Each secret key of the TOML file (`auth.keys[].key`, `engine.api_key`, `engine.a
 `judge.api_key`) has two siblings, `<key>_env` (the name of an environment variable) and
 `<key>_file` (a path; a relative one is looked up in systemd's `$CREDENTIALS_DIRECTORY`, which
 `LoadCredential=` fills). At most one of the three is set. They are resolved when the file is
-loaded, so SIGHUP re-reads a rotated file, and the rest of clawd sees only the value.
+loaded, so SIGHUP re-reads a rotated file (the API keys apply at once, the engine and judge keys
+at the next start), and the rest of clawd sees only the value.
 """
 from __future__ import annotations
 

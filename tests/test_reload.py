@@ -187,3 +187,22 @@ def test_sighup_reloads_the_live_settings_and_names_the_rest(tmp_path, tiny_mode
     finally:
         daemon.stop()
 
+
+
+def test_a_rotated_key_file_is_read_again_on_reload(tmp_path):
+    """Secrets from files are read when the configuration loads: a SIGHUP after the file changed applies the
+    new API key at once, and names (never shows) an engine key that changed as needing a restart."""
+    (tmp_path / "alice").write_text("sk-alice-first-1234\n")
+    (tmp_path / "engine").write_text("sk-engine-first-1234\n")
+    path = tmp_path / "clawd.toml"
+    path.write_text(to_toml({"auth": {"keys": [{"name": "alice", "key_file": str(tmp_path / "alice")}]},
+                             "engine": {"api_key_file": str(tmp_path / "engine")}}))
+    running = load_for_reload(path)
+    assert running.auth.keys[0].key == "sk-alice-first-1234"
+    (tmp_path / "alice").write_text("sk-alice-second-1234\n")
+    (tmp_path / "engine").write_text("sk-engine-second-1234\n")
+    rec = Recorder()
+    running, line = reload(path, running, rec.targets)
+    assert rec.calls == [("api_keys", (ApiKey(name="alice", key="sk-alice-second-1234",
+                                              key_file=str(tmp_path / "alice")),))]
+    assert line == "reloaded auth.keys; needs a restart: engine.api_key" and "sk-" not in line
