@@ -1,27 +1,45 @@
-"""`make bench`: every benchmark under bench/, then one table of their headline figures.
+"""`make bench`: every benchmark under bench/, then one table of their verdicts and headline figures.
 
-Each script measures its figures side by side in its own run and writes
-bench/results/<name>.json; this runs them one after another (never together: on
-a small machine they would measure each other) and reads back the few figures
-that answer "is clawd fast enough here", with the target each is judged against.
-The table is also written to bench/results/summary.json.
+Each script measures its figures side by side in its own run, writes bench/results/<name>.json
+stamped with its `provenance` (bench/provenance.py: date, commit, dirty) and exits 0 only when it
+measured and met its targets. This runs them one after another (never together: on a small machine
+they would measure each other); each bench's verdict is its exit status (`ok`, or `FAILED (exit N)`),
+shown first in its block with the result's date and commit, then the few figures that answer "is
+clawd fast enough here" with the target each is judged against (`met` / `MISSED`).
+
+A result is marked STALE when its commit is not HEAD, when it was measured on a dirty tree, when it
+is older than the newest commit touching clawd/ or bench/, or (after a run) when this run did not
+write it; a result without provenance is marked "unknown provenance".
 
     .venv/bin/python bench/all.py                  # run everything (~10 min on 2 cores)
     .venv/bin/python bench/all.py --only trainer swap
-    .venv/bin/python bench/all.py --no-run         # the table from the last results
+    .venv/bin/python bench/all.py --no-run         # the table from the last results: verdict "not run"
+
+Exit status, after a run: 0 only when every bench it ran exited 0 and every result shown is fresh
+(written by this run, at HEAD, on a clean tree) with no figure MISSED; else 1. The table is also
+written to <results>/summary.json. With --no-run: 0 when every result is there, readable, and
+neither missed a figure nor records `"pass": false` (STALE marks are shown, not judged: nothing was
+supposed to be fresh); else 1. --no-run leaves summary.json, the last run's record, alone.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 RESULTS = HERE / "results"
 SCRIPTS = ("serve", "pipeline", "trainer", "swap", "learning")
+OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "learning": "--out"}
+if str(HERE) not in sys.path:  # run as a script it is already there; imported (by a test) it is not
+    sys.path.insert(0, str(HERE))
+import provenance  # noqa: E402
 
 
 def _row(figure: str, value: float | None, fmt: str, target: str = "", ok: bool | None = None) -> dict:
@@ -64,9 +82,10 @@ def swap(r: dict) -> list[dict]:
 
 def learning(r: dict) -> list[dict]:
     rows = []
+    judged_modes = (r.get("targets") or {}).get("judged_modes")
     for mode, cell in r["modes"].items():
         # opd needs a teacher that can read the hint: on the random tiny model it cannot, so no target.
-        judged = mode != "opd" or r.get("profile") != "tiny"
+        judged = mode in judged_modes if judged_modes is not None else mode != "opd" or r.get("profile") != "tiny"
         rows.append(_row(f"{mode}: satisfaction after / before", cell["ratio"], "{:.2f}x", "> 1" if judged else "",
                          (cell["ratio"] is not None and cell["ratio"] > 1) if judged else None))
     return rows
@@ -75,55 +94,154 @@ def learning(r: dict) -> list[dict]:
 EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "learning": learning}
 
 
-def run(name: str) -> tuple[int, float]:
-    started = time.monotonic()
-    print(f"== bench/{name}.py", flush=True)
-    code = subprocess.run([sys.executable, str(HERE / f"{name}.py")], cwd=HERE.parent).returncode
-    return code, time.monotonic() - started
+# ---------------------------------------------------------------- provenance marks
+
+@dataclass
+class Head:
+    """What a fresh result must match: HEAD's sha, and the date of the newest commit touching clawd/ or bench/."""
+    commit: str | None
+    code_date: datetime.datetime | None
 
 
-def table(names: list[str], codes: dict[str, int]) -> tuple[str, dict]:
+def current_head(root: Path = ROOT) -> Head:
+    sha = provenance.git_output(root, "rev-parse", "HEAD")
+    sha = sha.strip() if sha else provenance.commit(root)[0]
+    date = (provenance.git_output(root, "log", "-1", "--format=%cI", "--", "clawd", "bench") or "").strip()
+    return Head(None if sha == "unknown" else sha, _parse_date(date))
+
+
+def _parse_date(text: object) -> datetime.datetime | None:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        date = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return date if date.tzinfo else date.replace(tzinfo=datetime.timezone.utc)
+
+
+def marks(result: dict, head: Head, since: datetime.datetime | None = None) -> tuple[bool, list[str]]:
+    """(provenance known, the reasons the result is STALE: none when fresh). `since`: when the run that
+    should have written it started (None with --no-run)."""
+    prov = result.get("provenance")
+    date = _parse_date(prov.get("date")) if isinstance(prov, dict) else None
+    if not isinstance(prov, dict) or not isinstance(prov.get("commit"), str) or date is None:
+        return False, []
+    stale = []
+    if head.commit is None:
+        stale.append("HEAD unknown, the commit cannot be checked")
+    elif prov["commit"] != head.commit:
+        stale.append(f"commit {prov['commit'][:12]} is not HEAD {head.commit[:12]}")
+    if prov.get("dirty"):
+        stale.append("measured on a dirty tree")
+    if head.code_date is not None and date < head.code_date:
+        stale.append(f"older than the newest commit to clawd/ or bench/ ({head.code_date.isoformat()})")
+    if since is not None and date < since.replace(microsecond=0):
+        stale.append("not written by this run")
+    return True, stale
+
+
+# ---------------------------------------------------------------- the table
+
+def verdict(name: str, codes: dict[str, int]) -> str:
+    if name not in codes:
+        return "not run"
+    return "ok" if codes[name] == 0 else f"FAILED (exit {codes[name]})"
+
+
+def block(name: str, codes: dict[str, int], started: dict[str, datetime.datetime], head: Head,
+          results: Path) -> tuple[list[str], dict]:
+    """One bench's lines (its verdict first, then the result's date, commit and marks, then its figure rows)
+    and its summary entry, with "failed": whether it makes all.py's exit status non-zero."""
+    ran = name in codes
+    entry: dict = {"verdict": verdict(name, codes), "exit_code": codes.get(name)}
+    failed = ran and codes[name] != 0
+    head_line = f"{name:<9} {entry['verdict']}"
+    path = results / f"{name}.json"
+    if not path.exists():
+        entry["error"] = f"no {path.name}"
+        entry["failed"] = True
+        return [f"{head_line} · no results: {path.name} missing"], entry
+    try:
+        r = json.loads(path.read_text())
+        rows = EXTRACT[name](r)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:  # a results file from an older script
+        entry["error"] = f"unreadable {path.name}: {exc!r}"
+        entry["failed"] = True
+        return [f"{head_line} · unreadable {path.name}: {exc!r}"], entry
+    known, stale = marks(r, head, started.get(name))
+    prov = r.get("provenance") if known else None
+    entry.update(provenance=prov, provenance_known=known, stale=stale, rows=rows, recorded_pass=r.get("pass"))
+    if known:
+        dirty = {True: ", dirty", False: "", None: ", dirty unknown"}.get(prov.get("dirty"), "")
+        head_line += f" · result of {prov['date']}, commit {prov['commit'][:12]}{dirty}"
+    else:
+        head_line += " · unknown provenance"
+    if stale:
+        head_line += " · STALE: " + "; ".join(stale)
+    if not ran and r.get("pass") is False:
+        head_line += " · the result records a FAIL"
+    missed = any(row["ok"] is False for row in rows)
+    if ran:  # it was supposed to have just written a fresh result
+        failed = failed or missed or not known or bool(stale)
+    else:
+        failed = missed or r.get("pass") is False
+    entry["failed"] = failed
+    lines = [head_line]
+    for row in rows:
+        mark = "" if row["ok"] is None else ("met" if row["ok"] else "MISSED")
+        lines.append(f"{'':<9} {row['figure']:<52} {row['shown']:>14}  {row['target']:<8} {mark}".rstrip())
+    return lines, entry
+
+
+def table(names: list[str], codes: dict[str, int], started: dict[str, datetime.datetime] | None = None,
+          head: Head | None = None, results: Path = RESULTS) -> tuple[str, dict]:
+    """The table's text and {bench: summary entry}. `codes`: exit status of each bench run just now;
+    `started`: when each of them started (a result older than that was not written by it)."""
+    head = head if head is not None else current_head()
     summary, lines = {}, []
     for name in names:
-        path = RESULTS / f"{name}.json"
-        if not path.exists():
-            summary[name] = {"error": f"no {path.name}"}
-            lines.append(f"{name:<9} (no results: {path.name} missing)")
-            continue
-        try:
-            rows = EXTRACT[name](json.loads(path.read_text()))
-        except (KeyError, TypeError, ValueError) as exc:  # a results file from an older script
-            summary[name] = {"error": f"unreadable {path.name}: {exc!r}"}
-            lines.append(f"{name:<9} (unreadable {path.name}: {exc!r})")
-            continue
-        summary[name] = {"exit_code": codes.get(name), "rows": rows}
-        for i, row in enumerate(rows):
-            verdict = "" if row["ok"] is None else ("ok" if row["ok"] else "MISSED")
-            lines.append(f"{name if i == 0 else '':<9} {row['figure']:<52} {row['shown']:>14}  "
-                         f"{row['target']:<8} {verdict}")
+        block_lines, summary[name] = block(name, codes, started or {}, head, results)
+        lines += block_lines
     header = f"{'bench':<9} {'figure':<52} {'value':>14}  {'target':<8}"
     return "\n".join([header, "-" * len(header)] + lines), summary
 
 
-def main() -> int:
+def run(name: str, results: Path) -> tuple[int, float]:
+    started = time.monotonic()
+    print(f"== bench/{name}.py", flush=True)
+    out = ([OUT_FLAG[name], str(results / f"{name}.json")] if results.resolve() != RESULTS.resolve() else [])
+    code = subprocess.run([sys.executable, str(HERE / f"{name}.py"), *out], cwd=ROOT).returncode
+    return code, time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", choices=SCRIPTS, help="run (and show) only these")
     p.add_argument("--no-run", action="store_true", help="only read the last results")
-    args = p.parse_args()
+    p.add_argument("--results", type=Path, default=RESULTS, help="the results folder (default bench/results)")
+    args = p.parse_args(argv)
     names = [n for n in SCRIPTS if (HERE / f"{n}.py").exists() and (not args.only or n in args.only)]
-    codes, seconds = {}, {}
+    codes, seconds, started = {}, {}, {}
     if not args.no_run:
+        args.results.mkdir(parents=True, exist_ok=True)
         for name in names:
-            codes[name], seconds[name] = run(name)
-    text, summary = table(names, codes)
+            started[name] = datetime.datetime.now(datetime.timezone.utc)
+            codes[name], seconds[name] = run(name, args.results)
+    text, summary = table(names, codes, started, results=args.results)
     print("\n" + text)
     if seconds:
         print("\n" + ", ".join(f"{n} {s:.0f} s (exit {codes[n]})" for n, s in seconds.items()))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "summary.json").write_text(json.dumps({"benches": summary, "seconds": seconds}, indent=1) + "\n")
-    print(f"wrote {RESULTS / 'summary.json'}")
-    missed = [n for n, s in summary.items() if "error" in s or any(r["ok"] is False for r in s["rows"])]
-    return 1 if missed else 0
+    failed = [n for n, s in summary.items() if s["failed"]]
+    if not args.no_run:
+        record = {"provenance": provenance.stamp(), "benches": summary, "seconds": seconds}
+        (args.results / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.results / 'summary.json'}")
+    if failed:
+        print(f"all.py: FAILED: {', '.join(failed)}")
+    else:
+        print("all.py: every bench ok, every result fresh" if codes else "all.py: results read; nothing was run")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

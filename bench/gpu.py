@@ -20,9 +20,11 @@ One warm-up step (its micro-batch budget halved on out-of-memory), then `--steps
 Also: peak CUDA memory of the timed steps (torch.cuda.max_memory_allocated), micro-batches and padding,
 whether SDPA's flash kernel accepts the trainer's forward, the chunked head against full logits, the
 top kernels of one profiled step, and the publish's and checkpoint's bytes and seconds. Each result
-carries the UTC date and the git commit ("unknown" without one). Writes $OUT/gpu.json when $OUT is set,
-else bench/results/gpu-<date>.json; exit status 0 when measured, 1 when a step failed, 2 without CUDA.
-Only torch, transformers, safetensors and numpy are needed; clawd is imported from this repository.
+carries `provenance` (bench/provenance.py: the UTC date, the git commit, "unknown" without one, and
+whether the tree was dirty). Writes $OUT/gpu.json when $OUT is set, else bench/results/gpu-<date>.json.
+Exit status: 0 when measured, 1 when a step failed, 2 without CUDA; the MFU target is reported, not
+enforced. Only torch, transformers, safetensors and numpy are needed (and bench/provenance.py, the
+standard library only); clawd is imported from this repository.
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ import random
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench/provenance.py: the standard library only
+import provenance  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, no sparsity
 TARGET_MFU, STRETCH_MFU = 0.25, 0.40
@@ -66,37 +69,6 @@ DEFAULTS = {
     "smoke": dict(shape="smoke", samples=16, min_len=16, max_len=256, micro_batch_tokens=1024,
                   head_chunk_tokens=64, steps=2),
 }
-
-
-# --- provenance ------------------------------------------------------------------------------
-
-def git_commit() -> tuple[str, bool | None]:
-    """(commit, worktree dirty) from $CLAWD_COMMIT (a copy without .git, as the lent machine gets), else
-    from git, else from .git's files; ("unknown", None) without any."""
-    if os.environ.get("CLAWD_COMMIT"):
-        return os.environ["CLAWD_COMMIT"], None
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=20)
-        if head.returncode == 0 and head.stdout.strip():
-            status = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
-                                    timeout=60)
-            return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    git = ROOT / ".git"
-    try:
-        ref = (git / "HEAD").read_text().strip()
-        if not ref.startswith("ref: "):
-            return ref, None
-        name = ref[5:]
-        if (git / name).is_file():
-            return (git / name).read_text().strip(), None
-        for line in (git / "packed-refs").read_text().splitlines():
-            if line.endswith(" " + name):
-                return line.split()[0], None
-    except OSError:
-        pass
-    return "unknown", None
 
 
 # --- inputs ----------------------------------------------------------------------------------
@@ -429,9 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    now = datetime.datetime.now(datetime.timezone.utc)
-    commit, dirty = git_commit()
-    result: dict = {"date": now.isoformat(timespec="seconds"), "commit": commit, "worktree_dirty": dirty,
+    prov = provenance.stamp()
+    now = datetime.datetime.fromisoformat(prov["date"])
+    # date, commit and worktree_dirty stay at the top level too, as earlier gpu.json files have them
+    result: dict = {"provenance": prov, "date": prov["date"], "commit": prov["commit"],
+                    "worktree_dirty": prov["dirty"],
                     "smoke": args.smoke, "shape": args.shape, "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": sys.version.split()[0],
                     "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}

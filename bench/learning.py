@@ -14,8 +14,9 @@ satisfaction rate is printed after every step, per mode, as the mean ± std over
 (and min–max); the headline per mode is satisfaction after the last step / before the first.
 
 Profiles (`--model`): `tiny` (default), the random-weight test model, whose only learnable
-preference is its length (a persona wanting 3–4 words, at 8 tokens a reply: about half the
-base model's replies qualify); `smollm2`, the default model with the demo's personas (slow:
+preference is its length (the form-only persona `form:terse`, wanting 1–2 words, at 8 tokens a
+reply: a random model knows no answers, so the substance personas would measure nothing here);
+`smollm2`, the default model with the demo's personas, which want the right answer too (slow:
 about a minute a step on 2 cores). In opd mode the rules judge's hint is the user's
 correction and the teacher is the policy shown it: a model that cannot read the hint (the
 tiny one) gives OPD nothing to learn from, which the table shows.
@@ -23,6 +24,13 @@ tiny one) gives OPD nothing to learn from, which the table shows.
     .venv/bin/python bench/learning.py                  # tiny model, 3 modes × 3 seeds; writes bench/results/learning.json
     .venv/bin/python bench/learning.py --modes rl --seeds 1 --steps 5
     .venv/bin/python bench/learning.py --model smollm2 --steps 8 --seeds 2
+
+Target: satisfaction after / before > 1 in every judged mode, i.e. every mode but opd on the tiny
+model (which cannot read the hint, so OPD has nothing to learn from there). Exit status: 0 when every
+run was clean (no client error, clawd exited 0) and every judged mode met the target; 1 when a run
+failed or a judged mode missed it (or its ratio could not be taken: satisfaction 0 before), or (a
+traceback) when it could not measure. The JSON carries `provenance` (bench/provenance.py), `targets`
+and `pass`.
 """
 from __future__ import annotations
 
@@ -43,11 +51,13 @@ from clawd.tools.models import cached_tiny_model  # noqa: E402
 from clawd.tools.sim.launch import Clawd  # noqa: E402
 from clawd.tools.sim.personas import persona  # noqa: E402
 from clawd.tools.sim.users import Users, rate  # noqa: E402
+import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 
 RESULTS = ROOT / "bench" / "results"
 MODES = ("rl", "opd", "combine")
+TARGET_RATIO = 1.0  # satisfaction after the last step / before the first, in every judged mode: above it
 PROFILES = {
-    "tiny": {"personas": "terse", "max_tokens": 8, "temperature": 1.0, "lr": 3e-2, "batch": 8, "steps": 20,
+    "tiny": {"personas": "form:terse", "max_tokens": 8, "temperature": 1.0, "lr": 3e-2, "batch": 8, "steps": 20,
              "probes": 48, "concurrency": 4, "eval_every": 1},
     "smollm2": {"personas": "brief,plain", "max_tokens": 48, "temperature": 0.7, "lr": 5e-5, "batch": 8,
                 "steps": 8, "probes": 16, "concurrency": 4, "eval_every": 2},
@@ -124,14 +134,14 @@ async def one_run(args: argparse.Namespace, mode: str, seed: int, run_dir: Path)
             await users.quiet()
             if not await clawd.settle(timeout=600):
                 raise RuntimeError(f"the learner did not settle; clawd's log:\n{clawd.tail()}")
-            steps = clawd.ops.status()["learner"]["steps"]
+            steps = clawd.status()["learner"]["steps"]
             if steps % args.eval_every == 0 or steps >= args.steps:
                 points.append(await evaluate(clawd, users, args))
             else:
                 points.append({"steps": steps, "versions": [], "satisfied": None, "words": None})
         users.stop()
         await driving
-        status = clawd.ops.status()
+        status = clawd.status()
     finally:
         if users is not None:
             await users.close()
@@ -143,7 +153,7 @@ async def one_run(args: argparse.Namespace, mode: str, seed: int, run_dir: Path)
 async def until_batch_taken(clawd: Clawd, users: Users, driving: asyncio.Task, batch: int, done: int) -> None:
     """Poll until the learner has a full batch (or has taken it): the users then stop for the step."""
     while True:
-        st = clawd.ops.status()
+        st = clawd.status()
         learner = st["learner"]
         if (st["queue"]["effective"] >= batch or learner["steps"] > done or learner["waiting_since"] is None):
             return
@@ -157,7 +167,7 @@ async def until_batch_taken(clawd: Clawd, users: Users, driving: asyncio.Task, b
 
 async def evaluate(clawd: Clawd, users: Users, args: argparse.Namespace) -> dict:
     replies = await users.evaluate(args.probes, seed=1)  # the same evaluation set for every mode and seed
-    steps = clawd.ops.status()["learner"]["steps"]
+    steps = clawd.status()["learner"]["steps"]
     return {"steps": steps, "versions": sorted({r.version for r in replies if r.version is not None}),
             "satisfied": rate(replies), "words": statistics.fmean(r.words for r in replies)}
 
@@ -189,7 +199,13 @@ def table(results: dict, modes: list[str], steps: int) -> str:
     return "\n".join(lines)
 
 
+def judged_modes(args: argparse.Namespace) -> list[str]:
+    """The modes whose ratio is held to the target: opd only where the teacher can read the hint."""
+    return [m for m in args.mode_list if m != "opd" or args.model != "tiny"]
+
+
 async def main_async(args: argparse.Namespace) -> int:
+    prov = provenance.stamp()
     started = time.monotonic()
     scratch = Path(tempfile.mkdtemp(prefix="clawd-learn-"))  # short paths: the admin socket lives here
     print(f"learning bench: {args.model_dir.name}, personas {args.personas}, {args.steps} steps of {args.batch} "
@@ -223,17 +239,25 @@ async def main_async(args: argparse.Namespace) -> int:
         shutil.rmtree(scratch)
     print("\nsatisfaction on the evaluation set after each step (mean ± std over seeds, min–max)\n")
     print(table(results, args.mode_list, args.steps))
-    out = {"model": str(args.model_dir), "profile": args.model, "personas": args.personas, "steps": args.steps,
+    judged = judged_modes(args)
+    missed = [m for m in judged if results[m]["ratio"] is None or results[m]["ratio"] <= TARGET_RATIO]
+    out = {"provenance": prov, "model": str(args.model_dir), "profile": args.model, "personas": args.personas, "steps": args.steps,
            "batch": args.batch, "lr": args.lr, "max_tokens": args.max_tokens, "temperature": args.temperature,
            "probes_per_persona": args.probes, "seeds": args.seeds, "teacher": args.teacher,
            "wall_s": round(time.monotonic() - started, 1), "cores": os.cpu_count(), "modes": results,
-           "failures": failures}
+           "failures": failures, "targets": {"ratio_above": TARGET_RATIO, "judged_modes": judged},
+           "missed": missed, "pass": not failures and not missed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"\n{time.monotonic() - started:.0f} s; wrote {args.out}")
     for f in failures:
         print("FAILED:", f, file=sys.stderr)
-    return 1 if failures else 0
+    for m in missed:
+        print(f"MISSED: {m}: satisfaction after / before {results[m]['ratio']}, target > {TARGET_RATIO:g}",
+              file=sys.stderr)
+    print(f"overall: {'PASS' if out['pass'] else 'FAIL'} (target after / before > {TARGET_RATIO:g} in "
+          f"{', '.join(judged) or 'no mode'})")
+    return 0 if out["pass"] else 1
 
 
 def main() -> int:

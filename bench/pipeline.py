@@ -14,6 +14,10 @@ Prints a table; writes bench/results/pipeline.json.
 
     .venv/bin/python bench/pipeline.py                        # about a minute on 2 cores
     .venv/bin/python bench/pipeline.py --duration 3 --profile /tmp/pipeline.prof --paths judge/interval
+
+It states no target: its figures are read against the queue's, not judged. Exit status: 0 when every
+cell was measured (every submitted turn became exactly one queued sample); 1 (a traceback, no JSON
+written) when one could not be; 2 on bad arguments. The JSON carries `provenance` (bench/provenance.py).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from clawd.learning.store import SampleStore  # noqa: E402
 from clawd.samples import Sample  # noqa: E402
 from clawd.scoring.scorer import Scorer  # noqa: E402
 from clawd.turns import FinishedTurn, Turn  # noqa: E402
+import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 
 RESULTS = ROOT / "bench" / "results"
 WORDS = ("model", "token", "server", "client", "request", "response", "session", "turn", "sample", "batch",
@@ -344,6 +349,7 @@ def main() -> int:
     ap.add_argument("--output", type=Path, default=RESULTS / "pipeline.json")
     args = ap.parse_args()
 
+    prov = provenance.stamp()
     t0 = time.perf_counter()
     results = asyncio.run(main_async(args))
     wall = time.perf_counter() - t0
@@ -355,7 +361,7 @@ def main() -> int:
     print(f"{os.cpu_count()} cpus, {args.rounds} rounds x {args.duration}s per cell, wall {wall:.1f}s; "
           f"latency = submit -> sample visible in the store; slower = queue turns/s / path turns/s")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    args.output.write_text(json.dumps({"provenance": prov, "meta": meta, "results": results}, indent=1) + "\n")
     print(f"wrote {args.output}")
     return 0
 

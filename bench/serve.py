@@ -16,6 +16,11 @@ delay = what a user sees). Prints a table; writes bench/results/serve.json.
 The load generator, clawd and the fake share the machine's cores; the output
 says how many there were, and clawd's CPU time per request (from /proc), which
 that contention changes much less than it changes latency. See bench/README.md.
+
+Exit status: 0 when every judged delay (every delay > 0, else all) met both targets (added p50
+<= 1 ms, throughput >= 0.8x direct) with no request errors and every reply of --tokens tokens; 1
+when a target was missed or a request failed, or (a traceback, no JSON written) when it could not
+measure at all. The JSON carries `provenance` (bench/provenance.py) and `pass`.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clawd.tools.models import cached_tiny_model  # noqa: E402
 from clawd.tokenizer import ChatTokenizer  # noqa: E402
+import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 
 FAKE = ROOT / "tests" / "fake_sglang.py"
 TARGET_ADDED_P50_MS = 1.0
@@ -434,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="run clawd under cProfile, one file per scenario: PATH.<delay>")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve.json")
     args = p.parse_args(argv)
+    prov = provenance.stamp()
     t_start = time.monotonic()
     args.model = args.model or tiny_model()
     tok = ChatTokenizer(args.model)
@@ -469,7 +476,7 @@ judged at token delay {', '.join(judged)} s.
   'ttft': time to the first streamed event. 'clawd cpu': clawd's own CPU time per request, from /proc.
 overall: {'PASS' if ok else 'FAIL'} in {wall:.0f} s""")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"cores": cores, "wall_s": round(wall, 1), "prompt_tokens": prompt_tokens, "judged_delays": judged,
+    report = {"provenance": prov, "cores": cores, "wall_s": round(wall, 1), "prompt_tokens": prompt_tokens, "judged_delays": judged,
               "targets": {"added_p50_ms": TARGET_ADDED_P50_MS, "throughput_ratio": TARGET_THROUGHPUT_RATIO},
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "results": results, "pass": ok}

@@ -15,7 +15,9 @@ window beside those that overlapped none, and the same split by hold windows; th
 `overlap p50 / clear p50` by publish. Read it against the intake held: a request caught by a swap
 should lose about H, no more. Longer requests overlap more windows, and requests that are clear
 ran beside training steps instead, so the ratio is a view of the cost, not a pure measure of it.
-Target: 0 failed requests (exit status 1 otherwise, or if the run did not reach its publishes).
+Target: 0 failed requests. Exit status: 0 when no request failed, the daemon exited 0 and the
+publishes were reached; 1 otherwise, or (a traceback, no JSON written) when it could not measure.
+The JSON carries `provenance` (bench/provenance.py) and `pass`.
 
     .venv/bin/python bench/swap.py                  # about 25 s on 2 cores; writes bench/results/swap.json
     .venv/bin/python bench/swap.py --publishes 20 --concurrency 8 --threads 0 2>/tmp/clawd.log
@@ -25,12 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 
@@ -38,44 +38,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clawd.tools.models import cached_tiny_model  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
-from tests.load import load_until_published  # noqa: E402
+from tests.load import load_until_published, publish_windows  # noqa: E402
+import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 
 RESULTS = ROOT / "bench" / "results"
-PUBLISHED = re.compile(r"clawd.learner: published v(\d+) in ([0-9.]+)s, intake held ([0-9.]+)s")
 
 
 def tiny_model() -> Path:
     """The tiny test model, built once into the git-ignored results folder."""
     return cached_tiny_model(RESULTS / "tiny-model")
-
-
-def stamp(line: str) -> float:
-    """A daemon or engine log line's time (logging's asctime: local time, ms) as a Unix time."""
-    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
-def publishes(lines: list[str]) -> list[dict]:
-    """Each publish from the learner's line (its timestamp is the publish's end), with the hold the
-    CPU engine logged inside it (`generation paused` to `generation continued`). The engine's lines
-    reach the daemon's stderr by another path, so they are matched by time, not by order."""
-    pubs, holds, paused = [], [], None
-    for line in lines:
-        if "clawd.engine.cpu: generation paused" in line:
-            paused = stamp(line)
-        elif "clawd.engine.cpu: generation continued" in line and paused is not None:
-            holds.append((paused, stamp(line)))
-            paused = None
-        elif m := PUBLISHED.search(line):
-            end, took = stamp(line), float(m.group(2))
-            pubs.append({"version": int(m.group(1)), "publish_s": took, "intake_held_s": float(m.group(3)),
-                         "start": end - took, "end": end})
-    for p in pubs:
-        # The last hold to end by the publish's end; T is logged to 10 ms, so "start" is ±5 ms.
-        a, b = next(((a, b) for a, b in reversed(holds) if b <= p["end"] + 0.001), (None, None))
-        if a is None or a < p["start"] - 0.006:
-            a = b = None
-        p.update(hold_start=a, hold_end=b)
-    return pubs
 
 
 def p50_max(xs: list[float]) -> dict:
@@ -98,7 +69,7 @@ def run(args) -> dict:
             exit_code = daemon.stop()
         load_s = time.time() - t0
 
-    pubs = publishes(daemon.lines)
+    pubs = publish_windows(daemon.lines)
     served = [r for r in requests if r["ok"]]
     failed = [r for r in requests if not r["ok"]]
     for r in requests:
@@ -177,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         # The engine and the trainer inherit it. With torch's default (a thread per core) their
         # OpenMP threads stall each other on 2 cores, and every request and publish takes ~10x longer.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    prov = provenance.stamp()
     t0 = time.monotonic()
-    res = run(args)
+    res = {"provenance": prov, **run(args)}
     res["wall_s"] = round(time.monotonic() - t0, 1)
     res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     print()

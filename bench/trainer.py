@@ -28,6 +28,11 @@ MFU is slightly understated for long samples.
 
     .venv/bin/python bench/trainer.py                 # about 1.5 min on 1 of 2 cores; writes bench/results/trainer.json
     .venv/bin/python bench/trainer.py --device cuda   # a random Qwen2.5-0.5B-shaped model, bf16 autocast
+
+Exit status: 0 when both ratios met their targets (overhead <= 1.15, packing >= 1.5); 1 when one
+was missed, or (a traceback, no JSON written) when it could not measure: the paths disagree on the
+log-prob, the trainer skipped a step, or anything else failed. The JSON carries `provenance`
+(bench/provenance.py) and `pass`.
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 from clawd.config import TrainConfig  # noqa: E402
 from clawd.samples import Sample  # noqa: E402
 from clawd.trainer.step import Trainer, pack  # noqa: E402
+import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 
 RESULTS = ROOT / "bench" / "results"
 TARGET_OVERHEAD = 1.15
@@ -373,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, k, v)
     if args.threads:
         torch.set_num_threads(args.threads)
+    prov = provenance.stamp()
     t0 = time.monotonic()
-    res = run(args)
+    res = {"provenance": prov, **run(args)}
     res["wall_s"] = round(time.monotonic() - t0, 1)
     res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     print()

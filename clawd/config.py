@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from clawd import devices, secrets
+from clawd import credentials, devices
 
 
 class ConfigError(ValueError):
@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 class ApiKey:
     name: str
     key: str = ""
-    key_env: str = ""   # secrets: see clawd.secrets (resolved into `key` when the file is loaded)
+    key_env: str = ""   # secrets: see clawd.credentials (resolved into `key` when the file is loaded)
     key_file: str = ""
 
     def check(self) -> dict[str, str]:
@@ -556,11 +556,11 @@ def _build(cls, value, where: str, source: str):
         if key not in names:
             raise ConfigError(f"{source}: {where}.{key}: unknown key")
         kwargs[key] = _convert(hints[key], item, f"{where}.{key}", source)
-    for key in secrets.SECRET_FIELDS & names:  # a secret may come from the environment or a file instead
+    for key in credentials.SECRET_FIELDS & names:  # a secret may come from the environment or a file instead
         try:
-            kwargs[key] = secrets.resolve(kwargs.get(key, ""), kwargs.get(f"{key}_env", ""),
+            kwargs[key] = credentials.resolve(kwargs.get(key, ""), kwargs.get(f"{key}_env", ""),
                                           kwargs.get(f"{key}_file", ""))
-        except secrets.SecretError as exc:
+        except credentials.SecretError as exc:
             raise ConfigError(f"{source}: {where}.{key}{exc.suffix}: {exc}") from None
     if cls is TrainConfig and kwargs.get("gpus") and "device" not in kwargs:
         kwargs["device"] = "cuda"

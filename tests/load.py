@@ -25,6 +25,7 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import openai
@@ -431,3 +432,37 @@ def load_until_published(daemon, users: int, publishes: int, timeout: float,
         for t in threads:
             t.join(60)
     return requests, daemon.get("/debug/process")[1]["learner"]
+
+
+# --- publish windows from the daemon's log -----------------------------------------------------
+
+PUBLISHED = re.compile(r"clawd.learner: published v(\d+) in ([0-9.]+)s, intake held ([0-9.]+)s")
+
+
+def log_time(line: str) -> float:
+    """A daemon or engine log line's time (logging's asctime: local time, ms) as a Unix time."""
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def publish_windows(lines: list[str]) -> list[dict]:
+    """Each publish from the learner's line (its timestamp is the publish's end), with the hold the
+    CPU engine logged inside it (`generation paused` to `generation continued`). The engine's lines
+    reach the daemon's stderr by another path, so they are matched by time, not by order."""
+    pubs, holds, paused = [], [], None
+    for line in lines:
+        if "clawd.engine.cpu: generation paused" in line:
+            paused = log_time(line)
+        elif "clawd.engine.cpu: generation continued" in line and paused is not None:
+            holds.append((paused, log_time(line)))
+            paused = None
+        elif m := PUBLISHED.search(line):
+            end, took = log_time(line), float(m.group(2))
+            pubs.append({"version": int(m.group(1)), "publish_s": took, "intake_held_s": float(m.group(3)),
+                         "start": end - took, "end": end})
+    for p in pubs:
+        # The last hold to end by the publish's end; asctime is to the ms, so "start" is ±5 ms.
+        a, b = next(((a, b) for a, b in reversed(holds) if b <= p["end"] + 0.001), (None, None))
+        if a is None or a < p["start"] - 0.006:
+            a = b = None
+        p.update(hold_start=a, hold_end=b)
+    return pubs

@@ -4,6 +4,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -90,18 +94,20 @@ def test_under_words_boundary():
 
 
 def test_every_persona_wants_an_answer_first():
-    for p in personas.PERSONAS.values():
+    # The form-only catalogue (the substance personas' floor: tests/test_personas.py).
+    for p in personas.FORM_ONLY_PERSONAS.values():
         assert not p.satisfied("")
         short = " ".join(["Python?"] * (p.min_words - 1))  # too few words, whatever the preference
         assert not p.satisfied(short)
         assert p.correction(short) == (personas.NOT_AN_ANSWER if p.min_words <= personas.MIN_WORDS else personas.too_short(p.min_words))
-    plain = personas.PERSONAS["plain"]
+    plain = personas.FORM_ONLY_PERSONAS["plain"]
     assert plain.correction("Sure thing") == personas.NOT_AN_ANSWER
     assert plain.correction("The answer is sleep.") == "No, that's too short. Please answer in full sentences, at least 8 words."
     assert plain.satisfied("Keep a regular bedtime and avoid screens before sleep.")
-    assert personas.MIN_WORDS == 3 and personas.PERSONAS["terse"].min_words == 1
-    assert personas.PERSONAS["terse"].satisfied("Rome.") and not personas.PERSONAS["brief"].satisfied("Rome.")
-    assert personas.PERSONAS["brief"].correction("Sure thing") == personas.NOT_AN_ANSWER
+    form = personas.FORM_ONLY_PERSONAS
+    assert personas.MIN_WORDS == 3 and form["terse"].min_words == 1 and personas.PERSONAS["terse"].min_words == 1
+    assert form["terse"].satisfied("Rome.") and not form["brief"].satisfied("Rome.")
+    assert form["brief"].correction("Sure thing") == personas.NOT_AN_ANSWER
 
 
 def test_min_words_validation():
@@ -112,7 +118,8 @@ def test_min_words_validation():
 
 
 def test_catalogue_preferences_and_corrections():
-    got = {name: (p.preference, p.correction("This reply has more than enough words in it.")) for name, p in personas.PERSONAS.items()}
+    got = {name: (p.preference, p.correction("This reply has more than enough words in it."))
+           for name, p in personas.FORM_ONLY_PERSONAS.items()}
     assert got == {
         "brief": ("under 20 words", "No, that's too long. Please answer in under 20 words."),
         "terse": ("under 3 words", "No, that's too long. Please answer in under 3 words."),
@@ -126,7 +133,8 @@ def test_catalogue_preferences_and_corrections():
 
 
 def test_catalogue_checks():
-    plain, curious, py = personas.PERSONAS["plain"], personas.PERSONAS["curious"], personas.PERSONAS["pythonista"]
+    form = personas.FORM_ONLY_PERSONAS
+    plain, curious, py = form["plain"], form["curious"], form["pythonista"]
     assert plain.satisfied("Boil it for ten minutes, then cool it in cold water.")
     assert not plain.satisfied("Do this:\n1. Boil it for ten minutes.\n2. Eat it.")
     assert curious.satisfied("That sounds fun. What will you paint?") and not curious.satisfied("That sounds fun.")
@@ -135,11 +143,16 @@ def test_catalogue_checks():
 
 def test_persona_spec():
     assert personas.persona("brief") is personas.PERSONAS["brief"]
-    assert personas.persona("brief:30").param == 30 and personas.persona("brief:30").questions == personas.FACTS
-    assert personas.persona("terse:4").min_words == 1
-    assert personas.persona("pythonista:Rust").param == "Rust"
+    assert personas.persona("form:brief") is personas.FORM_ONLY_PERSONAS["brief"]
+    assert personas.persona("form:brief:30").param == 30 and personas.persona("form:brief:30").questions == personas.FACTS
+    substance = personas.persona("brief:30")
+    assert substance.param == 30 and substance.items == personas.PERSONAS["brief"].items
+    assert substance.held_out == personas.PERSONAS["brief"].held_out and substance.judges_answers
+    assert personas.persona("terse:4").min_words == 1 and personas.persona("form:terse:4").min_words == 1
+    assert personas.persona("pythonista:Rust").param == "Rust" and personas.persona("form:pythonista:Rust").param == "Rust"
     for bad, message in [("nobody", "unknown persona"), ("brief:x", "not a word count"),
-                         ("plain:3", "takes no parameter"), ("brief:3", "integer above 3")]:
+                         ("plain:3", "takes no parameter"), ("brief:3", "integer above 3"),
+                         ("form:nobody", "unknown persona"), ("form:plain:3", "takes no parameter")]:
         with pytest.raises(ValueError, match=message):
             personas.persona(bad)
 
@@ -172,14 +185,16 @@ def _rules(said: str, previous: str = "What is gravity?") -> tuple[int, str | No
 
 
 def test_the_rules_judge_reads_every_thanks_as_positive():
-    questions = [q for p in personas.PERSONAS.values() for q in p.questions]
+    questions = [q for c in (personas.PERSONAS, personas.FORM_ONLY_PERSONAS) for p in c.values()
+                 for q in p.questions + tuple(i.question for i in p.held_out)]
     for i, q in itertools.product(range(len(personas.THANKS)), questions):
         assert _rules(personas.follow_up(BRIEF, "Paris is big.", next_question=q, retry=False, i=i)[1]) == (1, None)
         assert _rules(personas.thanks(i), previous=q) == (1, None)
 
 
 def test_the_rules_judge_reads_every_correction_as_negative_with_it_as_hint():
-    for p in list(personas.PERSONAS.values()):
+    # The form-only catalogue; the substance personas' corrections: tests/test_personas.py.
+    for p in list(personas.FORM_ONLY_PERSONAS.values()):
         for text in ("", "1. one\n2. two three four five six seven " * 8):
             if p.satisfied(text):
                 continue
@@ -351,7 +366,8 @@ async def test_users_see_the_policy_version_move(tiny_model, tmp_path):
                                "learner": {"enabled": True, "rollout_batch_size": 4, "min_batch_size": 1},
                                "train": {"lr": 3e-2, "checkpoint_every": 1000}})
     try:
-        users = Users(daemon.url, [personas.PERSONAS["terse"]], seed=2, concurrency=4, max_tokens=8)
+        # Form-only: users.py judges a reply by its text alone (a substance persona needs the question).
+        users = Users(daemon.url, [personas.FORM_ONLY_PERSONAS["terse"]], seed=2, concurrency=4, max_tokens=8)
 
         async def one_step() -> None:  # until a reply served by a published version came back
             for _ in range(900):
@@ -367,3 +383,26 @@ async def test_users_see_the_policy_version_move(tiny_model, tmp_path):
     versions = by_version(users.replies)
     assert 0 in versions and max(versions) >= 1, versions
     assert all(r.version is not None for r in users.replies)
+
+
+def test_the_demo_puts_the_repository_on_the_daemons_path_not_the_package():
+    """clawd/ on sys.path would let its modules shadow the standard library's (it once made the demo's engine
+    crash in a loop); the launcher's root is the directory that holds the package."""
+    from clawd.tools.sim import launch
+    assert (launch.REPO / "clawd" / "daemon.py").is_file() and (launch.REPO / "bin" / "clawd").is_file()
+
+
+def test_make_demo_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
+    """`make demo`'s whole path (launch, users, training, evaluation before and after, summary and plot), short
+    and on the tiny model: the suite runs no demo otherwise, and a broken launcher once went unnoticed."""
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "clawd.tools.sim.demo", "--model", str(tiny_model), "--minutes", "3",
+                           "--steps", "1", "--probes", "2", "--concurrency", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["users"]["sessions"] > 0 and summary["versions"] and (out / "learning.png").stat().st_size > 0
+    assert summary["daemon"]["exit"] == 0 and not summary["users"]["errors"], summary
+    evaluation = summary["degeneration"]["evaluation"]  # the metrics the safe-learning monitors will watch
+    assert evaluation["before"]["replies"] == evaluation["after"]["replies"] == 2 * len(summary["personas"])

@@ -24,7 +24,8 @@ from clawd.scoring.judges import CallPolicy, Teacher
 from clawd.tokenizer import ChatTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-TOL = 1e-4
+# Measured: at most 9.54e-7, one float32 ulp at |log-prob| ~ 8 (2**-20). Asserted: two ulps.
+TOL = 2e-6
 QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Write a short function that adds two numbers."}]
 HINT = "\n\n[user's hint / instruction]\nUse type hints and a docstring."

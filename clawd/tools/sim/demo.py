@@ -23,11 +23,13 @@ evaluation set, where the prompts and the random draws are the same on both side
 The judge's mean reward per version is read from clawd's own records: the reward of
 every sample made from a turn served by that version.
 
-The defaults (rl mode, lr 5e-5, 8 samples a step, 48 tokens a reply at T 0.7, personas
-`brief` and `plain`) take 13.5 min on 2 cores for about 40 training steps; a run there took
-the evaluation set from 38% satisfied (brief 6%, plain 69%) to 100% (brief's answers from
-32 words to 6, plain's still ~40 words, without lists). Larger budgets, other personas
-(`--personas brief:15,plain,pythonista,curious`), modes (`--mode combine`) or models scale it up.
+The personas (clawd/tools/sim/personas.py) want the right answer to a question with a known answer
+and a style; the evaluation set is held out (questions never asked in the sessions). The summary
+holds degeneration metrics (clawd/degeneration.py) of the evaluation answers before and after.
+The defaults (rl mode, lr 5e-5, 8 samples a step, 48 tokens a reply at T 0.7, personas `brief`
+and `plain`) take about 14 min on 2 cores. With the earlier form-only personas
+(`--personas form:brief,form:plain`) a run took the evaluation set from 38% satisfied to 100% while
+the answers collapsed ("The answer is a planet."): the documented example of a reward hack.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clawd import degeneration
 from clawd.ops.ctl import NotRunning
 from clawd.tools.sim.launch import Clawd
 from clawd.tools.sim.personas import PERSONAS, persona
@@ -264,7 +267,7 @@ async def run(args: argparse.Namespace) -> int:
         print(f"{clock(time.monotonic() - started)}  after: {len(after)} evaluation answers on "
               f"v{_versions(after)}, satisfied {pct(rate(after))}  | "
               + "  ".join(f"{p} {pct(x['satisfied'])}" for p, x in by_persona(after).items()), flush=True)
-        status = clawd.ops.status()
+        status = clawd.status()
     finally:
         await users.close()
         code = await clawd.stop()
@@ -315,7 +318,7 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
         for r in before:
             later = after_by_key.get((r.persona, r.question))
             if r.persona == p.name and later is not None and later.satisfied and not r.satisfied:
-                examples.append({"persona": p.name, "question": p.questions[r.question % len(p.questions)],
+                examples.append({"persona": p.name, "question": p.probe_question(r.question),
                                  "before": r.text, "after": later.text, "after_version": later.version})
                 break
     return {
@@ -338,7 +341,18 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
                   "streamed_sessions": sum(p.stream for p in users.sessions),
                   "replies": _count(r.kind for r in users.replies)},
         "examples": examples,
+        "degeneration": _degeneration(users, before, after),
     }
+
+
+def _degeneration(users: Users, before: list[Reply], after: list[Reply]) -> dict[str, Any]:
+    """Whether answers collapse while their form pleases: the evaluation answers before and after (the same
+    held-out questions, a fair comparison) with the metrics that crossed a threshold, and the live replies per
+    version (clawd.degeneration; closing and tool-call replies are not answers and are left out)."""
+    ev_before = degeneration.summarise(r.text for r in before)
+    ev_after = degeneration.summarise(r.text for r in after)
+    return {"evaluation": {"before": ev_before, "after": ev_after, "flags": degeneration.flags(ev_after, ev_before)},
+            "live": {str(v): row for v, row in degeneration.by_version(r.to_json() for r in users.replies).items()}}
 
 
 def _count(items) -> dict[str, int]:
@@ -411,10 +425,21 @@ def print_summary(summary: dict[str, Any], out: Path, png: Path | None) -> None:
     print(f"{'all':12s} {'':24s} {pct(sat['before']):>5s} {pct(sat['after']):>6s}")
     print(f"live: satisfied {pct(sat['live_v0'])} of answers served by v0, {pct(sat['live_last'])} by "
           f"v{sat['live_last_version']}")
+    deg = summary["degeneration"]["evaluation"]
+    print("evaluation answers, v0 -> last: " + ", ".join(
+        f"{name} {_fmt(deg['before'][key])} -> {_fmt(deg['after'][key])}"
+        for name, key in (("words", "mean_words"), ("distinct-2", "distinct_2"), ("one-word", "one_word_share"),
+                          ("repeated openings", "repeated_opening_share"))))
+    for flag in deg["flags"]:
+        print(f"  degeneration: {flag}")
     for ex in summary["examples"]:
         print(f"\n{ex['persona']}: {ex['question']}\n  v0:  {_one_line(ex['before'])}\n"
               f"  v{ex['after_version']}: {_one_line(ex['after'])}")
     print(f"wrote {out / 'summary.json'}" + (f", {png}" if png else ""))
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _one_line(text: str, limit: int = 160) -> str:

@@ -21,6 +21,10 @@ from typing import Any
 from clawd.config import to_toml
 from clawd.ops.ctl import NotRunning, call
 
+# The repository (this file is clawd/tools/sim/launch.py): clawd's own package goes first on the daemon's path,
+# never clawd/ itself, whose modules would shadow the standard library's.
+REPO = Path(__file__).resolve().parents[3]
+
 _LISTENING = re.compile(r"listening on (http://\S+)")
 PR_SET_PDEATHSIG = 1
 MAX_SOCKET_PATH = 107  # bytes in sun_path, less the terminating NUL
@@ -62,8 +66,7 @@ class Clawd:
         env = dict(os.environ)
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
-        root = Path(__file__).resolve().parents[2]
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(self.log_path, "w") as log:
             # Its own session: a Ctrl-C in the terminal reaches the demo alone, which stops clawd cleanly;
             # and clawd gets SIGTERM if the demo dies without doing so.

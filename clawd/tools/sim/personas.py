@@ -1,29 +1,44 @@
-"""Simulated users' personas: a verifiable preference each, and the words they answer with (pure).
+"""Simulated users' personas: what they ask, what they want from a reply, the words they answer with (pure).
 
-A persona asks questions from its own list and judges every text reply with a
-checker: a pure function of the reply's text. A reply that satisfies it is
-thanked; one that does not is corrected in words that say what was wanted, so a
-judge that extracts hints from the user's next message gets a usable one.
+Two catalogues. `PERSONAS` (the default) ask questions with known answers (clawd/tools/sim/
+questions.py) and want substance AND style: a reply satisfies only if it names the right answer
+(`questions.grade` is "correct") and meets the persona's preference. `FORM_ONLY_PERSONAS` are the
+old users who judge form alone; kept as the documented example of collapse: against them the demo's
+policy learnt answers such as "The answer is a planet." (short, no list, thanked) and went from 38 %
+to 100 % satisfied while saying nothing.
+
+Preferences (`kind`/`param`): "under_words" N (fewer than N words), "no_lists", "ends_with_question",
+"uses_term" TERM. Every persona first wants an answer at all: a reply under `min_words` words
+(MIN_WORDS unless said otherwise) never satisfies (an empty reply must never be the easy way to be
+thanked for brevity); `plain` wants at least 8.
 
 The words are written for clawd's `rules` judge (clawd/scoring/judging.py): every thank-you
-matches a positive phrase and no negative one; every correction opens with "No,"
-(a negative phrase), so the judge scores the reply -1 and keeps the whole
-correction as the hint. tests/test_sim.py checks each message against `rules_vote`.
+matches a positive phrase and no negative one; every correction opens with "No," (a negative
+phrase), so the judge scores the reply -1 and keeps the whole correction as the hint. A substance
+persona's correction says what was wrong: the answer (missing, wrong, or hedged among several, and
+with `tells_answer` the answer itself: "No, that doesn't answer it: the capital of Italy is Rome.")
+before the style ("Please answer in under 20 words."); a right answer in the wrong style gets the
+style correction alone, as the form-only personas word it. tests/test_sim.py and
+tests/test_personas.py check each message against `rules_vote`.
 
-Every persona first wants an answer at all: a reply under `min_words` words
-(MIN_WORDS unless said otherwise) is corrected whatever its preference (an empty
-reply must never be the easy way to be thanked for brevity). `plain` wants at least
-8: without that floor the demo's policy learnt to answer every question "The answer
-is X", which has no list and is short, and pleased both personas.
+A substance persona judges a reply to a question: `satisfied(text, question)`, `correction(text,
+question)`, `follow_up(..., question=...)`, `grade(text, question)`, the question as its text or its
+`Item`; called without one they raise. Its `questions` are TRAIN items; `held_out` are EVAL items of
+the same kinds (never asked in sessions), for evaluation probes (`probe_question`).
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
+
+from clawd.tools.sim import questions as bank
+from clawd.tools.sim.questions import CORRECT, MISSING, SEVERAL, WRONG, Item
 
 MIN_WORDS = 3
 NOT_AN_ANSWER = "No, that's not an answer. Please answer the question in a full sentence."
+RIGHT_BUT_SHORT = "No, that's too short. Please answer in a full sentence."
+FORM_PREFIX = "form:"  # persona("form:brief") is FORM_ONLY_PERSONAS["brief"]
 KINDS = ("under_words", "no_lists", "ends_with_question", "uses_term")
 
 # A list item: a line that starts with a bullet, or with a number or letter and "." or ")".
@@ -63,20 +78,46 @@ def uses_term(text: str, term: str) -> bool:
     return re.search(r"(?<!\w)" + re.escape(term) + r"(?!\w)", text, re.IGNORECASE) is not None
 
 
+class Grade(NamedTuple):
+    """A reply judged: `answer` is questions.CORRECT/SEVERAL/WRONG/MISSING (None for a form-only persona),
+    `styled` the preference and the word floor together."""
+    answer: str | None
+    styled: bool
+
+    @property
+    def satisfied(self) -> bool:
+        return self.styled and self.answer in (None, CORRECT)
+
+
 @dataclass(frozen=True)
 class Persona:
     """One kind of user: what it asks about and what it wants from every reply.
 
     kind/param: "under_words" N (fewer than N words), "no_lists", "ends_with_question",
     "uses_term" TERM. A reply under `min_words` words is no answer to any of them.
+    With `items` (questions with known answers) the persona also wants the right answer; its
+    `questions` are then the items' questions (pass `()`), `held_out` its evaluation items, and
+    `tells_answer` whether a correction of a wrong answer says the right one.
     """
     name: str
     kind: str
     param: int | str | None
     questions: tuple[str, ...]
     min_words: int = MIN_WORDS
+    items: tuple[Item, ...] = ()
+    held_out: tuple[Item, ...] = ()
+    tells_answer: bool = True
 
     def __post_init__(self):
+        if self.items:
+            asked = tuple(i.question for i in self.items)
+            if self.questions not in ((), asked):
+                raise ValueError(f"persona {self.name}: questions must be its items' questions")
+            object.__setattr__(self, "questions", asked)
+            if {i.question for i in self.items} & {i.question for i in self.held_out}:
+                raise ValueError(f"persona {self.name}: a held-out question is also asked")
+        elif self.held_out:
+            raise ValueError(f"persona {self.name}: held-out items need items")
         if self.kind not in KINDS:
             raise ValueError(f"persona {self.name}: kind {self.kind!r} is not one of {KINDS}")
         if self.min_words < 1:
@@ -89,29 +130,73 @@ class Persona:
             raise ValueError(f"persona {self.name}: needs at least one question")
 
     @property
+    def judges_answers(self) -> bool:
+        """Does this persona want the right answer (a substance persona), not only a style?"""
+        return bool(self.items)
+
+    @property
     def preference(self) -> str:
         """The preference in a few words, for tables and plots."""
         least = f", {self.min_words}+ words" if self.min_words > MIN_WORDS else ""
-        return {"under_words": f"under {self.param} words", "no_lists": "no lists",
-                "ends_with_question": "ends with a question",
-                "uses_term": f"uses the term {self.param!r}"}[self.kind] + least
+        style = {"under_words": f"under {self.param} words", "no_lists": "no lists",
+                 "ends_with_question": "ends with a question",
+                 "uses_term": f"uses the term {self.param!r}"}[self.kind] + least
+        return f"right answer, {style}" if self.items else style
+
+    def item(self, question: str | Item | None) -> Item:
+        """The item a question names: an Item as it is, a question's text looked up in items and held_out."""
+        if isinstance(question, Item):
+            return question
+        if question is None:
+            raise ValueError(f"persona {self.name} judges answers: pass the question")
+        for it in self.items + self.held_out:
+            if it.question == question:
+                return it
+        raise ValueError(f"persona {self.name} does not ask {question!r}")
+
+    def probe_question(self, i: int) -> str:
+        """The i-th evaluation question: held-out items when there are any, else the persona's own questions."""
+        pool = [it.question for it in self.held_out] or list(self.questions)
+        return pool[i % len(pool)]
 
     def prefers(self, text: str) -> bool:
         """The preference alone, on a reply that is an answer."""
         return _CHECKS[self.kind](text, self.param)
 
-    def satisfied(self, text: str) -> bool:
-        """Would this user thank this reply?"""
+    def styled(self, text: str) -> bool:
+        """The word floor and the preference: everything but the answer."""
         return word_count(text) >= self.min_words and self.prefers(text)
 
-    def correction(self, text: str) -> str:
+    def grade(self, text: str, question: str | Item | None = None) -> Grade:
+        """The reply judged for substance (substance personas only) and style."""
+        answer = bank.grade(self.item(question), text) if self.items else None
+        return Grade(answer, self.styled(text))
+
+    def satisfied(self, text: str, question: str | Item | None = None) -> bool:
+        """Would this user thank this reply (to this question, for a substance persona)?"""
+        return self.grade(text, question).satisfied
+
+    def correction(self, text: str, question: str | Item | None = None) -> str:
         """What the user says to a reply that does not satisfy them: the hint is in the words."""
         words = word_count(text)
-        if words < min(self.min_words, MIN_WORDS):
-            return NOT_AN_ANSWER
+        if not self.items:
+            if words < min(self.min_words, MIN_WORDS):
+                return NOT_AN_ANSWER
+            if words < self.min_words:
+                return too_short(self.min_words)
+            return _CORRECTIONS[self.kind](self.param)
+        item = self.item(question)
+        answer = bank.grade(item, text)
+        if answer == CORRECT:  # the style alone, as a form-only persona says it
+            if words < self.min_words:
+                return RIGHT_BUT_SHORT if self.min_words <= MIN_WORDS else too_short(self.min_words)
+            return _CORRECTIONS[self.kind](self.param)
+        said = _SUBSTANCE[answer] + (f": {item.fact}." if self.tells_answer else ".")
         if words < self.min_words:
-            return too_short(self.min_words)
-        return _CORRECTIONS[self.kind](self.param)
+            ask = ("Please answer in a full sentence." if self.min_words <= MIN_WORDS
+                   else f"Please answer in full sentences, at least {self.min_words} words.")
+            return f"{said} {ask}"
+        return said if self.prefers(text) else f"{said} {_ASKS[self.kind](self.param)}"
 
 
 _CHECKS: dict[str, Callable[[str, object], bool]] = {
@@ -126,6 +211,15 @@ _CORRECTIONS: dict[str, Callable[[object], str]] = {
     "ends_with_question": lambda _: "No, you forgot to ask me something back. End your answer with a question.",
     "uses_term": lambda term: f"No, you didn't use the term {term}. Please use the word {term} in your answer.",
 }
+# What a substance persona says of a reply without the right answer; then the style it also misses.
+_SUBSTANCE = {MISSING: "No, that doesn't answer it", WRONG: "No, that's not right",
+              SEVERAL: "No, please give one answer, not several"}
+_ASKS: dict[str, Callable[[object], str]] = {
+    "under_words": lambda n: f"Please answer in under {n} words.",
+    "no_lists": lambda _: "Please answer in plain sentences, without bullets or numbering.",
+    "ends_with_question": lambda _: "Please end your answer with a question.",
+    "uses_term": lambda term: f"Please use the word {term} in your answer.",
+}
 
 
 def thanks(i: int) -> str:
@@ -133,8 +227,9 @@ def thanks(i: int) -> str:
     return THANKS[i % len(THANKS)]
 
 
-def follow_up(persona: Persona, text: str, *, next_question: str | None, retry: bool, i: int = 0) -> tuple[bool, str | None]:
-    """(satisfied, the user's next message) after the reply `text`.
+def follow_up(persona: Persona, text: str, *, next_question: str | None, retry: bool, i: int = 0,
+              question: str | Item | None = None) -> tuple[bool, str | None]:
+    """(satisfied, the user's next message) after the reply `text` (to `question`: a substance persona needs it).
 
     Satisfied: thanks, then the next question if there is one. Not satisfied and
     `retry`: the correction alone (the user wants the same question answered again).
@@ -142,11 +237,11 @@ def follow_up(persona: Persona, text: str, *, next_question: str | None, retry: 
     there is nothing left to say (satisfied or not, no next question and no retry):
     a session that ends there without a last word leaves its last reply unjudged.
     """
-    ok = persona.satisfied(text)
+    ok = persona.satisfied(text, question)
     if ok:
         said = thanks(i)
         return True, f"{said} Next question: {next_question}" if next_question else said
-    said = persona.correction(text)
+    said = persona.correction(text, question)
     if retry:
         return False, said
     return False, f"{said} Anyway, next question: {next_question}" if next_question else said
@@ -197,7 +292,8 @@ CODING = (
     "How do I join two strings?",
 )
 
-PERSONAS: dict[str, Persona] = {p.name: p for p in (
+# The old users, who judge form alone (no known answers): the documented example of collapse.
+FORM_ONLY_PERSONAS: dict[str, Persona] = {p.name: p for p in (
     Persona("brief", "under_words", 20, FACTS),
     Persona("plain", "no_lists", None, TIPS, min_words=8),  # a real answer, not "The answer is X."
     Persona("terse", "under_words", 3, GENERAL, min_words=1),
@@ -206,18 +302,41 @@ PERSONAS: dict[str, Persona] = {p.name: p for p in (
 )}
 
 
+def asking(name: str, kind: str, param: int | str | None, kinds: tuple[str, ...], *, min_words: int = MIN_WORDS,
+           tells_answer: bool = True) -> Persona:
+    """A substance persona: questions.TRAIN items of these kinds to ask, questions.EVAL ones held out."""
+    return Persona(name, kind, param, (), min_words, bank.of_kinds(bank.TRAIN, kinds),
+                   bank.of_kinds(bank.EVAL, kinds), tells_answer)
+
+
+# The default users: the right answer to a known-answer question, in their style. Every correction of a
+# wrong answer carries the answer (a hint a teacher can use), except curious's, which only says it is wrong.
+PERSONAS: dict[str, Persona] = {p.name: p for p in (
+    asking("brief", "under_words", 20, ("fact", "arithmetic")),
+    asking("plain", "no_lists", None, ("definition", "conversion"), min_words=8),
+    asking("terse", "under_words", 3, ("fact", "arithmetic"), min_words=1),
+    asking("curious", "ends_with_question", None, ("definition", "fact"), tells_answer=False),
+    asking("pythonista", "uses_term", "Python", ("arithmetic", "conversion")),
+)}
+
+
 def persona(spec: str) -> Persona:
-    """A persona by name, with an optional parameter: "brief", "brief:20", "pythonista:Rust"."""
+    """A persona by name, with an optional parameter: "brief", "brief:20", "pythonista:Rust";
+    "form:NAME[:PARAM]" names one of FORM_ONLY_PERSONAS ("form:brief")."""
+    catalogue = PERSONAS
+    if spec.startswith(FORM_PREFIX):
+        catalogue, spec = FORM_ONLY_PERSONAS, spec[len(FORM_PREFIX):]
     name, _, param = spec.partition(":")
-    if name not in PERSONAS:
-        raise ValueError(f"unknown persona {name!r}; known: {', '.join(PERSONAS)}")
-    base = PERSONAS[name]
+    if name not in catalogue:
+        raise ValueError(f"unknown persona {name!r}; known: {', '.join(catalogue)}"
+                         + ("" if catalogue is FORM_ONLY_PERSONAS else f", {FORM_PREFIX}NAME for form-only ones"))
+    base = catalogue[name]
     if not param:
         return base
     if base.kind == "under_words":
         if not param.isdigit():
             raise ValueError(f"persona {name}: {param!r} is not a word count")
-        return Persona(base.name, base.kind, int(param), base.questions, base.min_words)
+        return replace(base, param=int(param))
     if base.kind == "uses_term":
-        return Persona(base.name, base.kind, param, base.questions, base.min_words)
+        return replace(base, param=param)
     raise ValueError(f"persona {name} takes no parameter")

@@ -258,9 +258,11 @@ class Users:
                      "content": tool_result(call["function"].get("name"), call["function"].get("arguments"))}
                     for i, call in enumerate(served.tool_calls)]
                 continue
-            retry = not persona.satisfied(served.text) and attempt < plan.retries
+            question = plan.questions[q]  # substance personas judge the answer to this question, not form alone
+            retry = not persona.satisfied(served.text, question) and attempt < plan.retries
             next_q = None if retry or q + 1 >= len(plan.questions) else plan.questions[q + 1]
-            ok, said = follow_up(persona, served.text, next_question=next_q, retry=retry, i=plan.index + turn)
+            ok, said = follow_up(persona, served.text, next_question=next_q, retry=retry, i=plan.index + turn,
+                                 question=question)
             self._keep(plan, "answer", served, turn, q, attempt, ok)
             messages.append(served.message)
             if retry:
@@ -335,14 +337,14 @@ class Users:
         A side turn (`X-Turn-Type: side`) as well as `X-Clawd-No-Train`: side turns stay out of the
         session table, so probes that repeat a question never touch the users' sessions."""
         started = time.monotonic()
-        text = persona.questions[question % len(persona.questions)]
+        text = persona.probe_question(question)  # held-out questions: never asked in the users' sessions
         reply = await self.client.chat.completions.create(
             model="clawd", messages=[{"role": "user", "content": text}], temperature=self.temperature,
             max_tokens=self.max_tokens, seed=seed, user="sim-probe",
             extra_headers={"X-Clawd-No-Train": "1", "X-Turn-Type": "side"})
         content = reply.choices[0].message.content or ""
         return Reply(-1, persona.name, "probe", "probe", 0, question, 0, version_of(reply.system_fingerprint),
-                     persona.satisfied(content), len(content.split()),
+                     persona.satisfied(content, text), len(content.split()),
                      reply.usage.completion_tokens if reply.usage else 0, reply.choices[0].finish_reason,
                      round(time.monotonic() - started, 3), content if self.keep_text else "")
 
