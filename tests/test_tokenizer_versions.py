@@ -163,11 +163,11 @@ def differences(a, b, where="") -> list[str]:
 
 def compare_versions(models: list[str]):
     if not PINNED_DIR.is_dir():
-        reason = (f"{PINNED_DIR} is absent (the GPU pin: transformers=={GPU['transformers']}, "
+        absent = (f"{PINNED_DIR} is absent (the GPU pin: transformers=={GPU['transformers']}, "
                   f"tokenizers=={GPU['tokenizers']}); {HOW_TO_CREATE}")
         if os.environ.get("CI"):  # CI runs `make test`, which always creates it: never skip there
-            pytest.fail(reason)
-        pytest.skip(reason)
+            pytest.fail(absent)
+        pytest.skip(reason=f"the GPU pin's transformers/tokenizers are not installed: {absent}")
     with ThreadPoolExecutor(2) as pool:
         gpu_run = pool.submit(run_probe, models, [str(PINNED_DIR)], {p: GPU[p] for p in PACKAGES})
         cpu_run = pool.submit(run_probe, models, [], {p: CPU[p] for p in PACKAGES})
