@@ -82,11 +82,19 @@ def swap(r: dict) -> list[dict]:
 
 def learning(r: dict) -> list[dict]:
     rows = []
-    judged_modes = (r.get("targets") or {}).get("judged_modes")
-    for mode, cell in r["modes"].items():
+    targets = r.get("targets") or {}
+    judged_arms, controls = targets.get("judged_arms", []), targets.get("controls_unchanged", [])
+    for arm, cell in r["arms"].items():
+        if arm in controls:  # a negative control: its paired satisfaction change must include 0
+            change = cell["paired"]["satisfied"]
+            rows.append(_row(f"{arm} (control): satisfaction change, 95% interval low", change["low"], "{:+.2f}",
+                             "<= 0", change["low"] <= 0))
+            rows.append(_row(f"{arm} (control): satisfaction change, 95% interval high", change["high"], "{:+.2f}",
+                             ">= 0", change["high"] >= 0))
+            continue
         # opd needs a teacher that can read the hint: on the random tiny model it cannot, so no target.
-        judged = mode in judged_modes if judged_modes is not None else mode != "opd" or r.get("profile") != "tiny"
-        rows.append(_row(f"{mode}: satisfaction after / before", cell["ratio"], "{:.2f}x", "> 1" if judged else "",
+        judged = arm in judged_arms
+        rows.append(_row(f"{arm}: satisfaction after / before", cell["ratio"], "{:.2f}x", "> 1" if judged else "",
                          (cell["ratio"] is not None and cell["ratio"] > 1) if judged else None))
     return rows
 

@@ -1,17 +1,25 @@
-"""Learning, mode by mode: the same simulated users in rl, opd and combine, several seeds, step by step.
+"""Learning, arm by arm: the same simulated users in rl, opd, combine and two negative controls, several seeds.
 
-For each mode and seed, one fresh clawd (the CPU engine, the `rules` judge, the learner on)
+For each arm and seed, one fresh clawd (the CPU engine, the `rules` judge, the learner on)
 and the simulated users of clawd/tools/sim (personas, multi-turn sessions of every style, tool
 calls, the official `openai` client). The run goes in lockstep, one training step at a time:
 
     users talk until the learner has a batch  →  hold the users between requests  →
     the step trains and publishes  →  evaluate  →  release the users
 
-The evaluation set is fixed: each persona's first --probes questions, each with its own
-sampling seed, never trained on (`X-Clawd-No-Train`), so every step of every mode and seed
-sees the same prompts and the same random draws, and only the weights differ. Its
-satisfaction rate is printed after every step, per mode, as the mean ± std over the seeds
-(and min–max); the headline per mode is satisfaction after the last step / before the first.
+Arms: the modes `rl`, `opd` and `combine`, and two negative controls, rl with the reward cut off
+from the replies (`[learner] control`, clawd/learning/controls.py): `shuffled` trains on the
+batch's rewards permuted across its replies, `zero` on rewards of 0. Same users, same judge, same
+steps; a control must not move the metrics, so a gain the loop makes from any reward at all shows.
+
+The evaluation set is held out and fixed: each persona's first --probes evaluation questions (never
+asked in the sessions), each with its own sampling seed, never trained on (`X-Clawd-No-Train`), so
+every step of every arm and seed sees the same prompts and the same random draws, and only the
+weights differ. Per step: satisfaction, mean ± std over the seeds (min–max). Per arm: satisfied,
+correct (the right answer is there; substance personas only) and styled before and after, the
+paired change over all (seed, question) pairs with its 95% bootstrap interval (clawd/paired.py),
+and the degeneration metrics of the last evaluation's answers (clawd/degeneration.py) with what
+they flag against the first.
 
 Profiles (`--model`): `tiny` (default), the random-weight test model, whose only learnable
 preference is its length (the form-only persona `form:terse`, wanting 1–2 words, at 8 tokens a
@@ -21,16 +29,16 @@ about a minute a step on 2 cores). In opd mode the rules judge's hint is the use
 correction and the teacher is the policy shown it: a model that cannot read the hint (the
 tiny one) gives OPD nothing to learn from, which the table shows.
 
-    .venv/bin/python bench/learning.py                  # tiny model, 3 modes × 3 seeds; writes bench/results/learning.json
-    .venv/bin/python bench/learning.py --modes rl --seeds 1 --steps 5
-    .venv/bin/python bench/learning.py --model smollm2 --steps 8 --seeds 2
+    .venv/bin/python bench/learning.py                  # tiny model, 5 arms × 3 seeds; writes bench/results/learning.json
+    .venv/bin/python bench/learning.py --arms rl,shuffled --seeds 1 --steps 5
+    .venv/bin/python bench/learning.py --model smollm2 --seeds 1 --out bench/results/learning-smollm2.json
 
-Target: satisfaction after / before > 1 in every judged mode, i.e. every mode but opd on the tiny
-model (which cannot read the hint, so OPD has nothing to learn from there). Exit status: 0 when every
-run was clean (no client error, clawd exited 0) and every judged mode met the target; 1 when a run
-failed or a judged mode missed it (or its ratio could not be taken: satisfaction 0 before), or (a
-traceback) when it could not measure. The JSON carries `provenance` (bench/provenance.py), `targets`
-and `pass`.
+Targets: satisfaction after / before > 1 in every judged mode arm (every mode but opd on the tiny
+model, which cannot read the hint), and no change in every control arm (the paired interval of
+its satisfaction change includes 0). Exit status: 0 when every run was clean (no client error,
+clawd exited 0) and every target was met; 1 when a run failed or a target was missed (or a ratio
+could not be taken: satisfaction 0 before), or (a traceback) when it could not measure. The JSON
+carries `provenance` (bench/provenance.py), `targets` and `pass`.
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from clawd import degeneration, paired  # noqa: E402
 from clawd.tools.models import cached_tiny_model  # noqa: E402
 from clawd.tools.sim.launch import Clawd  # noqa: E402
 from clawd.tools.sim.personas import persona  # noqa: E402
@@ -54,13 +63,16 @@ from clawd.tools.sim.users import Users, rate  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 
 RESULTS = ROOT / "bench" / "results"
-MODES = ("rl", "opd", "combine")
-TARGET_RATIO = 1.0  # satisfaction after the last step / before the first, in every judged mode: above it
+# arm -> (scoring mode, [learner] control)
+ARMS = {"rl": ("rl", "none"), "opd": ("opd", "none"), "combine": ("combine", "none"),
+        "shuffled": ("rl", "shuffle_rewards"), "zero": ("rl", "zero_rewards")}
+CONTROLS = ("shuffled", "zero")
+TARGET_RATIO = 1.0  # satisfaction after the last step / before the first, in every judged mode arm: above it
 PROFILES = {
     "tiny": {"personas": "form:terse", "max_tokens": 8, "temperature": 1.0, "lr": 3e-2, "batch": 8, "steps": 20,
-             "probes": 48, "concurrency": 4, "eval_every": 1},
+             "probes": 48, "concurrency": 4, "eval_every": 1, "arms": "rl,opd,combine,shuffled,zero"},
     "smollm2": {"personas": "brief,plain", "max_tokens": 48, "temperature": 0.7, "lr": 5e-5, "batch": 8,
-                "steps": 8, "probes": 16, "concurrency": 4, "eval_every": 2},
+                "steps": 8, "probes": 16, "concurrency": 4, "eval_every": 2, "arms": "rl,opd,combine,shuffled"},
 }
 
 
@@ -72,12 +84,14 @@ def tiny_model() -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny, smollm2, or a model directory (with the smollm2 profile)")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated (default rl,opd,combine)")
+    ap.add_argument("--arms", help=f"comma-separated, of {', '.join(ARMS)} (default: the profile's)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N per mode (default 3)")
     for name, kind in (("steps", int), ("batch", int), ("lr", float), ("max_tokens", int), ("probes", int),
                        ("temperature", float), ("concurrency", int), ("eval_every", int)):
         ap.add_argument("--" + name.replace("_", "-"), type=kind, help="default: the profile's")
     ap.add_argument("--personas", help="default: the profile's")
+    ap.add_argument("--baseline", choices=("batch_mean", "none"), default="batch_mean",
+                    help="[train] reward_baseline (default batch_mean, clawd's)")
     ap.add_argument("--teacher", choices=("policy", "reference"), default="policy",
                     help="opd/combine teacher engine (default policy: no second engine)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for clawd's engine and trainer")
@@ -87,9 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in profile.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not args.mode_list or any(m not in MODES for m in args.mode_list):
-        ap.error(f"--modes must name some of {', '.join(MODES)}")
+    args.arm_list = [m.strip() for m in args.arms.split(",") if m.strip()]
+    if not args.arm_list or any(m not in ARMS for m in args.arm_list):
+        ap.error(f"--arms must name some of {', '.join(ARMS)}")
     if min(args.seeds, args.steps, args.batch, args.probes, args.concurrency, args.max_tokens, args.eval_every) < 1:
         ap.error("--seeds, --steps, --batch, --probes, --concurrency, --max-tokens and --eval-every must be at least 1")
     try:
@@ -105,16 +119,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-async def one_run(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> dict:
-    """One mode, one seed: [(steps, versions, satisfaction)] from step 0 to args.steps, plus the daemon's counts."""
+async def one_run(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) -> dict:
+    """One arm, one seed: [(steps, versions, satisfaction)] from step 0 to args.steps, the first and last
+    evaluation's answers, plus the daemon's counts."""
+    mode, control = ARMS[arm]
     clawd = Clawd(run_dir, {
         "model": {"path": str(args.model_dir), "max_tokens_cap": args.max_tokens},
         # As in the demo: room for the post-swap /model_info check on a busy CPU engine (clawd/tools/sim/demo.py).
         "engine": {"launch": "local", "cpu_threads": args.threads, "seed": seed, "connect_timeout": 30.0},
         "scoring": {"mode": mode},
         "judge": {"backend": "rules", "teacher_engine": args.teacher},
-        "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1},
-        "train": {"lr": args.lr, "seed": seed, "checkpoint_every": 1000, "keep_versions": 2},
+        "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1, "control": control},
+        "train": {"lr": args.lr, "seed": seed, "checkpoint_every": 1000, "keep_versions": 2,
+                  "reward_baseline": args.baseline},
         "sessions": {"session_idle_timeout": 120.0, "sweep_interval": 2.0},
     }, threads=args.threads)
     users: Users | None = None
@@ -122,8 +139,9 @@ async def one_run(args: argparse.Namespace, mode: str, seed: int, run_dir: Path)
     try:
         await clawd.start()
         users = Users(clawd.url, args.persona_list, seed=seed, concurrency=args.concurrency,
-                      max_tokens=args.max_tokens, temperature=args.temperature)
-        points.append(await evaluate(clawd, users, args))
+                      max_tokens=args.max_tokens, temperature=args.temperature, keep_text=True)
+        first = await evaluate(clawd, users, args)
+        points.append(first)
         users.gate.clear()
         driving = asyncio.create_task(users.run())
         while points[-1]["steps"] < args.steps:
@@ -146,8 +164,13 @@ async def one_run(args: argparse.Namespace, mode: str, seed: int, run_dir: Path)
         if users is not None:
             await users.close()
         code = await clawd.stop()
-    return {"points": points, "exit": code, "errors": users.errors, "sessions": len(users.sessions),
-            "ended": users.ended, "scoring": status["scoring"], "learner": status["learner"]}
+    last = next(p for p in reversed(points) if p.get("replies"))
+    answers = {"before": [r.to_json() for r in first.pop("replies")], "after": [r.to_json() for r in last.pop("replies")]}
+    for p in points:
+        p.pop("replies", None)
+    return {"points": points, "answers": answers, "exit": code, "errors": users.errors,
+            "sessions": len(users.sessions), "ended": users.ended, "scoring": status["scoring"],
+            "learner": status["learner"]}
 
 
 async def until_batch_taken(clawd: Clawd, users: Users, driving: asyncio.Task, batch: int, done: int) -> None:
@@ -169,7 +192,8 @@ async def evaluate(clawd: Clawd, users: Users, args: argparse.Namespace) -> dict
     replies = await users.evaluate(args.probes, seed=1)  # the same evaluation set for every mode and seed
     steps = clawd.status()["learner"]["steps"]
     return {"steps": steps, "versions": sorted({r.version for r in replies if r.version is not None}),
-            "satisfied": rate(replies), "words": statistics.fmean(r.words for r in replies)}
+            "satisfied": rate(replies), "correct": rate(replies, "correct"), "styled": rate(replies, "styled"),
+            "words": statistics.fmean(r.words for r in replies), "replies": replies}
 
 
 def spread(values: list[float]) -> dict:
@@ -177,31 +201,79 @@ def spread(values: list[float]) -> dict:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
-def table(results: dict, modes: list[str], steps: int) -> str:
-    """Satisfaction per step: mean ± std over seeds (min–max), one column per mode."""
-    head = f"{'step':>4}  " + "  ".join(f"{m:^25s}" for m in modes)
+def table(results: dict, arms: list[str], steps: int) -> str:
+    """Satisfaction per step: mean ± std over seeds (min–max), one column per arm; then per arm its paired
+    change, correctness and style, and degeneration."""
+    head = f"{'step':>4}  " + "  ".join(f"{m:^25s}" for m in arms)
     lines = [head, "-" * len(head)]
     for s in range(steps + 1):
-        if not any(str(s) in results[m]["by_step"] for m in modes):
+        if not any(str(s) in results[m]["by_step"] for m in arms):
             continue  # not evaluated after this step (--eval-every)
         cells = []
-        for m in modes:
+        for m in arms:
             row = results[m]["by_step"].get(str(s))
             cells.append(f"{'-':^25s}" if row is None else
                          f"{row['mean']:.2f} ± {row['std']:.2f} ({row['min']:.2f}–{row['max']:.2f})".center(25))
         lines.append(f"{s:>4}  " + "  ".join(cells))
     lines.append("")
-    for m in modes:
+    for m in arms:
         r = results[m]
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        lines.append(f"{m:8s} satisfaction {r['before']:.2f} -> {r['after']:.2f}: after / before {ratio}"
+        lines.append(f"{m:9s} satisfaction {r['before']:.2f} -> {r['after']:.2f}: after / before {ratio}"
                      f"  (seeds: {', '.join(f'{a:.2f}' for a in r['after_by_seed'])})")
+        for of, result in r["paired"].items():
+            lines.append(f"{'':9s}   {paired.describe(of, result)}: {paired.verdict(result)}")
+        d = r["degeneration"]
+        lines.append(f"{'':9s}   answers: words {d['before']['mean_words']:.1f} -> {d['after']['mean_words']:.1f}, "
+                     f"distinct-2 {_f(d['before']['distinct_2'])} -> {_f(d['after']['distinct_2'])}, one-word "
+                     f"{_f(d['before']['one_word_share'])} -> {_f(d['after']['one_word_share'])}, repeated openings "
+                     f"{_f(d['before']['repeated_opening_share'])} -> {_f(d['after']['repeated_opening_share'])}"
+                     + (f"; flags: {'; '.join(d['flags'])}" if d["flags"] else "; no flags"))
     return "\n".join(lines)
 
 
-def judged_modes(args: argparse.Namespace) -> list[str]:
-    """The modes whose ratio is held to the target: opd only where the teacher can read the hint."""
-    return [m for m in args.mode_list if m != "opd" or args.model != "tiny"]
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def judged_arms(args: argparse.Namespace) -> list[str]:
+    """The mode arms whose ratio is held to the target: opd only where the teacher can read the hint."""
+    return [m for m in args.arm_list if m not in CONTROLS and (m != "opd" or args.model != "tiny")]
+
+
+def summarise_arm(runs: dict[int, dict], steps: int) -> dict:
+    """One arm over its seeds: satisfaction per step, before/after, the paired change over every
+    (seed, question) pair, and the degeneration of the answers before and after."""
+    by_step: dict[str, dict] = {}
+    for s in range(steps + 1):
+        vals = [p["satisfied"] for r in runs.values() for p in r["points"] if p["steps"] == s and p["satisfied"] is not None]
+        if vals:
+            by_step[str(s)] = spread(vals)
+    before = statistics.fmean(r["points"][0]["satisfied"] for r in runs.values())
+    after_by_seed = [next(p for p in reversed(r["points"]) if p["satisfied"] is not None)["satisfied"]
+                     for r in runs.values()]
+    after = statistics.fmean(after_by_seed)
+    pairs = []
+    for r in runs.values():
+        later = {(a["persona"], a["question"]): a for a in r["answers"]["after"]}
+        pairs += [(b, later[(b["persona"], b["question"])]) for b in r["answers"]["before"]
+                  if (b["persona"], b["question"]) in later]
+    compared = {of: paired.compare([b[of] for b, _ in pairs], [a[of] for _, a in pairs])
+                for of in ("satisfied", "correct", "styled") if all(x[of] is not None for pair in pairs for x in pair)}
+    ev_before = degeneration.summarise(b["text"] for b, _ in pairs)
+    ev_after = degeneration.summarise(a["text"] for _, a in pairs)
+    return {"by_step": by_step, "before": before, "after": after, "after_by_seed": after_by_seed,
+            "ratio": after / before if before else None, "paired": compared,
+            "degeneration": {"before": ev_before, "after": ev_after, "flags": degeneration.flags(ev_after, ev_before)},
+            "runs": runs}
+
+
+def missed_targets(results: dict, args: argparse.Namespace) -> list[str]:
+    out = [f"{m}: satisfaction after / before {results[m]['ratio']}, target > {TARGET_RATIO:g}"
+           for m in judged_arms(args) if results[m]["ratio"] is None or results[m]["ratio"] <= TARGET_RATIO]
+    out += [f"{m} (a control): satisfaction moved, {paired.describe('satisfied', results[m]['paired']['satisfied'])}"
+            for m in args.arm_list if m in CONTROLS and paired.verdict(results[m]["paired"]["satisfied"]) != "no change"]
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -209,43 +281,35 @@ async def main_async(args: argparse.Namespace) -> int:
     started = time.monotonic()
     scratch = Path(tempfile.mkdtemp(prefix="clawd-learn-"))  # short paths: the admin socket lives here
     print(f"learning bench: {args.model_dir.name}, personas {args.personas}, {args.steps} steps of {args.batch} "
-          f"samples, lr {args.lr:g}, max_tokens {args.max_tokens}, T {args.temperature}, "
-          f"{args.probes} probes/persona, seeds 1..{args.seeds}, load {os.getloadavg()[0]:.1f}", flush=True)
+          f"samples, lr {args.lr:g}, reward baseline {args.baseline}, max_tokens {args.max_tokens}, "
+          f"T {args.temperature}, {args.probes} held-out probes/persona, arms {', '.join(args.arm_list)}, "
+          f"seeds 1..{args.seeds}, load {os.getloadavg()[0]:.1f}", flush=True)
     results, failures = {}, []
     try:
-        for mode in args.mode_list:
+        for arm in args.arm_list:
             runs = {}
             for seed in range(1, args.seeds + 1):
                 t = time.monotonic()
-                run = await one_run(args, mode, seed, scratch / f"{mode}-{seed}")
+                run = await one_run(args, arm, seed, scratch / f"{arm}-{seed}")
                 runs[seed] = run
                 curve = " ".join("-" if p["satisfied"] is None else f"{p['satisfied']:.2f}" for p in run["points"])
-                print(f"{mode:8s} seed {seed}: {curve}  ({time.monotonic() - t:.0f} s, "
+                print(f"{arm:9s} seed {seed}: {curve}  ({time.monotonic() - t:.0f} s, "
                       f"{run['sessions']} sessions, {len(run['errors'])} errors, exit {run['exit']})", flush=True)
                 if run["exit"] != 0 or run["errors"]:
-                    failures.append(f"{mode} seed {seed}: exit {run['exit']}, errors {run['errors'][:3]}")
-            by_step: dict[str, dict] = {}
-            for s in range(args.steps + 1):
-                vals = [p["satisfied"] for r in runs.values() for p in r["points"]
-                        if p["steps"] == s and p["satisfied"] is not None]
-                if vals:
-                    by_step[str(s)] = spread(vals)
-            before = statistics.fmean(r["points"][0]["satisfied"] for r in runs.values())
-            after_by_seed = [r["points"][-1]["satisfied"] for r in runs.values()]
-            after = statistics.fmean(after_by_seed)
-            results[mode] = {"by_step": by_step, "before": before, "after": after, "after_by_seed": after_by_seed,
-                             "ratio": after / before if before else None, "runs": runs}
+                    failures.append(f"{arm} seed {seed}: exit {run['exit']}, errors {run['errors'][:3]}")
+            results[arm] = summarise_arm(runs, args.steps)
     finally:
         shutil.rmtree(scratch)
-    print("\nsatisfaction on the evaluation set after each step (mean ± std over seeds, min–max)\n")
-    print(table(results, args.mode_list, args.steps))
-    judged = judged_modes(args)
-    missed = [m for m in judged if results[m]["ratio"] is None or results[m]["ratio"] <= TARGET_RATIO]
-    out = {"provenance": prov, "model": str(args.model_dir), "profile": args.model, "personas": args.personas, "steps": args.steps,
-           "batch": args.batch, "lr": args.lr, "max_tokens": args.max_tokens, "temperature": args.temperature,
-           "probes_per_persona": args.probes, "seeds": args.seeds, "teacher": args.teacher,
-           "wall_s": round(time.monotonic() - started, 1), "cores": os.cpu_count(), "modes": results,
-           "failures": failures, "targets": {"ratio_above": TARGET_RATIO, "judged_modes": judged},
+    print("\nsatisfaction on the held-out evaluation set after each step (mean ± std over seeds, min–max)\n")
+    print(table(results, args.arm_list, args.steps))
+    missed = missed_targets(results, args)
+    out = {"provenance": prov, "model": str(args.model_dir), "profile": args.model, "personas": args.personas,
+           "steps": args.steps, "batch": args.batch, "lr": args.lr, "reward_baseline": args.baseline,
+           "max_tokens": args.max_tokens, "temperature": args.temperature, "probes_per_persona": args.probes,
+           "seeds": args.seeds, "teacher": args.teacher, "wall_s": round(time.monotonic() - started, 1),
+           "cores": os.cpu_count(), "arms": results, "failures": failures,
+           "targets": {"ratio_above": TARGET_RATIO, "judged_arms": judged_arms(args),
+                       "controls_unchanged": [m for m in args.arm_list if m in CONTROLS]},
            "missed": missed, "pass": not failures and not missed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
@@ -253,10 +317,10 @@ async def main_async(args: argparse.Namespace) -> int:
     for f in failures:
         print("FAILED:", f, file=sys.stderr)
     for m in missed:
-        print(f"MISSED: {m}: satisfaction after / before {results[m]['ratio']}, target > {TARGET_RATIO:g}",
-              file=sys.stderr)
-    print(f"overall: {'PASS' if out['pass'] else 'FAIL'} (target after / before > {TARGET_RATIO:g} in "
-          f"{', '.join(judged) or 'no mode'})")
+        print("MISSED:", m, file=sys.stderr)
+    print(f"overall: {'PASS' if out['pass'] else 'FAIL'} (after / before > {TARGET_RATIO:g} in "
+          f"{', '.join(judged_arms(args)) or 'no arm'}; no change in "
+          f"{', '.join(m for m in args.arm_list if m in CONTROLS) or 'no control'})")
     return 0 if out["pass"] else 1
 
 

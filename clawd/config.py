@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import math
 import os
 import re
@@ -266,6 +265,7 @@ class LearnerConfig:
     train_timeout: float = 1800.0
     trainer_ready_timeout: float = 600.0
     publish_timeout: float = 600.0
+    control: typing.Literal["none", "shuffle_rewards", "zero_rewards"] = "none"  # clawd.learning.controls
 
     def check(self) -> dict[str, str]:
         errors = {}
@@ -305,6 +305,7 @@ class TrainConfig:
     w_rl: float = 1.0
     w_opd: float = 1.0
     opd_clip: float = 0.0                # 0 = off
+    reward_baseline: typing.Literal["batch_mean", "none"] = "batch_mean"  # losses.centre_rewards
     ppo_epochs: int = 1
     micro_batch_tokens: int = 8192       # padded tokens (rows x longest input) per forward
     keep_versions: int = 3
@@ -358,7 +359,6 @@ class TrainConfig:
 
 def _is_number(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
 def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
-
 
 @dataclass(frozen=True)
 class JournalConfig:
@@ -492,28 +492,6 @@ class Config:
         judge = self.judge.backend == "sglang" and self.judge.engine == "reference"
         teacher = self.scoring.mode != "rl" and self.judge.teacher_engine == "reference"
         return judge or teacher
-
-
-def to_toml(sections: dict[str, dict[str, Any]]) -> str:
-    """TOML for a config of tables of scalars, lists and inline tables (all clawd's config needs)."""
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v)  # a JSON string is a TOML basic string
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
-        raise TypeError(f"no TOML for {v!r}")
-    out = []
-    for name, table in sections.items():
-        out.append(f"[{name}]")
-        out += [f"{k} = {value(v)}" for k, v in table.items()]
-        out.append("")
-    return "\n".join(out)
 
 
 def load_config(path: str | Path) -> Config:

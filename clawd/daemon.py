@@ -133,9 +133,12 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         if cfg.learner.enabled:
             trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
             publisher = Publisher(policy_engine.client, cfg.learner.publish_timeout, ready=policy_engine.ready)
-            learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir)
+            learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir, control_seed=cfg.train.seed)
             if pause.learning:
                 learner.pause(pause.current.reason)
+            if cfg.learner.control != "none":
+                log.warning("learner control %r: training on a reward cut off from the replies (an experiment)",
+                            cfg.learner.control)
 
         # Serving: chat requests → the policy engine; each finished turn is handed over to scoring.
         turns_per_minute, requests_per_minute = Rate(), Rate()

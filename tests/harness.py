@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from clawd.config import to_toml
+from clawd.tomlfile import to_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 

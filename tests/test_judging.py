@@ -10,7 +10,7 @@ from clawd.scoring.judging import (ASSISTANT_CLOSE, ASSISTANT_OPEN, HINT_MARKER,
                                    Outcome, build_sample, decide, hint_judge_messages, majority, message_text,
                                    neutralise, parse_hint_vote, parse_vote, render_turn_for_judge, rl_judge_messages,
                                    select_hint, teacher_messages)
-from clawd.scoring.rules import MAX_RULES_HINT_CHARS, is_tool_error, rules_vote
+from clawd.scoring.rules import MAX_RULES_HINT_CHARS, guidance, is_tool_error, rules_vote
 from clawd.samples import Sample
 from clawd.turns import Turn
 
@@ -241,10 +241,10 @@ def test_teacher_messages_blank_or_missing_user():
     ("OK", 1, None), ("Next, explain the complexity.", 1, None), ("Perfect.", 1, None), ("LGTM", 1, None),
     ("Now let's add type hints.", 1, None), ("Exactly.", 1, None),
     ("Try again.", -1, None),                                       # 10 characters: too short for a hint
-    ("That's wrong, it should keep the whitespace.", -1, "That's wrong, it should keep the whitespace."),
-    ("That\u2019s not what I asked for.", -1, "That\u2019s not what I asked for."),
-    ("No, I meant in JavaScript.", -1, "No, I meant in JavaScript."),
-    ("no.", -1, None), ("Nope, wrong file.", -1, "Nope, wrong file."),
+    ("That's wrong, it should keep the whitespace.", -1, "it should keep the whitespace."),  # the guidance alone
+    ("That\u2019s not what I asked for.", -1, None),                 # a rejection alone: no hint
+    ("No, I meant in JavaScript.", -1, "I meant in JavaScript."),
+    ("no.", -1, None), ("Nope, wrong file.", -1, "wrong file."),
     ("  Please fix the off-by-one error.  ", -1, "Please fix the off-by-one error."),
     ("Thanks, but it doesn't work with unicode.", -1, "Thanks, but it doesn't work with unicode."),
     ("You forgot the docstring.", -1, "You forgot the docstring."),
@@ -260,11 +260,25 @@ def test_rules_user_replies(reply, vote, hint):
 
 def test_rules_hint_is_truncated_and_the_last_correction_wins():
     long = "No, I meant " + "x" * 1500
-    assert rules_vote(_turn(), [_user(long)]) == (-1, long[:MAX_RULES_HINT_CHARS])
+    assert rules_vote(_turn(), [_user(long)]) == (-1, long[4:4 + MAX_RULES_HINT_CHARS])
     assert rules_vote(_turn(), [_user("Please fix the name."), _user("That's wrong, use snake case.")]) \
-        == (-1, "That's wrong, use snake case.")
+        == (-1, "use snake case.")
     assert rules_vote(_turn(), [_user("That's wrong, use snake case."), _user("no.")]) \
-        == (-1, "That's wrong, use snake case.")
+        == (-1, "use snake case.")
+
+
+@pytest.mark.parametrize("text, hint", [
+    ("No, that's not right: the capital of Italy is Rome.", "the capital of Italy is Rome."),
+    ("No, that doesn't answer it: x is y. Please answer in under 20 words.", "x is y. Please answer in under 20 words."),
+    ("No, that's too short. Please answer in a full sentence.", "Please answer in a full sentence."),
+    ("Nope. Wrong. Try again: use a loop.", "use a loop."),
+    ("No, please give one answer, not several: Rome.", "please give one answer, not several: Rome."),
+    ("That\u2019s not what I asked for.", ""), ("no", ""), ("No, that's wrong!", ""),
+    ("Thanks, but it doesn't work with unicode.", "Thanks, but it doesn't work with unicode."),
+    ("Notably, no", "Notably, no"), ("Nothing is wrong: go on.", "Nothing is wrong: go on."),
+])
+def test_the_hint_is_the_guidance_without_the_rejection(text, hint):
+    assert guidance(text) == hint
 
 
 def test_rules_tool_results_and_other_roles():

@@ -32,7 +32,7 @@ async def until(predicate, timeout: float = 30.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def learning(tmp_path, *, script=None, batch=2):
+async def learning(tmp_path, *, script=None, batch=2, control="none"):
     """A running learner; yields (learner, store, fake engine, trainer supervisor)."""
     async with FakeSGLang() as fake:
         engine = EngineClient(fake.url)
@@ -42,8 +42,8 @@ async def learning(tmp_path, *, script=None, batch=2):
         await store.replay()
         trainer = TrainerSupervisor({"dir": str(tmp_path), "script": script or {}}, factory=build,
                                     backoff_initial=0.05)
-        cfg = LearnerConfig(rollout_batch_size=batch, min_batch_size=1, stall_warn_interval=60)
-        learner = Learner(cfg, store, trainer, Publisher(engine, 10), Policy(), tmp_path / "state")
+        cfg = LearnerConfig(rollout_batch_size=batch, min_batch_size=1, stall_warn_interval=60, control=control)
+        learner = Learner(cfg, store, trainer, Publisher(engine, 10), Policy(), tmp_path / "state", control_seed=7)
         tasks = [asyncio.create_task(trainer.run()), asyncio.create_task(learner.run())]
         try:
             yield learner, store, fake, trainer
@@ -197,3 +197,25 @@ async def test_a_publish_whose_pause_fails_still_sends_continue(tmp_path, status
             assert not fake.paused
         finally:
             await engine.close()
+
+
+@pytest.mark.parametrize("control", ["none", "shuffle_rewards", "zero_rewards"])
+async def test_a_negative_control_changes_only_what_the_trainer_is_handed(tmp_path, control):
+    """The journal's samples keep the judge's rewards and hints (and are acked as they are);
+    the trainer gets them permuted across the batch, or zeroed, without the teacher signal."""
+    rewards = [1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 1.0, -1.0]
+    async with learning(tmp_path, batch=len(rewards), control=control) as (learner, store, fake, trainer):
+        for i, r in enumerate(rewards):
+            hinted = i % 2 == 0
+            await store.put(dataclasses.replace(make_sample(i), reward=r, mode="combine", has_hint=hinted,
+                                                teacher_logprobs=[-0.5] * 4 if hinted else None))
+        await until(lambda: learner.policy.version == 1)
+        (call,) = calls(tmp_path)
+    if control == "none":
+        assert call["rewards"] == rewards and call["hints"] == [True, False] * 4
+        return
+    assert call["hints"] == [False] * 8
+    if control == "zero_rewards":
+        assert call["rewards"] == [0.0] * 8
+    else:
+        assert sorted(call["rewards"]) == sorted(rewards) and call["rewards"] != rewards

@@ -1,15 +1,29 @@
-"""Learning on CPU, end to end (docs/ARCHITECTURE.md §2): a scripted user's preference is learnt, in rl and in combine mode.
+"""Learning on CPU, end to end (docs/ARCHITECTURE.md §2): a scripted user's preference is learnt in rl mode,
+for two seeds, and a negative control fed the same judge's rewards shuffled learns far less.
 
 The real daemon, the CPU engine on the tiny random-weight model, the rules judge and the learner.
-The user asks short questions and prefers short replies: at most MAX_CHARS characters, checked
-on the reply text itself. A short reply is thanked (+1); a long one is corrected, and the
-correction says what was wanted (-1, and in combine mode the hint the teacher is shown).
-With MAX_TOKENS tokens per reply the untrained model meets the bound about a third of the time
-(measured: 36% over 300 draws, 30% on the evaluation set); the model can only learn it by preferring shorter tokens.
+The user asks short questions and prefers short replies: some visible text, at most MAX_CHARS
+characters, checked on the reply's content (an empty reply, or one moved whole into
+`reasoning_content`, does not count). A satisfying reply is thanked (+1); any other is corrected
+(-1). With MAX_TOKENS tokens per reply the untrained model meets the bound about a third of the
+time; the model can only learn it by preferring shorter tokens.
 
-The satisfaction rate is measured on a fixed evaluation set (no_train turns, temperature 1, a
-fixed seed per prompt, so before and after see the same random draws) before training and
-after STEPS training steps, each on ROLLOUT_BATCH conversations sampled from the current policy.
+Each seed trains twice from the same start: the arm, and its control with `[learner] control =
+"shuffle_rewards"` (the batch's rewards permuted across its replies: clawd/learning/controls.py).
+Same users, same judge, same number of steps and samples; only the link between a reply and its
+reward is cut. The satisfaction rate is measured on a fixed evaluation set (no_train turns, prompts
+never trained on, temperature 1, a fixed seed per prompt, so before and after see the same random
+draws) before training and after STEPS steps of ROLLOUT_BATCH conversations each.
+
+Measured (24 steps, lr 1e-2, clawd's batch-mean baseline): the arm 0.30 -> 0.85 and 0.875 (seeds
+1, 2, twice), the control 0.30 -> 0.475 and 0.45 in one run, 0.375 and 0.30 in the next (which
+reply gets which reward depends on the order samples reach the batch). The control is not flat: a random walk of the weights
+spreads the tiny model's next-token distribution, which by itself ends some replies sooner, and
+shorter is what this user wants. So the test asserts what separates learning from that drift:
+the arm gains at least MARGIN, the control moves less than CONTROL_BOUND, and the arm's gain beats
+the control's by at least MARGIN. combine mode is not run here: on this model the teacher (the
+policy shown the hint) cannot read the hint, so its OPD term is noise, not a test of OPD (that is
+tests/test_opd_signal.py, on SmolLM2); at 24 steps it slowed learning (0.30 -> 0.475, seed 1).
 """
 from __future__ import annotations
 
@@ -27,13 +41,15 @@ CORRECTION = f"No, that's wrong. Keep it short: at most {MAX_CHARS} characters."
 THANKS = "Thanks, that's perfect."
 EVAL_PROMPTS = 40
 ROLLOUT_BATCH = 8
-STEPS = 32            # seed 3 in rl mode needs ~25 steps (at 20 it had only reached 0.45)
-LR = 3e-2
-MARGIN = 0.3          # after - before; measured over training seeds 1-4 (20 steps): +0.15 to +0.7; 32 steps: 0.3 -> 1.0 (seeds 1, 3)
+STEPS = 24
+LR = 1e-2
+BASELINE = "batch_mean"  # clawd's default; with "none" only 1 of seeds 1-3 learnt in 32 steps (see the note below)
+MARGIN = 0.3          # the arm's gain, and its lead over the control's change (measured: see above)
+CONTROL_BOUND = 0.25  # the control's |after - before|
 
 
 def satisfies(text: str) -> bool:
-    return len(text) <= MAX_CHARS
+    return bool(text.strip()) and len(text) <= MAX_CHARS
 
 
 def _rate(texts: list[str]) -> float:
@@ -84,16 +100,19 @@ class User:
         return self.daemon.get("/debug/process")[1]["learner"]
 
 
-def learn(tiny_model, tmp_path, mode: str, seed: int, steps: int = STEPS) -> tuple[float, float, list[float], dict]:
+def learn(tiny_model, tmp_path, mode: str, seed: int, control: str = "none",
+          steps: int = STEPS, baseline: str = BASELINE) -> tuple[float, float, list[float], dict]:
     """(rate before, rate after, rate per training batch, learner stats) for one run."""
-    daemon = Daemon(tmp_path, {
+    (tmp_path / control).mkdir()
+    daemon = Daemon(tmp_path / control, {
         "model": {"path": str(tiny_model), "max_tokens_cap": MAX_TOKENS},
         "engine": {"launch": "local", "seed": seed},
         "scoring": {"mode": mode},
         # combine: the teacher is the current policy shown the hint (no second CPU engine).
         "judge": {"teacher_engine": "policy"},
-        "learner": {"enabled": True, "rollout_batch_size": ROLLOUT_BATCH, "min_batch_size": 1},
-        "train": {"lr": LR, "seed": seed}})
+        "learner": {"enabled": True, "rollout_batch_size": ROLLOUT_BATCH, "min_batch_size": 1,
+                    "control": control},
+        "train": {"lr": LR, "seed": seed, "reward_baseline": baseline}})
     try:
         user = User(daemon)
         before = user.evaluate()
@@ -105,11 +124,19 @@ def learn(tiny_model, tmp_path, mode: str, seed: int, steps: int = STEPS) -> tup
     return before, after, rates, learner
 
 
-@pytest.mark.slow  # 15-70 s per mode on 2 cores, depending on load
-@pytest.mark.parametrize("mode", ["rl", "combine"])
-def test_a_scripted_users_preference_is_learnt(tiny_model, tmp_path, mode):
-    before, after, rates, learner = learn(tiny_model, tmp_path, mode, seed=1)
-    print(f"\n{mode}: satisfied before {before:.3f}, after {after:.3f}; per batch {rates}")
-    assert learner["steps"] == STEPS and learner["publishes"] == STEPS and learner["failed_publishes"] == 0
+@pytest.mark.slow  # about 50 s per seed on 2 cores (two runs of 24 steps), more under load
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_scripted_users_preference_is_learnt_and_a_shuffled_reward_control_learns_far_less(tiny_model, tmp_path, seed):
+    runs = {"arm": learn(tiny_model, tmp_path, "rl", seed),
+            "control": learn(tiny_model, tmp_path, "rl", seed, control="shuffle_rewards")}
+    for name, (before, after, rates, learner) in runs.items():
+        print(f"\nrl seed {seed} {name}: satisfied before {before:.3f}, after {after:.3f}; per batch {rates}")
+        assert learner["steps"] == STEPS and learner["publishes"] == STEPS and learner["failed_publishes"] == 0
+        assert learner["samples_trained"] == STEPS * ROLLOUT_BATCH and learner["control"] == name.replace(
+            "arm", "none").replace("control", "shuffle_rewards")
+    (before, after), (c_before, c_after) = runs["arm"][:2], runs["control"][:2]
+    assert c_before == before  # the same model, prompts and draws before training
     assert before >= 0.2  # the untrained model meets the preference often enough to learn from
     assert after - before >= MARGIN
+    assert abs(c_after - before) < CONTROL_BOUND
+    assert (after - before) - (c_after - before) >= MARGIN

@@ -138,6 +138,18 @@ def test_rl_advantage_is_the_reward_on_every_token():
     assert torch.equal(a, t([[1.0, 1.0], [-1.0, -1.0], [0.0, 0.0]]))
 
 
+def test_the_batch_mean_baseline_counts_scored_samples_only_and_centres_them():
+    assert losses.reward_baseline([1.0, 1.0, -1.0, 0.0]) == 1 / 3   # the 0 is "no score" (a hint alone)
+    assert losses.reward_baseline([0.0, 0.0]) == 0.0 and losses.reward_baseline([]) == 0.0
+    r = torch.tensor([1.0, 1.0, -1.0, 0.0], dtype=torch.float64)
+    assert losses.centre_rewards(r, 1 / 3).tolist() == [1 - 1 / 3, 1 - 1 / 3, -1 - 1 / 3, 0.0]
+    # all equal (or zeroed): nothing is pushed either way
+    same = torch.tensor([-1.0, -1.0, -1.0])
+    assert losses.centre_rewards(same, losses.reward_baseline(same.tolist())).tolist() == [0.0, 0.0, 0.0]
+    # a shuffle changes which reply gets which reward, never the baseline
+    assert losses.reward_baseline([-1.0, 1.0, 1.0, 0.0]) == losses.reward_baseline([1.0, 1.0, -1.0, 0.0])
+
+
 def test_opd_advantage_is_teacher_minus_old_and_zero_without_a_hint():
     a = losses.advantages("opd", REWARD, LP_OLD_T1, TEACHER, HAS_HINT)
     assert torch.equal(a, t([[0.5, -2.0], [0.0, 0.0], [-0.25, 0.75]]))

@@ -185,7 +185,14 @@ def test_the_catalogue():
         assert sorted(i.kind for i in p.items[:2]) == kinds                  # the first questions cover the kinds
         assert p.probe_question(0) == p.held_out[0].question
         assert p.probe_question(len(p.held_out) + 1) == p.held_out[1].question
-    assert personas.FORM_ONLY_PERSONAS["brief"].probe_question(1) == personas.FACTS[1]
+    for p in personas.FORM_ONLY_PERSONAS.values():  # form-only personas hold every other question out
+        assert not set(p.held_out_questions) & set(p.questions) and len(p.held_out_questions) >= 4
+        assert {p.probe_question(i) for i in range(50)} == set(p.held_out_questions)
+    assert personas.FORM_ONLY_PERSONAS["brief"].probe_question(0) == personas.FACTS[1]
+    with pytest.raises(ValueError, match="no held-out questions"):
+        personas.Persona("x", "no_lists", None, ("Q?",)).probe_question(0)
+    with pytest.raises(ValueError, match="also asked"):
+        personas.Persona("x", "no_lists", None, ("Q?",), held_out_questions=("Q?",))
 
 
 def test_right_and_styled_is_thanked_and_each_half_alone_is_not():
@@ -298,9 +305,11 @@ def test_the_rules_judge_reads_every_correction_as_negative_with_it_as_hint():
         for text in replies:
             assert not p.satisfied(text, item), (p.name, item, text)
             said = p.correction(text, item)
-            assert said.startswith("No, ") and _rules(said, item.question) == (-1, said), said
-            assert judging.accept_hint(said) == said
+            hint = rules.guidance(said)  # the correction less its leading "No, that's not right"
+            assert said.startswith("No, ") and _rules(said, item.question) == (-1, judging.accept_hint(hint)), said
             if grade(item, text) != CORRECT:  # a substance correction: the answer in it, or never
                 assert (item.fact in said) is p.tells_answer, said
+                if p.tells_answer:  # and the hint carries it
+                    assert item.fact in hint and judging.accept_hint(hint) == hint, said
             moved = personas.follow_up(p, text, next_question=p.questions[0], retry=False, question=item)[1]
-            assert _rules(moved, said) == (-1, moved)
+            assert _rules(moved, said) == (-1, judging.accept_hint(rules.guidance(moved)))

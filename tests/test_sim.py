@@ -14,7 +14,7 @@ import pytest
 
 from clawd.scoring import judging, rules
 from clawd.tools.sim import personas
-from clawd.config import to_toml
+from clawd.tomlfile import to_toml
 from clawd.tools.sim.users import (STYLES, TOOLS, Reply, Users, by_persona, by_version, plan_sessions, rate, tool_result,
                              version_of)
 
@@ -144,7 +144,7 @@ def test_catalogue_checks():
 def test_persona_spec():
     assert personas.persona("brief") is personas.PERSONAS["brief"]
     assert personas.persona("form:brief") is personas.FORM_ONLY_PERSONAS["brief"]
-    assert personas.persona("form:brief:30").param == 30 and personas.persona("form:brief:30").questions == personas.FACTS
+    assert personas.persona("form:brief:30").param == 30 and personas.persona("form:brief:30").questions == personas.FACTS[0::2]
     substance = personas.persona("brief:30")
     assert substance.param == 30 and substance.items == personas.PERSONAS["brief"].items
     assert substance.held_out == personas.PERSONAS["brief"].held_out and substance.judges_answers
@@ -199,11 +199,12 @@ def test_the_rules_judge_reads_every_correction_as_negative_with_it_as_hint():
             if p.satisfied(text):
                 continue
             said = p.correction(text)
-            assert _rules(said) == (-1, said)
-            assert judging.accept_hint(said) == said
-            for q in p.questions:  # moving on after a failed retry: still negative, the whole message the hint
+            hint = rules.guidance(said)  # "No, that's not an answer. Please ..." -> "Please ..."
+            assert _rules(said) == (-1, hint) and hint != said
+            assert judging.accept_hint(hint) == hint
+            for q in p.questions:  # moving on after a failed retry: still negative, the rest of the message the hint
                 moved = personas.follow_up(p, text, next_question=q, retry=False)[1]
-                assert _rules(moved, previous=said) == (-1, moved)
+                assert _rules(moved, previous=said) == (-1, rules.guidance(moved))
 
 
 # ---- users (pure parts) ---------------------------------------------------------------------------
@@ -250,23 +251,31 @@ def test_plans_cycle_personas_and_styles_and_repeat_with_the_seed():
         next(plan_sessions(ps, seed=0, questions=(2, 1)))
 
 
-def _reply(version, persona, satisfied, kind="answer", attempt=0, words=10):
-    return Reply(0, persona, "headed", kind, 1, 0, attempt, version, satisfied, words, 12, "stop", 0.1)
+def _reply(version, persona, satisfied, kind="answer", attempt=0, words=10, correct=None, styled=None):
+    correct, styled = (satisfied if x is None else x for x in (correct, styled))
+    return Reply(0, persona, "headed", kind, 1, 0, attempt, version, satisfied, words, 12, "stop", 0.1, "",
+                 correct, styled)
 
 
 def test_summaries():
-    replies = [_reply(0, "brief", False), _reply(0, "brief", True, attempt=1), _reply(0, "plain", True),
+    # the first: the right answer in the wrong style; the second: the wrong answer in the right style
+    replies = [_reply(0, "brief", False, correct=True), _reply(0, "brief", True, attempt=1),
+               _reply(0, "plain", False, styled=True),
                _reply(0, "plain", None, kind="tool_call"), _reply(1, "brief", True), _reply(None, "brief", True),
                _reply(1, "plain", None, kind="closing")]
-    assert rate(replies[:3]) == pytest.approx(2 / 3) and rate([]) is None
-    assert [r.reward for r in replies[:4]] == [-1, 1, 1, None]
+    assert rate(replies[:3]) == pytest.approx(1 / 3) and rate([]) is None
+    assert (rate(replies[:3], "correct"), rate(replies[:3], "styled")) == (pytest.approx(2 / 3), pytest.approx(2 / 3))
+    assert [(r.correct, r.styled) for r in replies[:4]] == [(True, False), (True, True), (False, True), (None, None)]
+    assert [r.reward for r in replies[:4]] == [-1, 1, -1, None]
     assert by_version(replies) == {
-        0: {"answers": 3, "satisfied": pytest.approx(2 / 3), "reward": pytest.approx(1 / 3), "first_try": 0.5,
-            "first_try_answers": 2, "personas": {"brief": 0.5, "plain": 1.0}},
-        1: {"answers": 1, "satisfied": 1.0, "reward": 1.0, "first_try": 1.0, "first_try_answers": 1,
-            "personas": {"brief": 1.0}}}
-    assert by_persona(replies) == {"brief": {"n": 4, "satisfied": 0.75, "words": 10.0},
-                                   "plain": {"n": 1, "satisfied": 1.0, "words": 10.0}}
+        0: {"answers": 3, "satisfied": pytest.approx(1 / 3), "correct": pytest.approx(2 / 3),
+            "styled": pytest.approx(2 / 3), "reward": pytest.approx(-1 / 3), "first_try": 0.0,
+            "first_try_answers": 2, "personas": {"brief": 0.5, "plain": 0.0}},
+        1: {"answers": 1, "satisfied": 1.0, "correct": 1.0, "styled": 1.0, "reward": 1.0, "first_try": 1.0,
+            "first_try_answers": 1, "personas": {"brief": 1.0}}}
+    assert by_persona(replies) == {
+        "brief": {"n": 4, "satisfied": 0.75, "correct": 1.0, "styled": 0.75, "words": 10.0},
+        "plain": {"n": 1, "satisfied": 0.0, "correct": 0.0, "styled": 1.0, "words": 10.0}}
 
 
 def test_to_toml():
@@ -305,7 +314,7 @@ class ScriptedModel:
 async def test_users_form_the_sessions_they_mean(tiny_model, tmp_path):
     from .fake_sglang import FakeSGLang
     from .harness import wait_ready_async
-    brief = personas.Persona("brief", "under_words", 5, personas.FACTS)
+    brief = personas.form_only("brief", "under_words", 5, personas.FACTS)
     plans = list(itertools.islice(plan_sessions([brief], seed=5, tool_share=0.5, stream_share=0.5), 8))
     assert {p.style for p in plans} == {"stitched", "headed", "stitched_done", "headed_abandoned"}
     assert any(p.tools for p in plans) and any(p.stream for p in plans) and any(len(p.questions) > 1 for p in plans)

@@ -237,12 +237,28 @@ def test_gradients_are_clipped_to_grad_clip(make):
 
 @pytest.mark.parametrize("reward", [1.0, -1.0])
 def test_reward_moves_the_response_logprob_its_way(make, reward):
-    trainer = make(lr=1e-3)
+    trainer = make(lr=1e-3, reward_baseline="none")
     s = [sample(7, 16, 6, reward=reward)]
     before = sum(trainer.logprobs(s)[0])
     trainer.train_step(s, "rl")
     after = sum(trainer.logprobs(s)[0])
     assert (after - before) * reward > 0.01
+
+
+def test_with_the_batch_mean_baseline_rewards_move_replies_against_the_batchs_average(make):
+    """The default baseline: of a +1 and a -1 reply, the +1 goes up and the -1 down (centred at ±1);
+    a batch whose rewards all agree has nothing to tell apart and leaves the weights as they were."""
+    trainer = make(lr=1e-3)
+    good, bad = sample(7, 16, 6, reward=1.0), sample(8, 16, 6, reward=-1.0)
+    before = [sum(lp) for lp in trainer.logprobs([good, bad])]
+    m = trainer.train_step([good, bad], "rl")
+    after = [sum(lp) for lp in trainer.logprobs([good, bad])]
+    assert m["reward_baseline"] == 0.0 and after[0] - before[0] > 0.01 and before[1] - after[1] > 0.01
+    fresh = make("fresh", lr=1e-3)  # (a trainer that has stepped before moves on its optimizer's momentum)
+    weights = [p.detach().clone() for p in fresh.model.parameters()]
+    m = fresh.train_step([good, sample(9, 16, 6, reward=1.0)], "rl")
+    assert m["reward_baseline"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(weights, fresh.model.parameters()))
 
 
 def test_ppo_epochs_take_several_steps_against_a_fixed_lp_old(make):

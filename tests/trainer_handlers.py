@@ -48,6 +48,7 @@ class Scripted:
         call = len(calls(self.dir)) + 1
         with open(self.dir / "calls.jsonl", "a") as f:
             f.write(json.dumps({"call": call, "batch_id": batch_id, "pid": os.getpid(), "n": len(samples),
+                                "rewards": [x.reward for x in samples], "hints": [x.has_hint for x in samples],
                                 "t": time.time()}) + "\n")
         action = self.script.get(str(call))
         if action == "exit":

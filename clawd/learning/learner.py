@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Callable
 from clawd.config import LearnerConfig
 from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
 from clawd.served import Policy
+from clawd.learning import controls
 from clawd.learning.store import SampleStore
 from clawd.samples import Sample
 from clawd.trainer.link import TrainerError, TrainerSupervisor
@@ -92,8 +94,9 @@ class Publisher:
 
 class Learner:
     def __init__(self, cfg: LearnerConfig, store: SampleStore, trainer: TrainerSupervisor, publisher: Publisher,
-                 policy: Policy, state_dir):
+                 policy: Policy, state_dir, *, control_seed: int = 0):
         self.cfg = cfg
+        self._control_rng = random.Random(control_seed)  # `[learner] control = "shuffle_rewards"` only
         self.store = store
         self.trainer = trainer
         self.publisher = publisher
@@ -238,7 +241,9 @@ class Learner:
         version = max(self.policy.version, self.trainer.version) + 1
         batch_id = uuid.uuid4().hex
         try:
-            trained = await self.trainer.train(batch_id, version, batch, timeout=self.cfg.train_timeout)
+            trained = await self.trainer.train(batch_id, version, controls.apply(self.cfg.control, batch,
+                                                                                  self._control_rng),
+                                               timeout=self.cfg.train_timeout)
         except TrainerError as exc:
             self.stats.failed_steps += 1
             log.error("training step failed, its %d samples wait for the next try: %s", len(batch), exc)

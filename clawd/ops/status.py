@@ -111,7 +111,8 @@ class Status:
             "scoring": {"turns": sc.submitted, "samples": sc.emitted, "pending": sc.pending, "votes": dict(sc.votes),
                         "kinds": dict(sc.kinds), "excluded": dict(sc.excluded), "hints_offered": sc.hints_offered,
                         "hints_accepted": sc.hints_accepted, "not_learned_while_paused": self.pause.turns_not_learned},
-            "learner": None if learner is None else dataclasses.asdict(learner.stats),
+            "learner": None if learner is None else {**dataclasses.asdict(learner.stats),
+                                                     "control": cfg.learner.control},
             "engines": {s.role: {"state": s.state.value, "ready": s.is_ready, "pid": s.pid, "restarts": s.restarts,
                                  "url": s.client.url, "input_limit": s.input_limit} for s in self.supervisors},
             "trainer": None if trainer is None else {

@@ -35,6 +35,18 @@ POSITIVE_PHRASES = (
 _NEGATIVE = re.compile(r"\b(" + "|".join(NEGATIVE_PHRASES) + r")\b|^\s*(no|nope)\b\s*[,.!]", re.IGNORECASE)
 _POSITIVE = re.compile(r"\b(" + "|".join(POSITIVE_PHRASES) + r")\b|^\s*(ok|okay|alright|cool|exactly|next)\b",
                        re.IGNORECASE)
+# A correction's leading clauses that only reject ("No, that's not right: the capital is Rome.") are not
+# guidance: a teacher shown them turns from whatever answer it is scored on (measured on SmolLM2: the right
+# answer's log-prob fell as far as the wrong one's), so the hint is what follows them.
+REJECTION_CLAUSES = (
+    r"no", r"nope", r"nah", r"wrong", r"incorrect", r"not quite", r"not really", r"try again",
+    r"(that|this|it)('s| is| was) (wrong|incorrect|not right|not correct|not it|not quite right|too short|too long"
+    r"|not an answer)",
+    r"(that|this|it) (doesn't|does not|didn't|did not) answer (it|the question|my question)",
+    r"(that|this|it)('s| is| was) not what i (asked|meant|wanted|said)( for)?",
+)
+_REJECTION = re.compile(r"(" + "|".join(REJECTION_CLAUSES) + r")", re.IGNORECASE)
+_LEADING_CLAUSE = re.compile(r"\s*([^,:;.!?]*)(?:[,:;.!?]+\s*|$)")
 REPHRASE_JACCARD = 0.6   # word-set overlap with the previous user request that counts as restating it
 REPHRASE_MIN_WORDS = 3   # shorter replies ("continue", "yes") are not restatements
 MAX_RULES_HINT_CHARS = 1000
@@ -101,6 +113,17 @@ def is_tool_error(content: str | None) -> bool:
     return False
 
 
+def guidance(text: str) -> str:
+    """The correction without its leading clauses that only reject: "No, that's not right: the capital of
+    Italy is Rome." -> "the capital of Italy is Rome."; "That's wrong." -> ""."""
+    while text:
+        m = _LEADING_CLAUSE.match(text)
+        if not m.group(0) or not _REJECTION.fullmatch(_normal(m.group(1)).strip()):
+            break
+        text = text[m.end():]
+    return text.strip()
+
+
 def rules_vote(turn: Turn, next_state: Sequence[dict[str, Any]]) -> tuple[int, str | None]:
     """(vote, hint) from phrase lists, no model.
 
@@ -109,8 +132,9 @@ def rules_vote(turn: Turn, next_state: Sequence[dict[str, Any]]) -> tuple[int, s
     else +1 if a user message thanks, approves or moves on; else 0. A tool result
     without an error scores 0 here (unlike the model judge's rule): a call that ran
     says nothing about whether it was the right call.
-    The hint comes only from a correcting user message: the last such message,
-    stripped and cut to MAX_RULES_HINT_CHARS, if `accept_hint` keeps it.
+    The hint comes only from a correcting user message: the last such message's
+    `guidance` (its leading rejection dropped), cut to MAX_RULES_HINT_CHARS, if
+    `accept_hint` keeps it.
     """
     previous = next((m.get("content") or "" for m in reversed(turn.messages) if m.get("role") == "user"), "")
     negative = positive = False
@@ -122,7 +146,7 @@ def rules_vote(turn: Turn, next_state: Sequence[dict[str, Any]]) -> tuple[int, s
         elif role == "user":
             if _NEGATIVE.search(_normal(text)) or is_rephrase(text, previous):
                 negative = True
-                hint = accept_hint(text.strip()[:MAX_RULES_HINT_CHARS]) or hint
+                hint = accept_hint(guidance(text)[:MAX_RULES_HINT_CHARS]) or hint
             elif _POSITIVE.search(_normal(text)):
                 positive = True
     if negative:

@@ -193,6 +193,21 @@ class _ChunkedHead(torch.autograd.Function):
 
 # --- advantages ------------------------------------------------------------------------------
 
+def reward_baseline(rewards: Iterable[float]) -> float:
+    """The batch-mean baseline: the mean of the batch's ±1 rewards (0 when it has none). A reward of 0 is
+    "no score" (a hint alone, in combine mode), not a score of zero, so it is not counted."""
+    scored = [r for r in rewards if r != 0]
+    return math.fsum(scored) / len(scored) if scored else 0.0
+
+
+def centre_rewards(reward: Tensor, baseline: float) -> Tensor:
+    """r − baseline where r ≠ 0; 0 stays 0. With `[train] reward_baseline = "batch_mean"` the RL term
+    is then centred per batch: replies better than the batch's average are pushed up, worse ones down,
+    and a batch whose rewards say nothing about its replies (all equal, or shuffled) has no mean push.
+    Without it (a baseline of 0.0) every reward is returned exactly."""
+    return torch.where(reward != 0, reward - baseline, torch.zeros_like(reward))
+
+
 def opd_term(lp_old_t1: Tensor, teacher_lp: Tensor, has_hint: Tensor, clip: float | None = None) -> Tensor:
     """teacher_lp − lp_old_t1 per token, clipped to [−clip, clip] if asked, and exactly 0 on the
     rows of samples without a hint. Both sides are at temperature 1 (the teacher's prefill

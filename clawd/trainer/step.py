@@ -248,15 +248,16 @@ class Trainer:
         loss_tokens = sum(sum(s.loss_mask) for s in samples)
         # The whole batch's denominator, fixed before splitting (losses.whole_batch_normaliser).
         norm = float(max(len(samples) if cfg.aggregation == "sample_mean" else loss_tokens, 1))
+        baseline = losses.reward_baseline(s.reward for s in samples) if cfg.reward_baseline == "batch_mean" else 0.0
         if cfg.ppo_epochs > 1:
             for mb in mbs:
                 self._fix_old(mb)
         for epoch in range(cfg.ppo_epochs):
-            metrics = self._epoch(mbs, mode, norm)
+            metrics = self._epoch(mbs, mode, norm, baseline)
             if metrics["skipped"]:
                 break
         self.step += 1
-        metrics.update(step=self.step, epochs=epoch + 1, samples=len(samples),
+        metrics.update(step=self.step, epochs=epoch + 1, samples=len(samples), reward_baseline=baseline,
                        forward_tokens=sum(mb.tokens for mb in mbs),
                        padded_tokens=sum(mb.input_ids.numel() for mb in mbs),
                        micro_batches=len(mbs), lr=cfg.lr, skipped_total=self.skipped_steps,
@@ -264,7 +265,7 @@ class Trainer:
                        seconds=time.monotonic() - t0)
         return metrics
 
-    def _epoch(self, mbs: list[_MicroBatch], mode: str, norm: float) -> dict[str, Any]:
+    def _epoch(self, mbs: list[_MicroBatch], mode: str, norm: float, baseline: float = 0.0) -> dict[str, Any]:
         """Forward and backward every micro-batch, then one optimizer step (or a skip)."""
         cfg = self.cfg
         kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap)
@@ -280,7 +281,8 @@ class Trainer:
             else:
                 lp_old = lp_new.detach()
                 lp_old_t1 = lp_old if lp_t1 is None else lp_t1
-            adv = losses.advantages(mode, mb.reward, lp_old_t1, mb.teacher_lp, mb.has_hint,
+            reward = losses.centre_rewards(mb.reward, baseline) if baseline else mb.reward
+            adv = losses.advantages(mode, reward, lp_old_t1, mb.teacher_lp, mb.has_hint,
                                     w_rl=cfg.w_rl, w_opd=cfg.w_opd, opd_clip=opd_clip)
             if not cfg.entropy_coef:
                 ent = ent.detach()  # a metric only: no gradient through it

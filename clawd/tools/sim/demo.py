@@ -11,11 +11,14 @@ directory under --out. Then:
 2. learning: simulated users (clawd/tools/sim/users.py) talk to clawd until the time budget
    (or --steps) is reached, while the terminal shows the policy version, training
    steps, effective samples toward the next batch, hint acceptance, and per version
-   the users' satisfaction and the judge's mean reward;
-3. after: the same evaluation set on the last version;
-4. `learning.png` (satisfaction and mean reward per policy version, and each persona's
-   satisfaction before and after) and `summary.json` in --out, with every reply in
-   `replies.jsonl` and clawd's log in `clawd.log`.
+   the users' satisfaction split into correctness and style, the judge's mean reward,
+   the mean length and distinct-2 of the answers;
+3. after: the same evaluation set on the last version, compared with v0 question by question
+   (satisfied, correct and styled: the change and its 95% paired bootstrap interval,
+   clawd/paired.py), and a few questions drawn at random from it, v0's answer beside the last's;
+4. `learning.png` (satisfaction, correctness, style and mean reward per policy version, and the
+   evaluation set before and after with the paired intervals) and `summary.json` in --out, with
+   every reply in `replies.jsonl` and clawd's log in `clawd.log`.
 
 The users' satisfaction per version counts every answer served by that version (a
 retry after a correction included); the before/after figures per persona come from the
@@ -36,13 +39,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from clawd import degeneration
+from clawd import degeneration, paired
 from clawd.ops.ctl import NotRunning
 from clawd.tools.sim.launch import Clawd
 from clawd.tools.sim.personas import PERSONAS, persona
@@ -50,6 +54,7 @@ from clawd.tools.sim.users import Reply, Users, by_persona, by_version, rate
 
 DEFAULT_MODEL = "state/models/SmolLM2-135M-Instruct"
 DEFAULT_PERSONAS = "brief,plain"
+EXAMPLES = 4  # evaluation questions shown before and after, drawn at random
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -171,9 +176,11 @@ class Display:
             return
         personas = "  ".join(f"{p} {pct(s)}" for p, s in row["personas"].items())
         reward = f"{judge['reward']:+.2f} over {judge['samples']} samples" if judge else "-"
+        shape = degeneration.summarise(r.text for r in self.users.replies if r.kind == "answer" and r.version == v)
         print(f"{clock(time.monotonic() - self.started)}  v{v} -> v{now_serving}: {row['answers']:3d} answers, "
-              f"satisfied {pct(row['satisfied'])} (first try {pct(row['first_try'])}), judge reward {reward}"
-              f"  | {personas}", flush=True)
+              f"satisfied {pct(row['satisfied'])} = correct {pct(row['correct'])} and styled {pct(row['styled'])}"
+              f" (first try {pct(row['first_try'])}), judge reward {reward}, {shape['mean_words']:.0f} words,"
+              f" distinct-2 {_fmt(shape['distinct_2'])}  | {personas}", flush=True)
 
     def line(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -225,7 +232,8 @@ async def run(args: argparse.Namespace) -> int:
         before = await users.evaluate(args.probes, seed=args.seed)
         eval_seconds = time.monotonic() - t
         print(f"{clock(time.monotonic() - started)}  before: {len(before)} evaluation answers on "
-              f"v{_versions(before)}, satisfied {pct(rate(before))}  | "
+              f"v{_versions(before)}, satisfied {pct(rate(before))} = correct {pct(rate(before, 'correct'))} and "
+              f"styled {pct(rate(before, 'styled'))}  | "
               + "  ".join(f"{p} {pct(x['satisfied'])}" for p, x in by_persona(before).items()), flush=True)
 
         display = Display(users, clawd, judged, started, args.mode)
@@ -265,7 +273,8 @@ async def run(args: argparse.Namespace) -> int:
 
         after = await users.evaluate(args.probes, seed=args.seed)
         print(f"{clock(time.monotonic() - started)}  after: {len(after)} evaluation answers on "
-              f"v{_versions(after)}, satisfied {pct(rate(after))}  | "
+              f"v{_versions(after)}, satisfied {pct(rate(after))} = correct {pct(rate(after, 'correct'))} and "
+              f"styled {pct(rate(after, 'styled'))}  | "
               + "  ".join(f"{p} {pct(x['satisfied'])}" for p, x in by_persona(after).items()), flush=True)
         status = clawd.status()
     finally:
@@ -312,20 +321,21 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
             "live_last": versions.get(last, {}).get("personas", {}).get(p.name),
         }
     learner = status.get("learner") or {}
-    examples = []
-    after_by_key = {(r.persona, r.question): r for r in after}
-    for p in args.persona_list:  # per persona, the first question the evaluation answered better after
-        for r in before:
-            later = after_by_key.get((r.persona, r.question))
-            if r.persona == p.name and later is not None and later.satisfied and not r.satisfied:
-                examples.append({"persona": p.name, "question": p.probe_question(r.question),
-                                 "before": r.text, "after": later.text, "after_version": later.version})
-                break
+    pairs = _pairs(before, after)
+    by_name = {p.name: p for p in args.persona_list}
+    # Drawn at random (seeded) from the evaluation set, not chosen: what the answers read like.
+    examples = [{"persona": b.persona, "question": by_name[b.persona].probe_question(b.question),
+                 "before": b.text, "before_grade": _grade(b), "after": a.text, "after_grade": _grade(a),
+                 "after_version": a.version}
+                for b, a in random.Random(args.seed).sample(pairs, min(EXAMPLES, len(pairs)))]
     return {
         "model": str(args.model), "mode": args.mode, "judge": "rules", "seed": args.seed, "lr": args.lr,
         "batch": args.batch, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
         "temperature": args.temperature, "probes_per_persona": args.probes,
         "seconds": round(seconds, 1),
+        "evaluation": {of: paired.compare([getattr(b, of) for b, a in pairs], [getattr(a, of) for b, a in pairs])
+                       for of in ("satisfied", "correct", "styled") if all(getattr(r, of) is not None
+                                                                           for pair in pairs for r in pair)},
         "satisfaction": {"before": rate(before), "after": rate(after), "after_version": _versions(after),
                          "live_v0": versions.get(0, {}).get("satisfied"), "live_last": versions.get(last, {}).get("satisfied"),
                          "live_last_version": last, "last_version": status["policy"]["version"]},
@@ -343,6 +353,18 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
         "examples": examples,
         "degeneration": _degeneration(users, before, after),
     }
+
+
+def _pairs(before: list[Reply], after: list[Reply]) -> list[tuple[Reply, Reply]]:
+    """The evaluation answers before and after, paired by (persona, question): the same prompt and seed."""
+    later = {(r.persona, r.question): r for r in after}
+    return [(r, later[(r.persona, r.question)]) for r in before if (r.persona, r.question) in later]
+
+
+def _grade(r: Reply) -> str:
+    if r.correct is None:
+        return "satisfied" if r.satisfied else "not satisfied"
+    return f"{'right' if r.correct else 'wrong'} answer, {'styled' if r.styled else 'not styled'}"
 
 
 def _degeneration(users: Users, before: list[Reply], after: list[Reply]) -> dict[str, Any]:
@@ -378,6 +400,10 @@ def plot(summary: dict[str, Any], path: Path) -> Path | None:
     sizes = [12 + 2 * rows[v]["answers"] for v in vs]
     left.plot(vs, [rows[v]["satisfied"] for v in vs], color="tab:blue", lw=1.5)
     left.scatter(vs, [rows[v]["satisfied"] for v in vs], s=sizes, color="tab:blue", label="users satisfied (live)")
+    for of, color in (("correct", "tab:purple"), ("styled", "tab:orange")):  # what satisfaction is made of
+        cv = [v for v in vs if rows[v].get(of) is not None]
+        if cv:
+            left.plot(cv, [rows[v][of] for v in cv], color=color, lw=1, ls=":", marker=".", label=f"{of} (live)")
     left.set_xlabel("policy version")
     left.set_ylabel("satisfaction rate")
     left.set_ylim(-0.02, 1.02)
@@ -397,16 +423,19 @@ def plot(summary: dict[str, Any], path: Path) -> Path | None:
     left.legend(handles, [h.get_label() for h in handles], loc="lower right", fontsize=8)
     left.set_title(f"{Path(summary['model']).name}, mode {summary['mode']}, rules judge: marker size = answers")
 
-    names = list(summary["personas"])
-    before = [summary["personas"][n]["before"].get("satisfied") or 0 for n in names]
-    after = [summary["personas"][n]["after"].get("satisfied") or 0 for n in names]
-    xs = range(len(names))
-    right.bar([x - 0.2 for x in xs], before, width=0.4, color="tab:gray", label="v0")
-    right.bar([x + 0.2 for x in xs], after, width=0.4, color="tab:green",
-              label=f"v{summary['satisfaction']['after_version']}")
-    right.set_xticks(list(xs), [f"{n}\n{summary['personas'][n]['preference']}" for n in names], fontsize=8)
+    # Right: the held-out evaluation set, v0 and the last version on the same questions and seeds, with the
+    # paired difference's 95% interval (clawd.paired) drawn around the last version's bar.
+    metrics = list(summary["evaluation"])
+    xs = range(len(metrics))
+    ev = summary["evaluation"]
+    right.bar([x - 0.2 for x in xs], [ev[m]["before"] for m in metrics], width=0.4, color="tab:gray", label="v0")
+    after_bars = [ev[m]["after"] for m in metrics]
+    errors = [[ev[m]["diff"] - ev[m]["low"] for m in metrics], [ev[m]["high"] - ev[m]["diff"] for m in metrics]]
+    right.bar([x + 0.2 for x in xs], after_bars, width=0.4, color="tab:green", yerr=errors, capsize=4,
+              label=f"v{summary['satisfaction']['after_version']} (bar: paired 95% interval of the change)")
+    right.set_xticks(list(xs), [f"{m}\n{100 * ev[m]['diff']:+.0f} pts" for m in metrics], fontsize=8)
     right.set_ylim(0, 1.02)
-    right.set_title("evaluation set, per persona")
+    right.set_title("held-out evaluation set")
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -423,6 +452,9 @@ def print_summary(summary: dict[str, Any], out: Path, png: Path | None) -> None:
     for name, p in summary["personas"].items():
         print(f"{name:12s} {p['preference']:24s} {pct(p['before'].get('satisfied')):>5s} {pct(p['after'].get('satisfied')):>6s}")
     print(f"{'all':12s} {'':24s} {pct(sat['before']):>5s} {pct(sat['after']):>6s}")
+    print(f"paired, v0 vs v{sat['after_version']} on the same held-out questions and seeds:")
+    for of, result in summary["evaluation"].items():
+        print(f"  {paired.describe(of, result)}: {paired.verdict(result)}")
     print(f"live: satisfied {pct(sat['live_v0'])} of answers served by v0, {pct(sat['live_last'])} by "
           f"v{sat['live_last_version']}")
     deg = summary["degeneration"]["evaluation"]
@@ -432,9 +464,11 @@ def print_summary(summary: dict[str, Any], out: Path, png: Path | None) -> None:
                           ("repeated openings", "repeated_opening_share"))))
     for flag in deg["flags"]:
         print(f"  degeneration: {flag}")
+    print(f"\n{len(summary['examples'])} evaluation questions drawn at random (seed {summary['seed']}):")
     for ex in summary["examples"]:
-        print(f"\n{ex['persona']}: {ex['question']}\n  v0:  {_one_line(ex['before'])}\n"
-              f"  v{ex['after_version']}: {_one_line(ex['after'])}")
+        width = len(f"v{ex['after_version']}")
+        print(f"{ex['persona']}: {ex['question']}\n  {'v0':<{width}}: {_one_line(ex['before'])}  [{ex['before_grade']}]\n"
+              f"  v{ex['after_version']}: {_one_line(ex['after'])}  [{ex['after_grade']}]")
     print(f"wrote {out / 'summary.json'}" + (f", {png}" if png else ""))
 
 

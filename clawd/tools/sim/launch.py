@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clawd.config import to_toml
+from clawd.tomlfile import to_toml
 from clawd.ops.ctl import NotRunning, call
 
 # The repository (this file is clawd/tools/sim/launch.py): clawd's own package goes first on the daemon's path,

@@ -107,6 +107,7 @@ class Persona:
     items: tuple[Item, ...] = ()
     held_out: tuple[Item, ...] = ()
     tells_answer: bool = True
+    held_out_questions: tuple[str, ...] = ()  # a form-only persona's evaluation questions, never asked
 
     def __post_init__(self):
         if self.items:
@@ -118,6 +119,8 @@ class Persona:
                 raise ValueError(f"persona {self.name}: a held-out question is also asked")
         elif self.held_out:
             raise ValueError(f"persona {self.name}: held-out items need items")
+        if set(self.held_out_questions) & set(self.questions):
+            raise ValueError(f"persona {self.name}: a held-out question is also asked")
         if self.kind not in KINDS:
             raise ValueError(f"persona {self.name}: kind {self.kind!r} is not one of {KINDS}")
         if self.min_words < 1:
@@ -155,8 +158,10 @@ class Persona:
         raise ValueError(f"persona {self.name} does not ask {question!r}")
 
     def probe_question(self, i: int) -> str:
-        """The i-th evaluation question: held-out items when there are any, else the persona's own questions."""
-        pool = [it.question for it in self.held_out] or list(self.questions)
+        """The i-th evaluation question (cycled): a held-out one, never asked in the sessions."""
+        pool = [it.question for it in self.held_out] or list(self.held_out_questions)
+        if not pool:
+            raise ValueError(f"persona {self.name} has no held-out questions to evaluate on")
         return pool[i % len(pool)]
 
     def prefers(self, text: str) -> bool:
@@ -292,13 +297,19 @@ CODING = (
     "How do I join two strings?",
 )
 
+def form_only(name: str, kind: str, param: int | str | None, pool: tuple[str, ...], *,
+              min_words: int = MIN_WORDS) -> Persona:
+    """A form-only persona: every other question of `pool` asked, the rest held out for evaluation."""
+    return Persona(name, kind, param, pool[0::2], min_words, held_out_questions=pool[1::2])
+
+
 # The old users, who judge form alone (no known answers): the documented example of collapse.
 FORM_ONLY_PERSONAS: dict[str, Persona] = {p.name: p for p in (
-    Persona("brief", "under_words", 20, FACTS),
-    Persona("plain", "no_lists", None, TIPS, min_words=8),  # a real answer, not "The answer is X."
-    Persona("terse", "under_words", 3, GENERAL, min_words=1),
-    Persona("curious", "ends_with_question", None, CHAT),
-    Persona("pythonista", "uses_term", "Python", CODING),
+    form_only("brief", "under_words", 20, FACTS),
+    form_only("plain", "no_lists", None, TIPS, min_words=8),  # a real answer, not "The answer is X."
+    form_only("terse", "under_words", 3, GENERAL, min_words=1),
+    form_only("curious", "ends_with_question", None, CHAT),
+    form_only("pythonista", "uses_term", "Python", CODING),
 )}
 
 

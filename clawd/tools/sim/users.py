@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import openai
 
-from clawd.tools.sim.personas import Persona, follow_up
+from clawd.tools.sim.personas import Grade, Persona, follow_up
+from clawd.tools.sim.questions import CORRECT
 
 log = logging.getLogger("clawd.sim")
 
@@ -152,6 +153,8 @@ class Reply:
     finish: str | None
     seconds: float
     text: str = ""
+    correct: bool | None = None  # the right answer is there (substance personas' text answers only)
+    styled: bool | None = None   # the persona's style holds (text answers only)
 
     @property
     def reward(self) -> int | None:
@@ -259,11 +262,12 @@ class Users:
                     for i, call in enumerate(served.tool_calls)]
                 continue
             question = plan.questions[q]  # substance personas judge the answer to this question, not form alone
-            retry = not persona.satisfied(served.text, question) and attempt < plan.retries
+            grade = persona.grade(served.text, question)
+            retry = not grade.satisfied and attempt < plan.retries
             next_q = None if retry or q + 1 >= len(plan.questions) else plan.questions[q + 1]
             ok, said = follow_up(persona, served.text, next_question=next_q, retry=retry, i=plan.index + turn,
                                  question=question)
-            self._keep(plan, "answer", served, turn, q, attempt, ok)
+            self._keep(plan, "answer", served, turn, q, attempt, ok, grade)
             messages.append(served.message)
             if retry:
                 attempt += 1
@@ -323,10 +327,10 @@ class Users:
                        time.monotonic() - started)
 
     def _keep(self, plan: SessionPlan, kind: str, served: _Served, turn: int, q: int, attempt: int,
-              satisfied: bool | None) -> None:
+              satisfied: bool | None, grade: Grade | None = None) -> None:
         reply = Reply(plan.index, plan.persona.name, plan.style, kind, turn, q, attempt, served.version,
                       satisfied, len(served.text.split()), served.tokens, served.finish, round(served.seconds, 3),
-                      served.text if self.keep_text else "")
+                      served.text if self.keep_text else "", *_split(grade))
         self.replies.append(reply)
 
     # ---- probes -------------------------------------------------------------------------------
@@ -343,10 +347,11 @@ class Users:
             max_tokens=self.max_tokens, seed=seed, user="sim-probe",
             extra_headers={"X-Clawd-No-Train": "1", "X-Turn-Type": "side"})
         content = reply.choices[0].message.content or ""
+        grade = persona.grade(content, text)
         return Reply(-1, persona.name, "probe", "probe", 0, question, 0, version_of(reply.system_fingerprint),
-                     persona.satisfied(content, text), len(content.split()),
+                     grade.satisfied, len(content.split()),
                      reply.usage.completion_tokens if reply.usage else 0, reply.choices[0].finish_reason,
-                     round(time.monotonic() - started, 3), content if self.keep_text else "")
+                     round(time.monotonic() - started, 3), content if self.keep_text else "", *_split(grade))
 
     async def evaluate(self, probes_per_persona: int, *, seed: int = 7) -> list[Reply]:
         """The fixed evaluation set: the first `probes_per_persona` questions of every persona
@@ -361,9 +366,17 @@ class Users:
 
 # ---- summaries (pure) ---------------------------------------------------------------------------
 
-def rate(replies: Sequence[Reply]) -> float | None:
-    """Share of satisfied replies among those the user judged; None when there are none."""
-    judged = [r.satisfied for r in replies if r.satisfied is not None]
+def _split(grade: Grade | None) -> tuple[bool | None, bool | None]:
+    """(correct, styled) of a graded text answer; correct is None for a form-only persona."""
+    if grade is None:
+        return None, None
+    return (None if grade.answer is None else grade.answer == CORRECT), grade.styled
+
+
+def rate(replies: Sequence[Reply], of: str = "satisfied") -> float | None:
+    """Share of replies with `of` ("satisfied", "correct" or "styled") true, among those where it was
+    judged; None when there are none."""
+    judged = [getattr(r, of) for r in replies if getattr(r, of) is not None]
     return sum(judged) / len(judged) if judged else None
 
 
@@ -374,7 +387,8 @@ def by_version(replies: Sequence[Reply]) -> dict[int, dict[str, Any]]:
     for v in sorted({r.version for r in answers}):
         mine = [r for r in answers if r.version == v]
         first = [r for r in mine if r.attempt == 0]
-        out[v] = {"answers": len(mine), "satisfied": rate(mine), "reward": sum(r.reward for r in mine) / len(mine),
+        out[v] = {"answers": len(mine), "satisfied": rate(mine), "correct": rate(mine, "correct"),
+                  "styled": rate(mine, "styled"), "reward": sum(r.reward for r in mine) / len(mine),
                   "first_try": rate(first), "first_try_answers": len(first),
                   "personas": {p: rate([r for r in mine if r.persona == p])
                                for p in sorted({r.persona for r in mine})}}
@@ -386,6 +400,6 @@ def by_persona(replies: Sequence[Reply]) -> dict[str, dict[str, Any]]:
     out = {}
     for p in sorted({r.persona for r in replies}):
         mine = [r for r in replies if r.persona == p and r.satisfied is not None]
-        out[p] = {"n": len(mine), "satisfied": rate(mine),
-                  "words": sum(r.words for r in mine) / len(mine) if mine else None}
+        out[p] = {"n": len(mine), "satisfied": rate(mine), "correct": rate(mine, "correct"),
+                  "styled": rate(mine, "styled"), "words": sum(r.words for r in mine) / len(mine) if mine else None}
     return out

@@ -1,0 +1,53 @@
+"""clawd.learning.controls: the negative-control batches, exact values."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from clawd.config import ConfigError, config_from_dict
+from clawd.learning import controls
+from tests.trainer_handlers import make_sample
+
+REWARDS = [1.0, -1.0, 0.0, 1.0, 1.0]
+
+
+def batch() -> list:
+    out = []
+    for i, r in enumerate(REWARDS):
+        hinted = i < 2
+        out.append(dataclasses.replace(make_sample(i), mode="combine", reward=r, has_hint=hinted,
+                                       teacher_logprobs=[-0.25] * 4 if hinted else None))
+    return out
+
+
+def test_none_is_the_batch_itself():
+    b = batch()
+    assert controls.apply("none", b, random.Random(0)) is b
+
+
+def test_zero_rewards_keeps_every_token_and_drops_every_signal():
+    b = batch()
+    out = controls.apply("zero_rewards", b, random.Random(0))
+    assert [s.reward for s in out] == [0.0] * 5
+    assert [(s.has_hint, s.teacher_logprobs) for s in out] == [(False, None)] * 5
+    assert [dataclasses.replace(s, reward=0.0, has_hint=False, teacher_logprobs=None) for s in b] == out
+    assert [s.reward for s in b] == REWARDS  # the journal's samples are untouched
+
+
+def test_shuffle_rewards_is_a_seeded_permutation_of_the_batchs_rewards():
+    out = controls.apply("shuffle_rewards", batch(), random.Random(0))
+    expected = list(REWARDS)
+    random.Random(0).shuffle(expected)
+    assert [s.reward for s in out] == expected == [0.0, -1.0, 1.0, 1.0, 1.0]
+    assert [s.sample_id for s in out] == [f"s{i}" for i in range(5)]
+    assert not any(s.has_hint for s in out)
+
+
+def test_an_unknown_control_is_refused_here_and_in_the_config():
+    with pytest.raises(ValueError, match="one of"):
+        controls.apply("invert", batch(), random.Random(0))
+    with pytest.raises(ConfigError, match="learner.control: must be one of"):
+        config_from_dict({"learner": {"control": "invert"}})
+    assert config_from_dict({"learner": {"control": "shuffle_rewards"}}).learner.control == "shuffle_rewards"
