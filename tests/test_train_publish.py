@@ -39,8 +39,10 @@ async def test_trained_weights_are_published_and_served(engine_url, tiny_model, 
                               rollout_logprobs=lps, temperature=1.0, reward=1.0, teacher_logprobs=None,
                               has_hint=False, policy_version=0, created=0.0, scored=0.0))
 
+    # The raw reward: four +1s measured against their own mean (the default baseline) would teach nothing.
+    train = TrainConfig(lr=1e-2, seed=0, checkpoint_every=1, reward_baseline="none")
     cfg = Config(model=ModelConfig(path=str(tiny_model)), state=StateConfig(dir=str(tmp_path / "state")),
-                 scoring=ScoringConfig(mode="rl"), train=TrainConfig(lr=1e-2, seed=0, checkpoint_every=1))
+                 scoring=ScoringConfig(mode="rl"), train=train)
     link = TrainerLink(trainer_options(cfg))
     ready = await link.start()
     assert (ready.step, ready.version) == (0, 0)
