@@ -20,9 +20,11 @@ directory under --out. Then:
    evaluation set before and after with the paired intervals) and `summary.json` in --out, with
    every reply in `replies.jsonl` and clawd's log in `clawd.log`.
 
-The users' satisfaction per version counts every answer served by that version (a
-retry after a correction included); the before/after figures per persona come from the
-evaluation set, where the prompts and the random draws are the same on both sides.
+The users' satisfaction per version counts every answer served by that version, a retry
+after a correction included, and such a correction usually states the answer: the live
+figures flatter the model (the "first try" share is fairer) and are progress, not evidence.
+The evidence is the held-out evaluation set, where the prompts and the random draws are the
+same on both sides and the comparison is paired.
 The judge's mean reward per version is read from clawd's own records: the reward of
 every sample made from a turn served by that version.
 
@@ -399,7 +401,7 @@ def plot(summary: dict[str, Any], path: Path) -> Path | None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     sizes = [12 + 2 * rows[v]["answers"] for v in vs]
     left.plot(vs, [rows[v]["satisfied"] for v in vs], color="tab:blue", lw=1.5)
-    left.scatter(vs, [rows[v]["satisfied"] for v in vs], s=sizes, color="tab:blue", label="users satisfied (live)")
+    left.scatter(vs, [rows[v]["satisfied"] for v in vs], s=sizes, color="tab:blue", label="users satisfied (live, retries included)")
     for of, color in (("correct", "tab:purple"), ("styled", "tab:orange")):  # what satisfaction is made of
         cv = [v for v in vs if rows[v].get(of) is not None]
         if cv:
@@ -466,8 +468,8 @@ def print_summary(summary: dict[str, Any], out: Path, png: Path | None) -> None:
         print(f"  degeneration: {flag}")
     print(f"\n{len(summary['examples'])} evaluation questions drawn at random (seed {summary['seed']}):")
     for ex in summary["examples"]:
-        width = len(f"v{ex['after_version']}")
-        print(f"{ex['persona']}: {ex['question']}\n  {'v0':<{width}}: {_one_line(ex['before'])}  [{ex['before_grade']}]\n"
+        width = len(f"v{ex['after_version']}:")
+        print(f"{ex['persona']}: {ex['question']}\n  {'v0:':<{width}} {_one_line(ex['before'])}  [{ex['before_grade']}]\n"
               f"  v{ex['after_version']}: {_one_line(ex['after'])}  [{ex['after_grade']}]")
     print(f"wrote {out / 'summary.json'}" + (f", {png}" if png else ""))
 
