@@ -87,9 +87,9 @@ def learning(r: dict) -> list[dict]:
     for arm, cell in r["arms"].items():
         if arm in controls:  # a negative control: its paired satisfaction change must include 0
             change = cell["paired"]["satisfied"]
-            rows.append(_row(f"{arm} (control): satisfaction change, 95% interval low", change["low"], "{:+.2f}",
+            rows.append(_row(f"{arm} (control): change, 95% low", change["low"], "{:+.2f}",
                              "<= 0", change["low"] <= 0))
-            rows.append(_row(f"{arm} (control): satisfaction change, 95% interval high", change["high"], "{:+.2f}",
+            rows.append(_row(f"{arm} (control): change, 95% high", change["high"], "{:+.2f}",
                              ">= 0", change["high"] >= 0))
             continue
         # opd needs a teacher that can read the hint: on the random tiny model it cannot, so no target.
