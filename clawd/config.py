@@ -54,28 +54,42 @@ class ServerConfig:
     drain_timeout: float = 30.0
     served_model_name: str = ""
     debug_routes: bool = False
+    # A client that stalls holds a connection, never a request slot (clawd.serving.connections).
+    header_timeout: float = 10.0         # seconds from a connection's first byte (or its last request) to all headers
+    body_timeout: float = 30.0           # seconds to receive a whole request body
+    keepalive_timeout: float = 15.0      # an idle keep-alive connection is closed after this
+    max_connections: int = 8192          # open connections; when full, the longest-stalled one is closed
 
     def check(self) -> dict[str, str]:
-        errors = {}
+        errors = _below(self, 1, "max_concurrent_requests", "max_body_bytes", "max_messages", "max_message_chars",
+                        "max_connections")
+        errors |= _below(self, 0, "drain_timeout") | _not_positive(self, "header_timeout", "body_timeout",
+                                                                    "keepalive_timeout")
         try:
             ipaddress.ip_address(self.host)
         except ValueError:
             errors["host"] = "must be an IP literal (no name lookups in the daemon)"
         if not 0 <= self.port <= 65535:
             errors["port"] = "must be in 0..65535"
-        for name in ("max_concurrent_requests", "max_body_bytes", "max_messages", "max_message_chars"):
-            if getattr(self, name) < 1:
-                errors[name] = "must be at least 1"
-        if self.drain_timeout < 0:
-            errors["drain_timeout"] = "must not be negative"
         return errors
+
+    @property
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.host).is_loopback
 
 
 @dataclass(frozen=True)
 class AuthConfig:
     keys: tuple[ApiKey, ...] = ()
+    # With no keys every request is the one principal "anonymous", unless the operator trusts the
+    # client-chosen `user` field (then a principal is that field, cut to max_user_chars).
+    trust_user_field: bool = False
+    max_user_chars: int = 64
+    allow_open: bool = False             # serve with no keys on an address other than loopback
 
     def check(self) -> dict[str, str]:
+        if self.max_user_chars < 1:
+            return {"max_user_chars": "must be at least 1"}
         names = [k.name for k in self.keys]
         if len(set(names)) != len(names):
             return {"keys": "key names must be unique"}
@@ -126,6 +140,9 @@ class EngineConfig:
     restart_backoff_initial: float = 1.0
     restart_backoff_max: float = 30.0
     health_interval: float = 5.0
+    health_failures: int = 3             # failed polls in a row that make a hung engine restart
+    first_byte_timeout: float = 120.0    # seconds an engine call may wait for its first byte (queueing, prefill)
+    idle_timeout: float = 60.0           # seconds a stream may go without a byte once it started
     incremental_streaming_output: bool = False
     cpu_threads: int = 0
     max_batch_size: int = 8
@@ -147,10 +164,9 @@ class EngineConfig:
         for name in ("url", "reference_url"):
             if problem := _ip_url_problem(getattr(self, name)):
                 errors[name] = problem
-        for name in ("request_timeout", "connect_timeout",
-                     "restart_backoff_initial", "restart_backoff_max", "health_interval"):
-            if getattr(self, name) <= 0:
-                errors[name] = "must be positive"
+        errors |= _not_positive(self, "request_timeout", "connect_timeout", "restart_backoff_initial",
+                                "restart_backoff_max", "health_interval", "first_byte_timeout", "idle_timeout")
+        errors |= _below(self, 1, "health_failures", "max_batch_size")
         if self.startup_timeout < 0:
             errors["startup_timeout"] = "must be 0 (the launch kind's default) or positive"
         for name in ("gpus", "reference_gpus"):
@@ -167,8 +183,6 @@ class EngineConfig:
             errors["restart_backoff_max"] = "must be at least restart_backoff_initial"
         if self.cpu_threads < 0:
             errors["cpu_threads"] = "must be 0 (torch's default) or positive"
-        if self.max_batch_size < 1:
-            errors["max_batch_size"] = "must be at least 1"
         return errors
 
 
@@ -194,16 +208,15 @@ class ScoringConfig:
     prm_m: int = 1
     at_least_one: bool = False
     max_pending: int = 10_000
+    max_pending_bytes: int = 256 * 1024 * 1024  # turns waiting for their judge, by their messages' size
     fair_share: float = 0.25
 
     def check(self) -> dict[str, str]:
-        errors = {}
+        errors = _below(self, 1, "max_pending", "max_pending_bytes")
         if not 1 <= self.prm_m <= 16:
             errors["prm_m"] = "must be in 1..16"
         if self.at_least_one and self.mode != "rl":
             errors["at_least_one"] = "applies to mode \"rl\" only"
-        if self.max_pending < 1:
-            errors["max_pending"] = "must be at least 1"
         if not 0 < self.fair_share <= 1:
             errors["fair_share"] = "must be in (0, 1]"
         return errors
@@ -268,18 +281,12 @@ class LearnerConfig:
     control: typing.Literal["none", "shuffle_rewards", "zero_rewards"] = "none"  # clawd.learning.controls
 
     def check(self) -> dict[str, str]:
-        errors = {}
+        errors = _not_positive(self, "stall_warn_interval", "train_timeout", "trainer_ready_timeout",
+                               "publish_timeout") | _below(self, 0, "rollout_timeout", "max_staleness")
         if self.rollout_batch_size < 1:
             errors["rollout_batch_size"] = "must be at least 1"
         if not 1 <= self.min_batch_size <= self.rollout_batch_size:
             errors["min_batch_size"] = "must be in 1..rollout_batch_size"
-        if self.rollout_timeout < 0:
-            errors["rollout_timeout"] = "must be 0 (off) or positive"
-        for name in ("stall_warn_interval", "train_timeout", "trainer_ready_timeout", "publish_timeout"):
-            if getattr(self, name) <= 0:
-                errors[name] = "must be positive"
-        if self.max_staleness < 0:
-            errors["max_staleness"] = "must not be negative"
         return errors
 
 
@@ -360,6 +367,15 @@ class TrainConfig:
 def _is_number(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
 def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 
+
+def _below(section, floor: int, *names: str) -> dict[str, str]:
+    return {n: f"must be at least {floor}" for n in names if getattr(section, n) < floor}
+
+
+def _not_positive(section, *names: str) -> dict[str, str]:
+    return {n: "must be positive" for n in names if getattr(section, n) <= 0}
+
+
 @dataclass(frozen=True)
 class JournalConfig:
     fsync: typing.Literal["interval", "always"] = "interval"
@@ -367,12 +383,7 @@ class JournalConfig:
     segment_bytes: int = 64 * 1024 * 1024
 
     def check(self) -> dict[str, str]:
-        errors = {}
-        if self.fsync_interval <= 0:
-            errors["fsync_interval"] = "must be positive"
-        if self.segment_bytes < 4096:
-            errors["segment_bytes"] = "must be at least 4096"
-        return errors
+        return _not_positive(self, "fsync_interval") | _below(self, 4096, "segment_bytes")
 
 
 @dataclass(frozen=True)
@@ -399,19 +410,12 @@ class SessionsConfig:
     session_idle_timeout: float = 900.0
     session_max_turns: int = 256
     max_sessions: int = 10_000
+    max_bytes: int = 512 * 1024 * 1024   # live sessions' messages; the least recently used close first
     sweep_interval: float = 5.0
 
     def check(self) -> dict[str, str]:
-        errors = {}
-        if self.session_idle_timeout <= 0:
-            errors["session_idle_timeout"] = "must be positive"
-        if self.session_max_turns < 1:
-            errors["session_max_turns"] = "must be at least 1"
-        if self.max_sessions < 1:
-            errors["max_sessions"] = "must be at least 1"
-        if self.sweep_interval <= 0:
-            errors["sweep_interval"] = "must be positive"
-        return errors
+        return (_not_positive(self, "session_idle_timeout", "sweep_interval")
+                | _below(self, 1, "session_max_turns", "max_sessions", "max_bytes"))
 
 
 @dataclass(frozen=True)
@@ -425,9 +429,12 @@ class RecordsConfig:
 @dataclass(frozen=True)
 class StateConfig:
     dir: str = "state"
+    # Learning pauses (reason "disk") before a journal, weights or checkpoint write would leave less than
+    # this free on the state directory's filesystem; serving goes on. 0: only a failed write pauses it.
+    min_free_bytes: int = 1024 * 1024 * 1024
 
     def check(self) -> dict[str, str]:
-        return {} if self.dir else {"dir": "must not be empty"}
+        return ({} if self.dir else {"dir": "must not be empty"}) | _below(self, 0, "min_free_bytes")
 
 
 @dataclass(frozen=True)
@@ -521,6 +528,9 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
     if problem := devices.placement_problem(cfg):  # across sections: which role runs on which GPU
         key, text = problem
         raise ConfigError(f"{source}: {key}: {text}")
+    if not cfg.auth.keys and not cfg.server.loopback and not cfg.auth.allow_open:
+        raise ConfigError(f"{source}: auth.keys: none, and server.host {cfg.server.host} is not loopback: anyone "
+                          "who reaches it could chat and train the model (set auth.allow_open = true to mean it)")
     return cfg
 
 

@@ -34,7 +34,8 @@ from clawd.ops.status import Rate, Status, finite
 from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
 from clawd.scoring.scorer import Scorer
 from clawd.served import Policy
-from clawd.serving.api import Authenticator, Gate, make_app
+from clawd.serving.api import Gate, make_app
+from clawd.serving.auth import Authenticator
 from clawd.serving.completion import ChatService
 from clawd.records import RecordWriter
 from clawd.serving.sessions import SessionTable
