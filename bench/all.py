@@ -11,7 +11,7 @@ A result is marked STALE when its commit is not HEAD, when it was measured on a 
 is older than the newest commit touching clawd/ or bench/, or (after a run) when this run did not
 write it; a result without provenance is marked "unknown provenance".
 
-    .venv/bin/python bench/all.py                  # run everything (~10 min on 2 cores)
+    .venv/bin/python bench/all.py                  # run everything (~20 min on 2 cores)
     .venv/bin/python bench/all.py --only trainer swap
     .venv/bin/python bench/all.py --no-run         # the table from the last results: verdict "not run"
 
@@ -35,8 +35,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-SCRIPTS = ("serve", "pipeline", "trainer", "swap", "learning")
-OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "learning": "--out"}
+SCRIPTS = ("serve", "pipeline", "trainer", "swap", "learning", "fuzz", "abuse", "crash")
+OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "learning": "--out",
+            "fuzz": "--out", "abuse": "--out", "crash": "--out"}
 if str(HERE) not in sys.path:  # run as a script it is already there; imported (by a test) it is not
     sys.path.insert(0, str(HERE))
 import provenance  # noqa: E402
@@ -99,7 +100,39 @@ def learning(r: dict) -> list[dict]:
     return rows
 
 
-EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "learning": learning}
+def fuzz(r: dict) -> list[dict]:
+    most_lines = r["targets"]["log_lines_per_1000"]
+    return [_row("malformed requests sent", r["requests"], "{:d}"),
+            _row("  replies >= 500", r["status_5xx"], "{:d}", "0", r["status_5xx"] == 0),
+            _row("  tracebacks in the daemon's log", r["tracebacks"], "{:d}", "0", r["tracebacks"] == 0),
+            _row("  log lines per 1,000 of them", r["log_lines_per_1000"], "{:.1f}", f"<= {most_lines:g}",
+                 r["log_lines_per_1000"] <= most_lines),
+            _row("  /health and a chat answer 200 after", r["healthy_after"], "{}", "True", r["healthy_after"] is True)]
+
+
+def abuse(r: dict) -> list[dict]:
+    figures, met = r["figures"], r["met"]
+    shown = (("normal requests answered 200", "{}", "all"), ("p50 stalled / quiet", "{:.2f}x", "<= 2"),
+             ("stalled uploads not ended in time", "{:d}", "0"), ("big messages >= 500 or no reply", "{:d}", "0"),
+             ("RSS growth, after or peak (MB)", "{:.1f}", "< 100"), ("tracebacks in the log", "{:d}", "0"))
+    # a figure the run could not reach (the daemon died first) is shown as "-" and MISSED
+    return [_row(name, figures.get(name), fmt, target, met.get(name, False)) for name, fmt, target in shown]
+
+
+def crash(r: dict) -> list[dict]:
+    f, met = r["figures"], r["targets"]
+    kills = sum(f["trainer_kills"].values())
+    return [_row("daemon SIGKILLs, each restarted on its state", f["daemon_kills"], "{:d}"),
+            _row("trainer kills (mid-checkpoint, mid-publish, plain)", kills, "{:d}", "as asked",
+                 met["trainer_kills_landed"]),
+            _row("  acknowledged samples lost", f["lost"], "{:d}", "0", met["lost"]),
+            _row("  samples trained twice in the final lineage", f["duplicated"], "{:d}", "0", met["duplicated"]),
+            _row("  serving, training and a clean exit after", f["served_at_end"], "{}", "True",
+                 met["serving_at_end"])]
+
+
+EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "learning": learning,
+           "fuzz": fuzz, "abuse": abuse, "crash": crash}
 
 
 # ---------------------------------------------------------------- provenance marks

@@ -42,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clawd.daemon import TurnHandover  # noqa: E402
-from clawd.ops.pause import PauseState  # noqa: E402
+from clawd.pauses import Pauses  # noqa: E402
 from clawd.ops.status import Rate  # noqa: E402
 from clawd.scoring import judging  # noqa: E402
 from clawd.config import Config, config_from_dict  # noqa: E402
@@ -198,7 +198,7 @@ async def run_scorer(spec: PathSpec, cfg: Config, turns: list[FinishedTurn], con
                         store=store, records=judge_records)
 
         # The daemon's handover (turn record, rate, pause check, submit), or the submit alone.
-        on_finished = (TurnHandover(turn_records, scorer, PauseState(tmp / "pause.json", False), Rate())
+        on_finished = (TurnHandover(turn_records, scorer, Pauses(tmp / "pause.json", False), Rate())
                        if turn_records is not None else scorer.submit)
 
         lat = array.array("d")

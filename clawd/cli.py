@@ -9,6 +9,9 @@ import sys
 from clawd.config import LOG_FORMAT, ConfigError, load_config
 
 DEFAULT_CONFIG = "etc/clawd.toml"
+# Exit statuses systemd must not answer with a restart (RestartPreventExitStatus in the unit).
+EXIT_CONFIG = 2          # the configuration does not load
+EXIT_UNREADABLE_STATE = 3  # the state directory holds what clawd will not read (a journal of unknown format)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as exc:
         print(f"clawd: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if args.check_config:
         print(f"clawd: {args.config} is valid")
         return 0
@@ -33,18 +36,21 @@ def main(argv: list[str] | None = None) -> int:
             print(plan_json(cfg) if args.json else plan_text(cfg))
         except (OSError, ValueError) as exc:  # the base model's config.json, for the dtype
             print(f"clawd: cannot plan: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG
         return 0
     logging.basicConfig(level=cfg.logging.level.upper(), stream=sys.stderr, format=LOG_FORMAT)
     from clawd.daemon import run  # after logging is set up
     from clawd.ops.admin import AdminSocketError
-    from clawd.learning.journal import JournalError
+    from clawd.learning.journal import JournalError, JournalUnreadable
     try:
         return asyncio.run(run(cfg))
     except FileNotFoundError as exc:
         logging.getLogger("clawd").error("%s (run `make model` to prepare the default model)", exc)
         return 1
-    except JournalError as exc:  # corruption before the last segment, or another clawd on this state dir
+    except JournalUnreadable as exc:  # restarting cannot fix it: the operator must look
+        logging.getLogger("clawd").error("journal: %s (exit %d: not restarted)", exc, EXIT_UNREADABLE_STATE)
+        return EXIT_UNREADABLE_STATE
+    except JournalError as exc:  # another clawd holds this state directory, or its final fsync failed
         logging.getLogger("clawd").error("journal: %s", exc)
         return 1
     except AdminSocketError as exc:  # another clawd answers on the socket, or the admin group is missing

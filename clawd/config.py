@@ -17,7 +17,6 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from clawd import credentials, devices
@@ -58,13 +57,14 @@ class ServerConfig:
     header_timeout: float = 10.0         # seconds from a connection's first byte (or its last request) to all headers
     body_timeout: float = 30.0           # seconds to receive a whole request body
     keepalive_timeout: float = 15.0      # an idle keep-alive connection is closed after this
+    write_timeout: float = 60.0          # seconds a client may take no byte of its reply (aiohttp has no bound)
     max_connections: int = 8192          # open connections; when full, the longest-stalled one is closed
 
     def check(self) -> dict[str, str]:
         errors = _below(self, 1, "max_concurrent_requests", "max_body_bytes", "max_messages", "max_message_chars",
                         "max_connections")
         errors |= _below(self, 0, "drain_timeout") | _not_positive(self, "header_timeout", "body_timeout",
-                                                                    "keepalive_timeout")
+                                                                    "keepalive_timeout", "write_timeout")
         try:
             ipaddress.ip_address(self.host)
         except ValueError:

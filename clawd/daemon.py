@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import time
@@ -27,22 +26,24 @@ from clawd.learning.learner import Learner, Publisher
 from clawd.learning.store import SampleStore
 from clawd.ops import systemd
 from clawd.ops.admin import AdminServer, argument
+from clawd.ops.disk import DiskBudget
 from clawd.ops.metrics import Metrics
-from clawd.ops.pause import PauseState
 from clawd.ops.reload import ReloadTargets, reload
 from clawd.ops.status import Rate, Status, finite
+from clawd.pauses import OPERATOR, Pauses
 from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
 from clawd.scoring.scorer import Scorer
 from clawd.served import Policy
-from clawd.serving.api import Gate, make_app
+from clawd.serving.api import CONNECTIONS, Gate, make_app
 from clawd.serving.auth import Authenticator
 from clawd.serving.completion import ChatService
+from clawd.serving.connections import TrackedSite, raise_open_file_limit
 from clawd.records import RecordWriter
 from clawd.serving.sessions import SessionTable
 from clawd.tokenizer import ChatTokenizer
 from clawd.trainer.link import TrainerSupervisor, trainer_options
 from clawd.turns import SHUTDOWN, FinishedTurn
-from clawd.weights import restored_weights
+from clawd.weights import checkpointed_samples, restored_weights
 
 log = logging.getLogger("clawd")
 
@@ -67,14 +68,14 @@ class TurnHandover:
     scoring task unless the operator paused learning (then it is served and recorded, never a sample)."""
     records: RecordWriter
     scorer: Scorer
-    pause: PauseState
+    pauses: Pauses
     per_minute: Rate
 
     def __call__(self, finished: FinishedTurn) -> None:
         self.records.write_turn(finished)
         self.per_minute.tick()
-        if self.pause.learning:
-            self.pause.turns_not_learned += 1
+        if self.pauses.learning:
+            self.pauses.turns_not_learned += 1
             return
         self.scorer.submit(finished)
 
@@ -82,6 +83,7 @@ class TurnHandover:
 async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     state_dir = cfg.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
+    max_connections = raise_open_file_limit(cfg.server.max_connections)  # the cap that fits the fd limit
     loop = asyncio.get_running_loop()
     if shutdown is None:
         shutdown = Shutdown()
@@ -102,11 +104,16 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                       segment_bytes=cfg.journal.segment_bytes)
     store = SampleStore(journal, fair_share=cfg.scoring.fair_share)
     replayed = await store.replay()
-    log.info("journal: %d sample(s) waiting from before", replayed)
-    pause = PauseState(state_dir / "pause.json", cfg.admin.start_paused)
+    if trained := store.drop_trained(checkpointed_samples(state_dir)):  # a stop came between checkpoint and ack
+        log.warning("journal: %d sample(s) already in the checkpoint's weights are not trained again", trained)
+    log.info("journal: %d sample(s) waiting from before", replayed - trained)
+    pauses = Pauses(state_dir / "pause.json", cfg.admin.start_paused)
+    disk = DiskBudget(state_dir, cfg.state.min_free_bytes, pauses)  # a low disk pauses learning, not serving
+    disk.poll()
     records_dir = state_dir / "records"
     turn_records = RecordWriter(records_dir, kind="turns", retention_days=cfg.records.retention_days)
     judge_records = RecordWriter(records_dir, kind="judge", retention_days=cfg.records.retention_days)
+    turn_records.on_error = judge_records.on_error = disk.failed
 
     # One group owns every long-lived task, the stages' own (aborts, scoring) included. It is entered once
     # every stage is built and started, so a failed start (a held admin socket) raises as itself.
@@ -128,15 +135,15 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         teacher = _teacher(cfg, engine_for)
         scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records,
                         spawn=tasks.create_task)
+        scorer.on_write_error = disk.failed
 
         # Learning: batches from the store → the trainer subprocess → weights published to the policy engine.
         trainer = learner = None
         if cfg.learner.enabled:
             trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
             publisher = Publisher(policy_engine.client, cfg.learner.publish_timeout, ready=policy_engine.ready)
-            learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir, control_seed=cfg.train.seed)
-            if pause.learning:
-                learner.pause(pause.current.reason)
+            learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir, control_seed=cfg.train.seed,
+                              pauses=pauses)
             if cfg.learner.control != "none":
                 log.warning("learner control %r: training on a reward cut off from the replies (an experiment)",
                             cfg.learner.control)
@@ -145,19 +152,20 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         turns_per_minute, requests_per_minute = Rate(), Rate()
         sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
                                 max_turns=cfg.sessions.session_max_turns, max_sessions=cfg.sessions.max_sessions,
-                                new_id=lambda: uuid.uuid4().hex)
-        to_scoring = TurnHandover(turn_records, scorer, pause, turns_per_minute)
+                                new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
+        to_scoring = TurnHandover(turn_records, scorer, pauses, turns_per_minute)
         chat = ChatService(cfg, tokenizer, policy_engine.client, policy_engine, sessions, to_scoring, policy,
                            spawn=tasks.create_task)
 
         # Ops reads the stages through one snapshot and owns none of them.
-        status = Status(cfg, policy, pause, chat, store, scorer, engines, trainer, learner, started=time.time(),
-                        requests=requests_per_minute, turns=turns_per_minute)
+        status = Status(cfg, policy, pauses, chat, store, scorer, engines, trainer, learner, started=time.time(),
+                        requests=requests_per_minute, turns=turns_per_minute, disk=disk,
+                        records=(turn_records, judge_records))
         metrics = Metrics(status.snapshot)
         chat.on_first_token = metrics.observe_first_token
         if learner is not None:
             learner.on_publish = metrics.observe_publish
-        admin = AdminServer(cfg.admin.socket_path(state_dir), _admin_commands(pause, learner, status),
+        admin = AdminServer(cfg.admin.socket_path(state_dir), _admin_commands(pauses, status),
                             group=cfg.admin.group)
         await admin.start()
         exits.push_async_callback(admin.close)
@@ -173,21 +181,25 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                 tasks.create_task(learner.run(), name="learner")]
             sweeper = tasks.create_task(_expire_sessions(sessions, to_scoring, cfg.sessions.sweep_interval),
                                         name="session-sweeper")
+            disk_watch = tasks.create_task(disk.run(), name="disk-budget")
             watchdog = None
             if (interval := systemd.watchdog_interval()) is not None:  # a stalled loop stops the pings
                 watchdog = tasks.create_task(systemd.watchdog(lambda: True, interval), name="watchdog")
 
             gate = Gate()
-            app = make_app(cfg, chat, auth=auth, gate=gate, engines=engines, serving_paused=lambda: pause.serving,
+            app = make_app(cfg, chat, auth=auth, gate=gate, engines=engines, serving_paused=lambda: pauses.serving,
                            on_request=requests_per_minute.tick, outer_middlewares=[metrics.middleware])
             # No auth on /metrics, like /health: operators scrape it from localhost (server.host's default).
             app.router.add_get("/metrics", metrics.handle)
             if cfg.server.debug_routes:
                 app.router.add_get("/debug/process", status.handle_debug_process)
+            connections = app[CONNECTIONS]  # deadlines for headers and bodies, the connection cap
+            connections.cap = max_connections
+            connections.on_close = metrics.watch_connections(lambda: connections.open)
             runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.server.drain_timeout,
-                                   **metrics.runner_options())
+                                   **metrics.runner_options(), **connections.runner_options())
             await runner.setup()
-            site = web.TCPSite(runner, cfg.server.host, cfg.server.port, backlog=1024)
+            site = TrackedSite(runner, connections, cfg.server.host, cfg.server.port, backlog=1024)
             await site.start()
             host, port = runner.addresses[0][:2]
             log.info("listening on http://%s:%d (model %s, engine %s, mode %s, judge %s)", host, port,
@@ -204,6 +216,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                 for finished in sessions.close_all(time.time(), SHUTDOWN):
                     to_scoring(finished)
                 sweeper.cancel()
+                disk_watch.cancel()
                 await scorer.close(cfg.server.drain_timeout)  # turns being judged finish or are dropped
                 if learner is not None:
                     await learner.stop(cfg.server.drain_timeout)  # the step in progress, then a checkpoint
@@ -319,23 +332,16 @@ def _judge_setter(judge, teacher: Teacher | None, scorer: Scorer):
     return set_judge
 
 
-def _admin_commands(pause: PauseState, learner: Learner | None, status: Status) -> dict:
+def _admin_commands(pauses: Pauses, status: Status) -> dict:
     """What `clawctl` can ask: pause (learning; with serving=true, chat too), resume, status."""
     async def pause_cmd(request: dict) -> dict:
-        paused = pause.pause(serving=argument(request, "serving", bool, False),
-                             reason=argument(request, "reason", str))
-        if learner is not None:
-            learner.pause(paused.reason)
-        log.warning("paused by clawctl: %s%s", "learning and serving" if paused.serving else "learning",
-                    f" ({paused.reason})" if paused.reason else "")
-        return dataclasses.asdict(paused)
+        pauses.hold(OPERATOR, argument(request, "reason", str) or "", serving=argument(request, "serving", bool, False))
+        return pauses.snapshot()
 
     async def resume_cmd(request: dict) -> dict:
-        resumed = pause.resume()
-        if learner is not None:
-            learner.resume()
-        log.warning("resumed by clawctl")
-        return dataclasses.asdict(resumed)
+        still = pauses.resume()
+        log.warning("resumed by clawctl%s", f"; still held: {', '.join(still)}" if still else "")
+        return pauses.snapshot()
 
     async def status_cmd(request: dict) -> dict:
         return finite(status.snapshot())
@@ -358,6 +364,7 @@ def _engine_supervisors(cfg: Config, policy: Policy) -> list[EngineSupervisor]:
     def client(url: str) -> EngineClient:
         return EngineClient(url, api_key=cfg.engine.api_key, admin_api_key=cfg.engine.admin_api_key,
                             connect_timeout=cfg.engine.connect_timeout, request_timeout=cfg.engine.request_timeout,
+                            first_byte_timeout=cfg.engine.first_byte_timeout, idle_timeout=cfg.engine.idle_timeout,
                             incremental_stream=cfg.engine.streams_deltas)
 
     engines = [EngineSupervisor(cfg, client(cfg.engine.url), "policy", policy)]

@@ -1,18 +1,25 @@
 """Turn records: one JSONL line per finished main turn, a file per UTC day.
 
 Records are for people (audit, debugging, datasets), not for durability: the
-sample journal owns that. Lines are appended from the event loop and flushed
-without fsync. Files older than `retention_days` are deleted at rotation.
+sample journal owns that. Lines are appended from the event loop with one
+write each, without fsync. Files older than `retention_days` are deleted at rotation.
 Records never hold API keys or headers: a `Turn` has none to give.
+
+A write that fails (a full disk) never reaches the caller, which is a chat request or a
+scoring task: the line is cut back out of the file (no torn line is left for the next to
+join), counted in `failed`, logged at most once a minute, and handed to `on_error` (the
+daemon pauses learning for the disk). Serving goes on without its record.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
-from typing import IO
+from typing import Callable
 
+from clawd import faults
 from clawd.turns import FinishedTurn
 
 log = logging.getLogger("clawd.records")
@@ -25,29 +32,56 @@ class RecordWriter:
         self.kind = kind
         self.retention_days = retention_days
         self._day: str | None = None
-        self._file: IO[str] | None = None
+        self._fd: int | None = None
         self.written = 0
+        self.failed = 0
+        self.on_error: Callable[[OSError], None] | None = None
+        self._logged_at = float("-inf")
 
     def path_for(self, day: str) -> Path:
         return self.directory / f"{self.kind}-{day}.jsonl"
 
-    def write(self, record: dict, now: float | None = None) -> None:
+    def write(self, record: dict, now: float | None = None) -> bool:
+        """Append one line; False when it could not be written (see the module's docstring)."""
         now = time.time() if now is None else now
-        day = time.strftime("%Y-%m-%d", time.gmtime(now))
-        if day != self._day:
-            self._rotate(day, now)
-        self._file.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
-        self._file.flush()
+        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        start = None
+        try:
+            day = time.strftime("%Y-%m-%d", time.gmtime(now))
+            if day != self._day:
+                self._rotate(day, now)
+            start = os.lseek(self._fd, 0, os.SEEK_END)
+            faults.point("records.write")
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:
+            self._failed(exc, start)
+            return False
         self.written += 1
+        return True
+
+    def _failed(self, exc: OSError, start: int | None) -> None:
+        self.failed += 1
+        if start is not None:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:  # the part written stays; a reader skips a line that is not JSON
+                pass
+        if time.monotonic() - self._logged_at >= 60:
+            self._logged_at = time.monotonic()
+            log.error("%s records: a write failed (%s); %d line(s) lost so far, serving goes on",
+                      self.kind, exc.strerror or exc, self.failed)
+        if self.on_error is not None:
+            self.on_error(exc)
 
     def write_turn(self, finished: FinishedTurn) -> None:
         self.write(finished.to_record(), finished.finished)
 
     def _rotate(self, day: str, now: float) -> None:
-        if self._file is not None:
-            self._file.close()
+        self.close()
+        self._fd = os.open(self.path_for(day), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         self._day = day
-        self._file = open(self.path_for(day), "a", encoding="utf-8")
         cutoff = time.strftime("%Y-%m-%d", time.gmtime(now - self.retention_days * 86400))
         for path in self.directory.glob(f"{self.kind}-*.jsonl"):
             if path.stem[len(self.kind) + 1:] < cutoff:
@@ -55,7 +89,7 @@ class RecordWriter:
                 path.unlink()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
             self._day = None

@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import json
 import re
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,87 @@ class ModelInfo:
     model_type: str
 
 
+# ---------------------------------------------------------------- memory of text
+# Shared accounting for the piece cache, live sessions and the judge backlog: deterministic upper bounds
+# of what CPython holds, cheap enough for every request (no scan of a string's characters).
+
+CACHE_BYTES = 64 * 1024 * 1024
+# One entry may take at most 1/256 of the cache: a huge one-off piece (a pasted document) is not worth
+# flushing the many small pieces that conversations repeat, and the cache still holds 256 of the largest.
+MAX_ENTRY_BYTES = CACHE_BYTES // 256
+_STR_HEADER = 80     # sys.getsizeof("") is 49, a non-ASCII string's header 74-76
+_IDS_HEADER = 80     # sys.getsizeof(array("I")) is 80; ids are kept as 4-byte unsigned ints
+_ENTRY_SLOT = 160    # OrderedDict slot and link node per entry, measured with tracemalloc (91-151)
+_ID_BYTES = 36       # a token id in a list: an 8-byte pointer and a 28-byte int (ids above 256 are not shared)
+_FLOAT_BYTES = 32    # a log-prob in a list: pointer and a 24-byte float
+
+
+def text_bytes(text: str) -> int:
+    """Memory of a string: 1 byte a character if ASCII, else at most 4 (CPython's widest kind)."""
+    return _STR_HEADER + (len(text) if text.isascii() else 4 * len(text))
+
+
+def value_bytes(value: Any) -> int:
+    """Memory of JSON-like data (messages, tools); its nesting is bounded by the request parser."""
+    if isinstance(value, str):
+        return text_bytes(value)
+    if isinstance(value, dict):
+        return 64 + sum(16 + value_bytes(k) + value_bytes(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return 56 + sum(8 + value_bytes(v) for v in value)
+    return 32
+
+
+def turn_bytes(turn: Any) -> int:
+    """What a captured turn (clawd.turns.Turn) keeps alive: its messages, tools and reply, its ids and
+    log-probs. The one measure for sessions.max_bytes and scoring.max_pending_bytes."""
+    return (value_bytes(turn.messages) + value_bytes(turn.tools) + value_bytes(turn.reply)
+            + _ID_BYTES * (len(turn.prompt_ids) + len(turn.response_ids))
+            + _FLOAT_BYTES * len(turn.response_logprobs))
+
+
+def cache_entry_bytes(piece: str, n_ids: int) -> int:
+    return _ENTRY_SLOT + text_bytes(piece) + _IDS_HEADER + 4 * n_ids
+
+
+# Normalizers that can only shorten text by a bounded factor: NFC/NFKC compose at most 4 code points into
+# one (the longest canonical decomposition is 4, checked over all of Unicode); the others never shorten.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+# Pre-tokenizers that keep every character (Whitespace and BERT's drop whitespace: no bound there).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Metaspace", "Split", "Punctuation", "UnicodeScripts"}
+
+
+def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
+    """A proven upper bound of the characters one token can stand for, or None when the pipeline can drop
+    text (then no prompt length in characters is ever too long to fit). For a BPE model that is the
+    longest vocabulary string (a byte-level entry has a character per byte, at least one per decoded
+    character), times what the normalizer can shrink. The default model (SmolLM2-135M-Instruct) measures
+    81 (a newline and 80 spaces), no normalizer: 8191 tokens hold at most 663,471 characters."""
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") and model.get("fuse_unk")
+                                      and not model.get("byte_fallback")):
+        return None  # unknown runs fuse into one token
+
+    def walk(node, key):
+        if not node:
+            return []
+        if node.get("type") == "Sequence":
+            return [n for child in node.get(key, []) for n in walk(child, key)]
+        return [node]
+
+    shrink = 1
+    for norm in walk(spec.get("normalizer"), "normalizers"):
+        if norm.get("type") not in _NORMALIZER_SHRINK:
+            return None
+        shrink *= _NORMALIZER_SHRINK[norm["type"]]
+    for pre in walk(spec.get("pre_tokenizer"), "pretokenizers"):
+        if pre.get("type") not in _KEEPING_PRE_TOKENIZERS or pre.get("behavior") == "Removed":
+            return None
+    longest = max(len(s) for s in tokenizer.get_vocab(with_added_tokens=True))
+    return longest * shrink
+
+
 class ChatTokenizer:
     """Encodes chat requests into prompt ids exactly as the engine will see them."""
 
@@ -96,8 +179,11 @@ class ChatTokenizer:
             int(i) for i, tok in cfg.get("added_tokens_decoder", {}).items() if tok.get("special"))
         self.info = self._model_info(model_dir, cfg)
         self._splitter, self._added = self._added_token_splitter()
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
-        self.cache_size = 4096
+        # Pieces → ids, least recently used first, bounded by the bytes it holds (cache_entry_bytes).
+        self._cache: OrderedDict[str, array] = OrderedDict()
+        self.cache_bytes = 0
+        self.cache_max_bytes = CACHE_BYTES
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)
 
     def _added_token_splitter(self) -> tuple[re.Pattern | None, dict[str, int]]:
         """The tokenizer cuts text at added tokens before anything else, so the pieces
@@ -143,26 +229,116 @@ class ChatTokenizer:
         return self.encode(self.render(messages, tools, **extra))
 
     def encode(self, text: str) -> list[int]:
+        ids, fresh = self.encode_held(text)
+        self.keep(fresh)
+        return ids
+
+    def encode_held(self, text: str) -> tuple[list[int], dict[str, array]]:
+        """`encode` that leaves the cache as it was: the pieces seen for the first time come back with the
+        ids, for `keep` once the caller accepts the text (a refused prompt leaves nothing behind)."""
         if self._splitter is None:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return self.tokenizer.encode(text, add_special_tokens=False).ids, {}
         ids: list[int] = []
+        fresh: dict[str, array] = {}
         for piece in self._splitter.split(text):
             if piece in self._added:
                 ids.append(self._added[piece])
             elif piece:
-                ids += self._encode_piece(piece)
+                ids += self._encode_piece(piece, fresh)
+        return ids, fresh
+
+    def _encode_piece(self, piece: str, fresh: dict[str, array]) -> Sequence[int]:
+        cached = self._cache.get(piece)
+        if cached is not None:
+            self._cache.move_to_end(piece)
+            return cached
+        if (cached := fresh.get(piece)) is not None:
+            return cached
+        ids = self.tokenizer.encode(piece, add_special_tokens=False).ids
+        if cache_entry_bytes(piece, len(ids)) <= MAX_ENTRY_BYTES:
+            fresh[piece] = array("I", ids)
         return ids
 
-    def _encode_piece(self, piece: str) -> list[int]:
-        cached = self._cache.get(piece)
-        if cached is None:
-            cached = self.tokenizer.encode(piece, add_special_tokens=False).ids
-            self._cache[piece] = cached
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(piece)
-        return cached
+    def keep(self, fresh: dict[str, array]) -> None:
+        """Cache the pieces `encode_held` saw first, evicting the least recently used beyond the budget."""
+        for piece, ids in fresh.items():
+            if piece in self._cache:  # another text cached it meanwhile
+                continue
+            self._cache[piece] = ids
+            self.cache_bytes += cache_entry_bytes(piece, len(ids))
+        while self.cache_bytes > self.cache_max_bytes and self._cache:
+            piece, ids = self._cache.popitem(last=False)
+            self.cache_bytes -= cache_entry_bytes(piece, len(ids))
+
+    @property
+    def cache_entries(self) -> int:
+        return len(self._cache)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode_chat_quoted(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                           quotes: dict[str, str]) -> list[int]:
+        """`encode_chat` of the conversation in which each placeholder (a key of `quotes`, somewhere in
+        the messages' strings) stands for its quoted text, except that added and special tokens in the
+        quoted texts stay plain text: a quoted `<|im_end|>` becomes the ids of its characters, never the
+        control token. The template is rendered with the placeholders, then the rendered text is cut
+        only at the added tokens outside the quoted texts, where `encode` cuts too, so quoted texts
+        without an added token give exactly `encode_chat`'s ids. Added tokens are matched by content
+        (lstrip/rstrip honoured, single_word and normalized not). TemplateError when the template
+        does not copy each placeholder once and verbatim, or an added id still came out of a quote."""
+        state = self.__dict__.get("_quoting")
+        if state is None:  # built once: the tokenizer without its added vocabulary, and their pattern
+            added = self.tokenizer.get_added_tokens_decoder()
+            spec = json.loads(self.tokenizer.to_str())
+            spec["added_tokens"] = []
+            alts = [("\\s*" if t.lstrip else "") + f"(?P<t{i}>{re.escape(t.content)})" + ("\\s*" if t.rstrip else "")
+                    for i, t in sorted(added.items(), key=lambda it: len(it[1].content), reverse=True)]
+            first = "".join(sorted({re.escape(t.content[0]) for t in added.values()} | {"\\s"}))
+            state = self._quoting = (Tokenizer.from_str(json.dumps(spec)),  # a lookahead: scans fast
+                                     re.compile(f"(?=[{first}])(?:{'|'.join(alts)})") if alts else None,
+                                     frozenset(added))
+        plain, pattern, added_ids = state
+
+        def fill(value):  # the conversation itself: every placeholder replaced by its text
+            if isinstance(value, str):
+                for ph, quote in quotes.items():
+                    value = value.replace(ph, quote)
+                return value
+            if isinstance(value, dict):
+                return {k: fill(v) for k, v in value.items()}
+            return [fill(v) for v in value] if isinstance(value, list) else value
+
+        rendered = self.render(messages, tools)
+        found = sorted((rendered.find(ph), ph) for ph in quotes)
+        if any(at < 0 or rendered.find(ph, at + 1) >= 0 for at, ph in found):
+            raise TemplateError("the chat template does not copy quoted text verbatim (or repeats it)")
+        parts, ranges, pos, length = [], [], 0, 0
+        for at, ph in found:
+            parts += [rendered[pos:at], quotes[ph]]
+            length += at - pos
+            ranges.append((length, length + len(quotes[ph])))
+            length += len(quotes[ph])
+            pos = at + len(ph)
+        text = "".join(parts) + rendered[pos:]
+        if text != self.render(fill(messages), fill(tools)):
+            raise TemplateError("the chat template does not copy quoted text verbatim")
+        cuts: list[tuple[int, int, int]] = []  # the added tokens outside the quoted texts
+        if pattern is not None:
+            for start, end in zip([0] + [b for _, b in ranges], [a for a, _ in ranges] + [len(text)]):
+                cuts += [(m.start(), m.end(), int(m.lastgroup[1:])) for m in pattern.finditer(text, start, end)]
+        ids: list[int] = []
+        pos = 0
+        for start, end, tid in cuts + [(len(text), len(text), -1)]:
+            piece = text[pos:start]
+            if piece and pattern is not None and pattern.search(piece):  # only quoted text can hold one now
+                piece_ids = plain.encode(piece, add_special_tokens=False).ids
+                if added_ids.intersection(piece_ids):
+                    raise TemplateError("quoted text encoded to an added token")
+                ids += piece_ids
+            elif piece:
+                ids += self.encode(piece)
+            if tid >= 0:
+                ids.append(tid)
+            pos = end
+        return ids

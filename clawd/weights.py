@@ -3,14 +3,16 @@
     state_dir/weights/v{version:06d}     published Hugging Face directories (the engine loads them)
     state_dir/checkpoints/ckpt-{n:08d}   trainer checkpoints; `complete` is written last, and
                                          `state.json` says which version its weights are
+    state_dir/trainer/steps.jsonl        the trained-steps ledger (`Ledger`, `lineage`)
 
 No torch: the daemon uses `restored_weights` at start to launch the policy engine on what the
 trainer will resume from, so a restart serves the newest checkpointed version again instead of
 the base model. The trainer (clawd.trainer.checkpoints) and the model builder (clawd.tools.models)
-write their directories with `atomic_dir` (docs/ARCHITECTURE.md §6, §7).
+write their directories with `atomic_dir` (docs/ARCHITECTURE.md §6, §7), after `check_free`.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -122,3 +124,128 @@ def remove_temporaries(parent: Path) -> None:
     if parent.is_dir():
         for p in parent.glob(".*.tmp-*"):
             shutil.rmtree(p)
+
+
+# --- free space ------------------------------------------------------------------------------
+
+def write_failure_kind(exc: OSError) -> str:
+    """"disk" for a full filesystem or quota (learning pauses until there is room), "io" otherwise
+    (retried with backoff)."""
+    return "disk" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
+
+
+def check_free(parent: Path, size: int, min_free_bytes: int, what: str) -> None:
+    """Raise OSError(ENOSPC) unless writing about `size` bytes under parent leaves `min_free_bytes` free
+    (`[state] min_free_bytes`; 0: only a write that fails stops, not the estimate)."""
+    if min_free_bytes <= 0:
+        return
+    free = shutil.disk_usage(parent).free
+    if free - size < min_free_bytes:
+        raise OSError(errno.ENOSPC, f"writing {what} (~{size / 1e6:.1f} MB) would leave {max(free - size, 0) / 1e6:.1f} MB "
+                                    f"free on {parent}, below state.min_free_bytes ({min_free_bytes / 1e6:.1f} MB)")
+
+
+# --- the trained-steps ledger ----------------------------------------------------------------
+
+def ledger_path(state_dir: Path) -> Path:
+    return Path(state_dir) / "trainer" / "steps.jsonl"
+
+
+class Ledger:
+    """state_dir/trainer/steps.jsonl: one JSON line per trainer step, appended after the step,
+    `{"step", "batch_id", "version", "samples", "skipped"}` (`version`: what its weights were published
+    as, null before a publish; a later publish of the same weights appends the line again with it).
+
+    A line is queued, then written by `flush` (after each step; a failure keeps it queued) and made
+    durable by `sync`, which the trainer calls before every checkpoint: `lineage` reads only steps up
+    to a checkpoint's, so every line it needs is on disk before that checkpoint is, and lines after the
+    last checkpoint describe steps a crash discards anyway. A write cut short is truncated away, and a
+    torn last line (a power cut) is cut off when the trainer opens the ledger, so appends never join it."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._queued: list[bytes] = []
+        if self.path.is_file():
+            with open(self.path, "rb+") as f:
+                data = f.read()
+                if data and not data.endswith(b"\n"):
+                    f.truncate(data.rfind(b"\n") + 1)
+
+    def last_line(self, step: int) -> dict | None:
+        """The last line written for `step` (what a resumed trainer's weights were trained on)."""
+        found = None
+        for line in read_ledger(self.path):
+            if line.get("step") == step:
+                found = line
+        return found
+
+    def add(self, line: dict) -> None:
+        self._queued.append((json.dumps(line, separators=(",", ":")) + "\n").encode())
+
+    def flush(self) -> None:
+        if not self._queued:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = b"".join(self._queued)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError:
+                os.ftruncate(fd, start)  # no half line for the next append to join
+                raise
+        finally:
+            os.close(fd)
+        self._queued.clear()
+
+    def sync(self) -> None:
+        fresh = not self.path.exists()
+        self.flush()
+        if self.path.exists():
+            fsync(self.path)
+            if fresh:  # the new file's entry, and its directory's
+                fsync(self.path.parent)
+                fsync(self.path.parent.parent)
+
+
+def read_ledger(path: Path) -> list[dict]:
+    """The ledger's lines, in order; a torn last line (not yet repaired) is left out."""
+    if not Path(path).is_file():
+        return []
+    out = []
+    raw = Path(path).read_bytes().split(b"\n")
+    for n, chunk in enumerate(raw):
+        if not chunk:
+            continue
+        try:
+            out.append(json.loads(chunk))
+        except ValueError:
+            if n == len(raw) - 1:
+                break  # torn by a crash while appending: that step was never checkpointed
+            raise ValueError(f"{path}: line {n + 1} is not JSON") from None
+    return out
+
+
+def checkpointed_samples(state_dir: Path) -> set[str]:
+    """The ids of the samples trained into the newest complete checkpoint's weights (its lineage). Such a
+    sample must never be trained again, whatever the journal says: a stop between a checkpoint and the
+    journal's acknowledgement of its samples leaves them live there."""
+    complete = complete_checkpoints(Path(state_dir) / "checkpoints")
+    if not complete:
+        return set()
+    step = json.loads((complete[-1] / "state.json").read_text())["step"]
+    return {sample for line in lineage(read_ledger(ledger_path(state_dir)), step) for sample in line["samples"]}
+
+
+def lineage(lines: list[dict], final_step: int) -> list[dict]:
+    """The steps the weights of a checkpoint at `final_step` went through: for each step number from 1 to
+    final_step, the LAST line written for it (a resume from a checkpoint at k trains k + 1 again, and its
+    new line supersedes the lost one), in step order. Steps without any line are absent."""
+    last: dict[int, dict] = {}
+    for line in lines:
+        if 1 <= line["step"] <= final_step:
+            last[line["step"]] = line
+    return [last[s] for s in sorted(last)]

@@ -10,6 +10,12 @@ records every request and the most calls it ever had in flight at once.
         fake.script(Reply(status=500), Reply(content="\\boxed{1}"))
         ... OpenAIJudge(fake.url, "k", "judge-model") ...
 
+`Reply(echo="literal")` (or "reader") answers with the text of every message it was sent (as
+`reader_view` sees it), then `content`: a judge that repeats its prompt before its own verdict;
+"literal-after" and "reader-after" answer `content` first, then repeat the quoted part of the
+prompt (from the assistant output's marker to the last marker). `EchoEngine` does the same for
+the SGLang judge, from the prompt's token ids.
+
 With `ssl_context` it serves https; `name` is the host its URL names (a certificate's
 name, looked up through a stub nameserver in tests/test_judge_dns.py).
 """
@@ -19,6 +25,7 @@ import asyncio
 import json
 import ssl
 import time
+import unicodedata
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +42,48 @@ class Reply:
     delay: float = 0.0  # seconds before answering
     hang: bool = False  # never answer
     drop: bool = False  # send part of a body, then close the connection
+    echo: str = ""  # "literal", "reader", "literal-after", "reader-after": echo_reply
+
+
+# Look-alikes a reading model may take for ASCII; this fake's own list, independent of clawd's.
+_READS_AS = str.maketrans({**dict.fromkeys("‹«ᐸ⟨〈〈❮❬⟪≺˂≮﹤＜", "<"), **dict.fromkeys("›»ᐳ⟩〉〉❯❭⟫≻˃≯﹥＞", ">"),
+                           **dict.fromkeys("＼﹨⧵∖", "\\"), "о": "o", "х": "x", "е": "e"})
+
+
+def reader_view(text: str) -> str:
+    """Text as a model that reads past look-alikes may repeat it: compatibility forms folded, accents,
+    combining marks and invisible format characters gone, look-alike brackets and backslashes ASCII."""
+    text = unicodedata.normalize("NFKD", text)
+    text = "".join(ch for ch in text if not unicodedata.combining(ch) and unicodedata.category(ch) != "Cf")
+    return unicodedata.normalize("NFKC", text.translate(_READS_AS))
+
+
+def quoted_region(text: str) -> str:
+    """The quoted part of a judge prompt: from the assistant output's opening marker to the last marker."""
+    start, end = text.rfind("<<<ASSISTANT_OUTPUT"), text.rfind(">>>")
+    return text[start:end + 3] if 0 <= start < end else ""
+
+
+def echo_reply(prompt: str, answer: str, mode: str) -> str:
+    """The answer with an echo of the prompt (`Reply.echo`'s modes)."""
+    view, _, where = mode.partition("-")
+    seen = reader_view(prompt) if view == "reader" else prompt
+    return f"{answer}\n{quoted_region(seen)}" if where == "after" else f"{seen}\n{answer}"
+
+
+class EchoEngine:
+    """An engine for SGLangJudge: /generate answers with `echo_reply` of the decoded prompt ids and
+    `honest` (as token ids)."""
+
+    def __init__(self, tokenizer, honest: str, mode: str = "literal"):
+        self.tok, self.honest, self.mode = tokenizer, honest, mode
+        self.payloads: list[dict] = []
+
+    async def generate(self, payload: dict) -> dict:
+        self.payloads.append(payload)
+        prompt = self.tok.tokenizer.decode(list(payload["input_ids"]), skip_special_tokens=False)
+        return {"output_ids": self.tok.encode(echo_reply(prompt, self.honest, self.mode)),
+                "meta_info": {"finish_reason": {"type": "stop"}}}
 
 
 def completion(content: str | None, model: str) -> dict:
@@ -132,4 +181,8 @@ class FakeJudge:
         if reply.status != 200:
             return web.json_response(error_body(reply.status), status=reply.status, headers=reply.headers)
         model = body.get("model", "") if isinstance(body, dict) else ""
-        return web.json_response(completion(reply.content, model), headers=reply.headers)
+        content = reply.content
+        if reply.echo:
+            texts = [m.get("content") or "" for m in body.get("messages", [])] if isinstance(body, dict) else []
+            content = echo_reply("\n".join(texts), content or "", reply.echo)
+        return web.json_response(completion(content, model), headers=reply.headers)

@@ -12,7 +12,10 @@ docs/ARCHITECTURE.md §10), with its context limits, its API keys (`api_key=`,
 `admin_api_key=`) and, with `max_running_requests`, its waiting queue and
 `waiting_timeout` (SGLANG_REQ_WAITING_TIMEOUT). Faults can be
 injected at run time: an HTTP error, a dropped connection, a request that hangs
-until aborted. Everything it received is recorded for tests to assert on.
+until aborted, and a hung engine (`stick()`: its scheduler stops, streams included
+mid-way, and optionally its HTTP front end stops answering /model_info and
+/server_info; `unstick()` lets it go on). Everything it received is recorded for
+tests to assert on.
 
 In-process:  async with FakeSGLang(responder=...) as fake: ... fake.url
 Standalone:  python tests/fake_sglang.py --port 0 --tokens 32 --token-delay 0
@@ -281,6 +284,8 @@ class FakeSGLang:
         self._pause_mode = "abort"
         self._updating = 0  # updates holding the writer lock
         self._abort_seen = asyncio.Event()
+        self._stuck = False  # the scheduler makes no progress: calls are held before and between steps
+        self._front_stuck: asyncio.Event | None = None  # set: /model_info and /server_info answer again
         self._runner: web.AppRunner | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -368,6 +373,26 @@ class FakeSGLang:
     def hang_next(self, count: int = 1):
         """The next `count` /generate requests never answer until aborted (or disconnected)."""
         self._faults.setdefault("/generate", deque()).extend([("hang",)] * count)
+
+    def stick(self, front_end: bool = False) -> None:
+        """A hung engine: its scheduler stops (new calls get a stream's headers or nothing, running streams stop
+        between chunks); with `front_end`, /model_info and /server_info stop answering too."""
+        self._stuck = True
+        if front_end and self._front_stuck is None:
+            self._front_stuck = asyncio.Event()
+
+    def unstick(self) -> None:
+        """The hang ends: held calls and status calls go on."""
+        self._stuck = False
+        if self._front_stuck is not None:
+            self._front_stuck.set()
+            self._front_stuck = None
+        self._wake_all()
+
+    async def _front_end(self) -> None:
+        """Wait while the HTTP front end is hung."""
+        if self._front_stuck is not None:
+            await self._front_stuck.wait()
 
     def _take_fault(self, path: str) -> tuple | None:
         q = self._faults.get(path)
@@ -608,7 +633,7 @@ class FakeSGLang:
                 it.started = True
             await self._hold(gen, lambda: True)
         else:  # held before the scheduler while paused or while an update holds the writer lock
-            await self._hold(gen, lambda: self._paused or self._updating > 0)
+            await self._hold(gen, lambda: self._paused or self._updating > 0 or self._stuck)
             if self.max_running_requests is not None:  # the scheduler's waiting queue
                 timeout = self.waiting_timeout
                 deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
@@ -644,7 +669,7 @@ class FakeSGLang:
                 await flush(self.token_delay > 0 or self._paused)
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
-            await self._hold(gen, lambda: self._paused)
+            await self._hold(gen, lambda: self._paused or self._stuck)
 
     def _step(self, it: _Item) -> None:
         i = len(it.out)
@@ -847,6 +872,7 @@ class FakeSGLang:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         """Server arguments, the scheduler's limits and the version (never a key)."""
+        await self._front_end()
         return _json_response({
             "model_path": self.model_path, "tokenizer_path": self.model_path,
             "served_model_name": self.model_path, "context_length": self.context_length,
@@ -857,6 +883,7 @@ class FakeSGLang:
             "version": VERSION})
 
     async def _model_info(self, request: web.Request) -> web.Response:
+        await self._front_end()
         return _json_response({
             "model_path": self.model_path, "served_model_name": self.model_path,
             "tokenizer_path": self.model_path, "is_generation": True,

@@ -17,6 +17,20 @@ from clawd.tomlfile import to_toml
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def load_bench(name: str, module: str | None = None):
+    """bench/<name>.py as a module (the benches are scripts, not a package; their folder goes on sys.path
+    so that they find bench/provenance.py as they do when run)."""
+    import importlib.util
+    bench = str(ROOT / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    spec = importlib.util.spec_from_file_location(module or name, ROOT / "bench" / f"{name}.py")
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[module or name] = loaded
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
 class Daemon:
     """`python -m clawd` with a config built from `sections`; stderr is kept for assertions."""
 
@@ -25,7 +39,9 @@ class Daemon:
         self.state = self.tmp / "state"
         # Tests score with the rules judge in rl mode and do not train unless they ask:
         # no reference engine, no trainer process.
-        cfg = {"server": {"port": 0, "debug_routes": True}, "state": {"dir": str(self.state)},
+        # A small disk floor: a CI machine's disk may hold less than the default's 1 GiB spare.
+        cfg = {"server": {"port": 0, "debug_routes": True},
+               "state": {"dir": str(self.state), "min_free_bytes": 64 * 1024 * 1024},
                "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}, "learner": {"enabled": False}}
         for name, table in sections.items():
             cfg[name] = {**cfg.get(name, {}), **table}

@@ -209,7 +209,8 @@ def thanked_conversation(base_url: str, question: str, *, timeout: float = 120.0
 
 # The journal's on-disk format (clawd/learning/journal.py docstring), read here independently of clawd's reader so the
 # tests do not check the daemon with its own code.
-_HEADER = b"CLAWDJNL" + struct.pack("<I", 1)
+_MAGIC = b"CLAWDJNL"
+_RECORD_MAGIC = b"\xffJR\xc1"  # format 2's record magic (format 1 has none)
 _SEGMENT = re.compile(r"journal-(\d{16})\.seg")
 
 
@@ -229,19 +230,25 @@ def read_journal(directory: Path) -> JournalScan:
     appended, acked, bad, problem = [], set(), 0, None
     for k, path in enumerate(paths):
         data = path.read_bytes()
-        if not _HEADER.startswith(data[:len(_HEADER)]) or (len(data) < len(_HEADER) and k < len(paths) - 1):
+        version = struct.unpack_from("<I", data, 8)[0] if len(data) >= 12 else None
+        if data[:8] != _MAGIC[:len(data[:8])] or version not in (1, 2, None) or (version is None and k < len(paths) - 1):
             raise AssertionError(f"{path}: bad segment header {data[:12]!r}")
-        at = len(_HEADER)
+        # Format 1: u32 length + u32 CRC32(body) + body; 2: record magic + u32 length + u32 CRC32(length + body) + body.
+        head = 8 if version == 1 else 12
+        at = 12
         while at < len(data):
             why = None
-            if at + 8 > len(data):
+            if at + head > len(data):
                 why = "truncated frame header"
+            elif version == 2 and data[at:at + 4] != _RECORD_MAGIC:
+                why = "no record magic"
             else:
-                length, crc = struct.unpack_from("<II", data, at)
-                body = data[at + 8:at + 8 + length]
+                length, crc = struct.unpack_from("<II", data, at + head - 8)
+                body = data[at + head:at + head + length]
+                covered = body if version == 1 else data[at + 4:at + 8] + body
                 if length == 0 or len(body) < length:
                     why = f"truncated record (length {length}, {len(body)} bytes there)"
-                elif zlib.crc32(body) != crc:
+                elif zlib.crc32(covered) != crc:
                     why = "CRC mismatch"
             if why is not None:
                 if k < len(paths) - 1:
@@ -262,7 +269,7 @@ def read_journal(directory: Path) -> JournalScan:
                 acked.update(ids)
             else:
                 raise AssertionError(f"{path}: unknown record type {kind} at offset {at}")
-            at += 8 + length
+            at += head + length
     live = tuple(i for i in dict.fromkeys(appended) if i not in acked)
     return JournalScan(tuple(appended), frozenset(acked), live, len(paths), bad, problem)
 

@@ -29,8 +29,9 @@ async def status_cmd(request):
 
 async def pause_cmd(request):
     serving = admin.argument(request, "serving", bool, False)
-    return {"learning": True, "serving": serving, "since": 1700000000.0,
-            "reason": admin.argument(request, "reason", str)}
+    return {"learning": True, "serving": serving, "reasons": [
+        {"reason": "operator", "since": 1700000000.0, "detail": admin.argument(request, "reason", str) or "",
+         "serving": serving, "lifted_by": "clawctl resume"}]}
 
 
 async def refuse_cmd(request):
@@ -119,7 +120,8 @@ async def test_round_trips_and_errors_keep_serving(server, caplog):
     ok = {"ok": True, "result": {"mode": "rl", "echo": {"cmd": "status"}}}
     assert await ask(server.path, b'{"cmd": "status"}\n') == ok
     assert await ask(server.path, b'{"cmd": "pause", "serving": true}\n') == {
-        "ok": True, "result": {"learning": True, "serving": True, "since": 1700000000.0, "reason": None}}
+        "ok": True, "result": {"learning": True, "serving": True, "reasons": [
+            {"reason": "operator", "since": 1700000000.0, "detail": "", "serving": True, "lifted_by": "clawctl resume"}]}}
     assert await ask(server.path, b'{"cmd": "status"}', eof=True) == ok  # EOF instead of a newline is accepted
     cases = [(b"not json\n", admin.MALFORMED), (b"[1, 2]\n", admin.MALFORMED),
              (b'{"cmd": "reboot"}\n', admin.UNKNOWN), (b"x" * (admin.MAX_LINE + 10) + b"\n", admin.MALFORMED),
@@ -341,7 +343,11 @@ def test_find_socket(tmp_path):
 NOW = 1_700_000_000.0
 SNAPSHOT = {
     "pid": 4242, "uptime_s": 3723.4, "mode": "rl", "judge": "rules",
-    "paused": {"learning": True, "serving": False, "since": NOW - 300, "reason": "maintenance"},
+    "paused": {"learning": True, "serving": False, "reasons": [
+        {"reason": "operator", "since": NOW - 300, "detail": "maintenance", "serving": False,
+         "lifted_by": "clawctl resume"},
+        {"reason": "disk", "since": NOW - 60, "detail": "812 MiB free, 1 GiB wanted", "serving": False,
+         "lifted_by": "free space (by itself)"}]},
     "policy": {"version": 3, "weight_version": "3", "published_at": NOW - 252, "weights": "state/weights/v3"},
     "queue": {"waiting": 12, "in_flight": 2, "effective": 8, "batch_size": 16, "journal_live": 20},
     "sessions": {"live": 5},
@@ -366,7 +372,9 @@ clawd
   pid                 4242
   up                  1h 2m
   mode                rl (judge rules)
-  paused              learning paused, serving since 5m 0s ago: maintenance
+  paused              learning paused, serving
+                      operator since 5m 0s ago: maintenance (lifted by clawctl resume)
+                      disk since 1m 0s ago: 812 MiB free, 1 GiB wanted (lifted by free space (by itself))
 policy
   version             3 (weights 3)
   published           4m 12s ago
@@ -404,7 +412,7 @@ journal
 
 def test_format_status_with_parts_off_or_missing():
     text = format_status({**SNAPSHOT, "learner": None, "trainer": None, "engines": {},
-                          "paused": {"learning": False, "serving": False, "since": None, "reason": None}}, now=NOW)
+                          "paused": {"learning": False, "serving": False, "reasons": []}}, now=NOW)
     assert "learner\n  state               off\n" in text
     assert "trainer\n  state               off\n" in text
     assert "engines\n  state               off\n" in text
@@ -417,7 +425,13 @@ def test_format_status_with_parts_off_or_missing():
 def test_small_formatters():
     assert [human_age(s) for s in (0, 59.9, 61, 3600, 90061)] == ["0s", "59s", "1m 1s", "1h 0m", "1d 1h"]
     assert [human_bytes(n) for n in (0, 1023, 1024, 5 * 1024 ** 3)] == ["0 B", "1023 B", "1.0 KiB", "5.0 GiB"]
-    assert format_pause({"learning": True, "serving": False, "since": NOW, "reason": None}) == \
+    operator = {"reason": "operator", "since": NOW, "detail": "", "serving": False, "lifted_by": "clawctl resume"}
+    disk = {"reason": "disk", "since": NOW, "detail": "full", "serving": False, "lifted_by": "free space (by itself)"}
+    assert format_pause({"learning": True, "serving": False, "reasons": [operator]}) == \
         "paused learning: chat is still served, no turn becomes a sample"
-    assert format_pause({"learning": False, "serving": False, "since": None, "reason": None}) == \
-        "resumed: learning and serving"
+    assert format_pause({"learning": False, "serving": False, "reasons": []}) == "resumed: learning and serving"
+    assert format_pause({"learning": True, "serving": False, "reasons": [disk]}) == \
+        "resumed serving; learning still paused by disk (full), lifted by free space (by itself)"
+    assert format_pause({"learning": True, "serving": False, "reasons": [operator, disk]}) == \
+        "paused learning: chat is still served, no turn becomes a sample; still paused by disk (full), " \
+        "lifted by free space (by itself)"

@@ -2,29 +2,19 @@
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.harness import load_bench
+
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "bench"
 
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-provenance = _load("provenance", BENCH / "provenance.py")
-bench_all = _load("bench_all", BENCH / "all.py")
+provenance = load_bench("provenance")
+bench_all = load_bench("all", "bench_all")
 
 HEAD = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 NOW = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)

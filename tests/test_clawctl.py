@@ -60,7 +60,8 @@ def test_pause_resume_and_status_against_a_live_daemon(tiny_model, tmp_path):
         assert done.returncode == 0 and "learning" in done.stdout
         thanked_conversation(client, "two")  # served and recorded, but no sample
         snap = settle(daemon, samples=1)
-        assert snap["paused"] == {**snap["paused"], "learning": True, "serving": False, "reason": "audit"}
+        assert snap["paused"]["learning"] is True and snap["paused"]["serving"] is False
+        assert [(p["reason"], p["detail"]) for p in snap["paused"]["reasons"]] == [("operator", "audit")]
         assert snap["scoring"]["not_learned_while_paused"] == 2
         assert "paused" in clawctl(daemon, "status").stdout.lower()
 

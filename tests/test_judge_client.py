@@ -7,6 +7,7 @@ mode ends in a result or JudgeFailed within a bound, and is counted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import socket
 import subprocess
@@ -439,7 +440,8 @@ async def test_teacher_misalignment_fails_closed_without_retry(tok):
            "nan": [[None, 3, None], [-0.1, 8, None], [math.nan, 9, None], [-0.3, 10, None]],
            "none": None}
     async with sglang(tok) as (fake, engine):
-        teacher = Teacher(engine, policy=FAST)
+        # FAST's 0.3 s would let a loaded machine turn a bad answer into a timeout and a retry: no hang here.
+        teacher = Teacher(engine, policy=dataclasses.replace(FAST, timeout=10.0))
         for name, entries in bad.items():
             fake.fail_next(200, answer(entries))
             with pytest.raises(JudgeFailed) as info:

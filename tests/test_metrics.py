@@ -27,8 +27,7 @@ def snapshot(**parts) -> dict:
     """A daemon's snapshot at rest, with `parts` replacing whole sections."""
     snap = {
         "mode": "rl",
-        "paused": {"learning": False, "serving": False, "since": None, "reason": None,
-                   "by_operator": {"learning": False, "serving": False}},
+        "paused": {"learning": False, "serving": False, "reasons": []},
         "policy": {"version": 0, "weight_version": None, "published_at": None, "weights": None},
         "queue": {"waiting": 0, "in_flight": 0, "effective": 0, "batch_size": 8, "journal_live": 0,
                   "stale_dropped": 0, "acked": 0},
@@ -40,7 +39,8 @@ def snapshot(**parts) -> dict:
         "engines": {},
         "trainer": None,
         "journal": {"bytes": 0, "records": 0, "fsyncs": 0, "truncations": 0, "live": 0, "segments": 0,
-                    "size_bytes": 0},
+                    "size_bytes": 0, "quarantined_records": 0, "quarantined_bytes": 0, "write_failures": 0,
+                    "fsync_failures": 0, "quarantine_failures": 0},
     }
     snap.update(parts)
     return snap
@@ -77,21 +77,22 @@ def test_stage_metrics_are_read_at_scrape_time():
                                           completion_tokens=48)),
         sessions={"live": 3},
         policy={"version": 4, "weight_version": "4", "published_at": 1_700_000_000.0, "weights": None},
-        paused={"learning": True, "serving": False, "since": 1.0, "reason": "test",
-                "by_operator": {"learning": True, "serving": False}},
+        paused={"learning": True, "serving": False, "reasons": [
+            {"reason": "disk", "since": 1.0, "detail": "full", "serving": False, "lifted_by": "free space"}]},
         scoring={"turns": 5, "samples": 3, "pending": 1, "excluded": {"no_next_state": 2},
                  "kinds": {"opd": 1, "opd+rl": 2}, "votes": {"+1": 2, "-1": 1, "failed": 1}, "hints_offered": 4,
                  "hints_accepted": 3, "not_learned_while_paused": 2},
         queue={"waiting": 1, "in_flight": 1, "effective": 1, "batch_size": 8, "journal_live": 2, "stale_dropped": 1,
                "acked": 1},
         journal={"bytes": 4096, "records": 7, "fsyncs": 6, "truncations": 0, "live": 2, "segments": 1,
-                 "size_bytes": 4096},
+                 "size_bytes": 4096, "quarantined_records": 1, "quarantined_bytes": 522, "write_failures": 2,
+                 "fsync_failures": 0, "quarantine_failures": 0},
         learner=dataclasses.asdict(LearnerStats(
             steps=2, skipped_steps=1, publishes=1, samples_trained=2, stale_dropped=1,
             last_metrics={"loss": -0.25, "loss_policy": -0.5, "loss_kl": 0.25, "grad_norm": 1.5, "approx_kl": 0.125,
                           "skipped": False})),
-        engines={"policy": {"state": "ready", "ready": True, "pid": 1, "restarts": 1, "url": "u"},
-                 "reference": {"state": "starting", "ready": False, "pid": 2, "restarts": 0, "url": "v"}},
+        engines={"policy": {"state": "ready", "ready": True, "pid": 1, "restarts": 1, "hangs": 1, "url": "u"},
+                 "reference": {"state": "starting", "ready": False, "pid": 2, "restarts": 0, "hangs": 0, "url": "v"}},
         trainer={"alive": True, "pid": 3, "restarts": 2, "step": 2, "version": 1})
     metrics = Metrics(lambda: snap)
     snap["chat"]["main_turns"] += 1  # read when scraped, not when built
@@ -111,6 +112,8 @@ def test_stage_metrics_are_read_at_scrape_time():
         "clawd_policy_published_timestamp_seconds 1.7e+09",
         'clawd_paused{what="learning"} 1.0',
         'clawd_paused{what="serving"} 0.0',
+        'clawd_pause_reason{reason="disk"} 1.0',
+        'clawd_pause_reason{reason="operator"} 0.0',
         "clawd_turns_not_learned_total 2.0",
         'clawd_judge_votes_total{vote="+1"} 2.0',
         'clawd_judge_votes_total{vote="failed"} 1.0',
@@ -123,6 +126,9 @@ def test_stage_metrics_are_read_at_scrape_time():
         "clawd_queue_depth 2.0",
         "clawd_samples_stale_dropped_total 1.0",
         "clawd_journal_written_bytes_total 4096.0",
+        "clawd_journal_quarantined_records_total 1.0",
+        "clawd_journal_quarantined_bytes_total 522.0",
+        'clawd_journal_failures_total{op="write"} 2.0',
         "clawd_train_steps_total 2.0",
         "clawd_train_steps_skipped_total 1.0",
         "clawd_publishes_total 1.0",
@@ -131,6 +137,7 @@ def test_stage_metrics_are_read_at_scrape_time():
         'clawd_train_loss{part="kl"} 0.25',
         "clawd_train_grad_norm 1.5",
         'clawd_engine_restarts_total{role="policy"} 1.0',
+        'clawd_engine_hangs_total{role="policy"} 1.0',
         'clawd_engine_ready{role="reference"} 0.0',
         "clawd_trainer_restarts_total 2.0",
         "clawd_trainer_up 1.0",

@@ -116,3 +116,32 @@ async def test_rules_judge_counts_the_hints_it_offers_and_accepts_like_a_hint_ju
     await s.close(timeout=1)
     await store.journal.close()
     s.records.close()
+
+
+async def test_backlog_beyond_max_pending_bytes_is_excluded_and_released(tmp_path):
+    from clawd.tokenizer import turn_bytes
+    size = turn_bytes(_finished(4).turn)
+    # messages 56 + 8 + 441, tools 32, reply 442, ids 5 * 36, log-probs 2 * 32
+    assert size == 1223
+    cfg = config_from_dict({"scoring": {"mode": "rl", "max_pending_bytes": 2 * size + 1},
+                            "judge": {"backend": "sglang"}})
+    store = SampleStore(Journal(tmp_path / "journal"))
+    await store.replay()
+    s = Scorer(cfg, tokenizer=None, judge=ScriptedJudge(), teacher=None, store=store,
+               records=RecordWriter(tmp_path / "records", kind="judge"))
+    s.submit(_finished(4))  # hangs
+    s.submit(_finished(0))  # answers at once
+    s.submit(_finished(5))  # would take the backlog over its bytes
+    assert s.stats.pending == 2 and s.stats.pending_bytes == 2 * size
+    assert s.stats.excluded == {"scoring_backlog": 1}
+    async with asyncio.timeout(5):
+        while s.stats.pending > 1:
+            await asyncio.sleep(0.01)
+    assert s.stats.pending_bytes == size and s.stats.emitted == 1  # the answered turn gave its bytes back
+    s.submit(_finished(6))  # fits again
+    assert s.stats.pending == 2 and s.stats.pending_bytes == 2 * size
+    await s.close(timeout=0.05)  # the hung ones are cancelled: their bytes come back too
+    assert s.stats.pending == 0 and s.stats.pending_bytes == 0
+    assert s.stats.excluded == {"scoring_backlog": 1, "scoring_cancelled": 2}
+    await store.journal.close()
+    s.records.close()

@@ -356,3 +356,36 @@ def test_cancelled_regenerate_frees_the_index():
     assert a.finished == [FinishedTurn(t1, None, turns.REGENERATED, 2.0)] and a.turn_index == 0
     table.cancel(a, 3.0)
     assert table.begin("alice", "s0", m1, 4.0).turn_index == 0
+
+
+def test_sessions_beyond_max_bytes_close_least_recently_active_first():
+    from types import SimpleNamespace
+    from clawd.tokenizer import turn_bytes
+    one = turn_bytes(make_turn(SimpleNamespace(session_id="s", turn_index=0), "alice", [{"role": "user", "content": "a"}], asst("A")))
+    # messages 56 + 8 + 432, tools 32, reply 437, ids 3 * 36, log-probs 32
+    assert one == 1105
+    table = make_table(max_bytes=2 * one + 10)
+    _, ta, _, ca = serve(table, [{"role": "user", "content": "a"}], asst("A"), 1.0)
+    _, tb, _, cb = serve(table, [{"role": "user", "content": "b"}], asst("B"), 2.0)
+    assert ca == cb == [] and table.retained_bytes == 2 * one
+    x = table.begin("alice", None, [{"role": "user", "content": "x"}], 2.5)
+    table.cancel(x, 2.5)  # idle, holding no turn: closing it would free nothing
+    _, tc, _, cc = serve(table, [{"role": "user", "content": "c"}], asst("C"), 3.0)
+    assert cc == [FinishedTurn(ta, None, turns.EVICTED, 3.0)]
+    assert table.retained_bytes == 2 * one and table.evicted_for_bytes == 1 and len(table) == 3
+    _, td, _, cd = serve(table, [{"role": "user", "content": "d"}], asst("D"), 4.0)
+    assert cd == [FinishedTurn(tb, None, turns.EVICTED, 4.0)]  # x, older than c, stays
+    assert sorted(k[1] for k in table._sessions) == ["s2", "s3", "s4"]
+    # A pending turn that finishes gives its bytes back.
+    nxt = [{"role": "user", "content": "c"}, asst("C"), {"role": "user", "content": "more"}]
+    table.begin("alice", None, nxt, 5.0)
+    assert table.retained_bytes == turn_bytes(td)
+    table.close_all(6.0)
+    assert table.retained_bytes == 0
+
+
+def test_a_turn_larger_than_max_bytes_closes_its_own_session():
+    table = make_table(max_bytes=1000)
+    _, t, _, c = serve(table, [{"role": "user", "content": "a"}], asst("A"), 1.0)
+    assert c == [FinishedTurn(t, None, turns.EVICTED, 1.0)]
+    assert len(table) == 0 and table.retained_bytes == 0 and table.pending_count == 0

@@ -322,7 +322,8 @@ async def test_users_form_the_sessions_they_mean(tiny_model, tmp_path):
     async with FakeSGLang(responder=script, eos_id=script.eos) as fake:
         daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model)},
                                    "engine": {"launch": "none", "url": fake.url, "health_interval": 0.2},
-                                   "sessions": {"session_idle_timeout": 1.0, "sweep_interval": 0.2}},
+                                   "sessions": {"session_idle_timeout": 1.0, "sweep_interval": 0.2},
+                                   "auth": {"trust_user_field": True}},  # users told apart by `user`, as in the demo
                         wait_ready=False)
         try:
             await wait_ready_async(daemon)

@@ -76,9 +76,31 @@ def test_cached_piecewise_encoding_equals_whole_encoding(tiny_model):
     check()
 
 
-def test_piece_cache_is_bounded(tiny_model):
+def test_piece_cache_is_bounded_in_bytes(tiny_model):
+    from clawd.tokenizer import cache_entry_bytes
     tok = ChatTokenizer(tiny_model)
-    tok.cache_size = 8
+    tok.cache_max_bytes = 4000
     for i in range(50):
         tok.encode_chat([{"role": "user", "content": f"message {i}"}], None)
-    assert len(tok._cache) == 8
+    assert tok.cache_bytes == sum(cache_entry_bytes(p, len(ids)) for p, ids in tok._cache.items())
+    assert 4000 - 400 < tok.cache_bytes <= 4000  # full, and entries here take < 400 bytes each
+    assert "user\nmessage 49" in tok._cache and "user\nmessage 0" not in tok._cache  # least recent went first
+
+
+def test_huge_piece_is_encoded_but_not_cached(tiny_model, monkeypatch):
+    import clawd.tokenizer
+    monkeypatch.setattr(clawd.tokenizer, "MAX_ENTRY_BYTES", 1000)  # one 1,000-byte entry at most
+    tok = ChatTokenizer(tiny_model)
+    text = "<|im_start|>user\n" + "word " * 200 + "<|im_end|><|im_start|>assistant\n"
+    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    assert list(tok._cache) == ["assistant\n"]  # the 1,000-character piece was not worth keeping
+
+
+def test_held_pieces_join_the_cache_only_when_kept(tiny_model):
+    tok = ChatTokenizer(tiny_model)
+    text = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>user\nhello<|im_end|>"
+    ids, fresh = tok.encode_held(text)
+    assert ids == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    assert list(fresh) == ["user\nhello", "\n"] and tok._cache == {} and tok.cache_bytes == 0
+    tok.keep(fresh)
+    assert list(tok._cache) == ["user\nhello", "\n"] and tok.encode(text) == ids

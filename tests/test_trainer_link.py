@@ -136,7 +136,7 @@ def test_trainer_options_carry_the_config_itself(tmp_path):
                  train=TrainConfig(lr=0.5, opd_clip=0.0, gpus="3", device="cuda"), logging=LoggingConfig(level="debug"))
     options = trainer_options(cfg)
     assert options == {"mode": "opd", "model_dir": str(tmp_path / "model"), "state_dir": str(tmp_path / "state"),
-                       "train": cfg.train, "dtype": "bfloat16", "log_level": "debug",
+                       "train": cfg.train, "dtype": "bfloat16", "log_level": "debug", "min_free_bytes": 1 << 30,
                        "env": {"CUDA_VISIBLE_DEVICES": "3"}}  # the child sets it before torch starts CUDA
     assert pickle.loads(pickle.dumps(options)) == options  # what the spawn sends
 
@@ -162,17 +162,22 @@ async def test_handshake_ping_handler_errors_checkpoint_and_shutdown(tmp_path):
     assert await link.ping(10) >= 0
 
     samples = [make_sample(0)]
+    state = {"step": 0, "version": 0, "weights_version": 0, "checkpoint_step": None, "owed": []}
+    assert link.state == state
     reply = await link.request(train_msg("b1", 1, samples), 30)
     assert reply == {"type": "error", "batch_id": "b1", "message": "ValueError: scripted failure",
-                     "retryable": False}
+                     "retryable": False, "kind": "request", "fatal": False, "state": state}
     reply = await link.request(train_msg("b1", 1, samples), 30)
-    assert reply["type"] == "error" and reply["retryable"] is True
+    assert reply["type"] == "error" and reply["retryable"] is True and reply["kind"] == "request"
     assert link.alive
     await link.ping(10)
 
     reply = await link.request(train_msg("b1", 1, samples), 30)
+    state = {**state, "step": 1, "version": 1, "weights_version": 1}
     assert reply == {"type": "trained", "batch_id": "b1", "version": 1, "weights_dir": str(tmp_path / "v1"),
-                     "metrics": {"step": 1, "pid": link.pid, "call": 3, "n": 1}, "per_sample": [], "checkpointed": False}
+                     "metrics": {"step": 1, "pid": link.pid, "call": 3, "n": 1}, "per_sample": [], "checkpointed": False,
+                     "failed": None, "state": state}
+    assert link.state == state  # every reply's state is kept
     ck = await link.checkpoint(10)
     assert ck.step == 1 and json.loads(Path(ck.path).read_text()) == {"step": 1, "version": 1}
     assert await link.publish(2, 10) == str(tmp_path / "v2")  # the same weights as a new version

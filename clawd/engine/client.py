@@ -4,14 +4,28 @@ Token in, token out: `/generate` with `input_ids` and `return_logprob`, the
 output ids and their log-probs read from `output_ids` and
 `meta_info.output_token_logprobs` (docs/ARCHITECTURE.md §3). Streams are read in either of
 SGLang's modes: cumulative (the default) or incremental.
+
+No call waits forever. A streamed call must see its first body byte within `first_byte_timeout` of being
+sent (queueing and prefill included: SGLang sends a stream's headers at once, so headers prove nothing),
+then never wait more than `idle_timeout` for the next byte. A non-streamed /generate gets its whole answer
+at once, so no first-byte deadline can tell a long answer from a hung engine: `request_timeout` bounds it,
+and the supervisor ends it sooner by `abandon`ing the calls of an engine it declares hung. The deadlines
+time only the waits for the engine (not a slow consumer between chunks), and a deadline that fires ends
+the call with `EngineTimeout` (503, Retry-After) and drops its connection, so the engine frees the request.
+
+The client also keeps the evidence the supervisor's hang detector reads (`stalls`, `publishing`,
+`control_timed_out`): calls that timed out in a row with no byte from any call in between, and whether a
+weight publish (pause to continue) is under way, during which held calls prove nothing.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
 
@@ -29,6 +43,19 @@ class EngineError(Exception):
 
 class EngineUnavailable(EngineError):
     """The engine cannot be reached at all (refused, timed out connecting)."""
+
+    def __init__(self, message: str, retry_after: int = 2):
+        super().__init__(message, status=503, retry_after=retry_after)
+
+
+class EngineUnresponsive(EngineUnavailable):
+    """A status call (/model_info, /server_info) got no answer in time: the engine may be hung, not gone."""
+
+
+class EngineTimeout(EngineError):
+    """An engine call ran past a deadline (first byte, idle, total) or was abandoned as the engine's hang was
+    noticed. 503 with Retry-After, like a busy engine; not EngineUnavailable, which marks a remote engine down
+    after a single call."""
 
     def __init__(self, message: str, retry_after: int = 2):
         super().__init__(message, status=503, retry_after=retry_after)
@@ -79,11 +106,12 @@ class _LineTooLong(ValueError):
     pass
 
 
-async def _sse_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The stripped lines of a response body, read in chunks of any size (a long line is joined once)."""
+async def _sse_lines(read: Callable[[], Awaitable[bytes]]) -> AsyncIterator[bytes]:
+    """The stripped lines of a response body, read in chunks of any size (a long line is joined once);
+    `read` returns the next bytes, b"" at the end."""
     parts: list[bytes] = []  # the current line's pieces, so far without a newline
     size = 0
-    async for chunk in content.iter_any():
+    while chunk := await read():
         if b"\n" not in chunk:
             parts.append(chunk)
             size += len(chunk)
@@ -99,9 +127,18 @@ async def _sse_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         yield b"".join(parts).strip()
 
 
+class _Call:
+    """One generation call: the epochs it began in, to tell whether it was abandoned or overlapped a publish."""
+    __slots__ = ("abandon_epoch", "control_epoch")
+
+    def __init__(self, abandon_epoch: int, control_epoch: int):
+        self.abandon_epoch, self.control_epoch = abandon_epoch, control_epoch
+
+
 class EngineClient:
     def __init__(self, url: str, *, api_key: str = "", admin_api_key: str = "", connect_timeout: float = 5.0,
-                 request_timeout: float = 600.0, incremental_stream: bool = False):
+                 request_timeout: float = 600.0, first_byte_timeout: float = 120.0, idle_timeout: float = 60.0,
+                 incremental_stream: bool = False):
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # SGLang started with --admin-api-key takes only that key on its control endpoints (pause, update,
@@ -109,9 +146,22 @@ class EngineClient:
         self._admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else self._headers
         self._timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout, 5.0), sock_connect=connect_timeout)
+        self._request_timeout = request_timeout
+        self._first_byte = first_byte_timeout
+        self._idle = idle_timeout
         self._incremental = incremental_stream
         self._session: aiohttp.ClientSession | None = None
         self._refusing: str | None = None
+        # What the supervisor's hang detector reads (module docstring).
+        self.stalls = 0  # generation calls in a row that timed out, with no byte from any call in between
+        self.last_stall: str | None = None
+        self.control_timed_out: str | None = None  # a control call that ran past its own timeout, since cleared
+        self._controls = 0  # control calls in flight
+        self._control_epoch = 0  # moves at each control call's start and end
+        self._paused = False  # a pause was sent and the continue after it has not finished
+        self._abandon_epoch = 0
+        self._abandoned = ""
+        self._waits: set[asyncio.Timeout] = set()  # the deadlines of calls waiting on the engine now
 
     async def start(self) -> None:
         # Engines are addressed by IP literal, so aiohttp never calls its threaded resolver.
@@ -131,6 +181,61 @@ class EngineClient:
     def set_url(self, url: str) -> None:
         self.url = url.rstrip("/")
 
+    # ---- hang evidence -------------------------------------------------------------------------
+
+    @property
+    def publishing(self) -> bool:
+        """A control call is in flight or the engine was paused and not yet continued: calls held now prove
+        nothing about its health."""
+        return self._controls > 0 or self._paused
+
+    def clear_evidence(self) -> None:
+        """For an engine that just became ready: what its predecessor did says nothing of it."""
+        self.stalls, self.last_stall, self.control_timed_out = 0, None, None
+
+    def abandon(self, reason: str) -> None:
+        """End every generation call in flight with EngineTimeout(reason): the engine is hung, and a non-streamed
+        call would otherwise wait request_timeout. Calls made after this go on as usual."""
+        self._abandon_epoch += 1
+        self._abandoned = reason
+        now = asyncio.get_running_loop().time()
+        for deadline in self._waits:
+            if not deadline.expired():  # one that already fired cannot be moved (and ends its call anyway)
+                deadline.reschedule(now)
+
+    def _begin(self) -> _Call:
+        return _Call(self._abandon_epoch, self._control_epoch)
+
+    @contextlib.asynccontextmanager
+    async def _deadline(self, call: _Call, when: float, what: str):
+        """The body's waits end by loop time `when`, or at once when the call is abandoned: EngineTimeout."""
+        if call.abandon_epoch != self._abandon_epoch:
+            raise EngineTimeout(f"engine call abandoned: {self._abandoned}")
+        try:
+            async with asyncio.timeout_at(when) as deadline:
+                self._waits.add(deadline)
+                try:
+                    yield
+                finally:
+                    self._waits.discard(deadline)
+        except TimeoutError:  # ours, or aiohttp's total (request_timeout)
+            if call.abandon_epoch != self._abandon_epoch:
+                raise EngineTimeout(f"engine call abandoned: {self._abandoned}") from None
+            raise EngineTimeout(f"engine sent {what}" if deadline.expired() else
+                                f"engine call ran past request_timeout ({self._request_timeout:g}s)") from None
+
+    def _answered(self) -> None:
+        self.stalls = 0
+
+    def _stalled(self, call: _Call, exc: EngineTimeout) -> None:
+        """A timed-out call is evidence of a hang unless it was abandoned or a publish overlapped it."""
+        if call.abandon_epoch != self._abandon_epoch or self.publishing or call.control_epoch != self._control_epoch:
+            return
+        self.stalls += 1
+        self.last_stall = str(exc)
+
+    # ---- calls -----------------------------------------------------------------------------------
+
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:  # not started yet, or closed: calls fail like a down engine
@@ -147,7 +252,7 @@ class EngineClient:
         except aiohttp.ClientConnectorError as exc:
             raise EngineUnavailable(f"engine unreachable: {exc}") from None
         except asyncio.TimeoutError:  # before OSError: on 3.11 TimeoutError is one
-            raise EngineError("engine did not answer in time", status=503, retry_after=2) from None
+            raise EngineTimeout("engine did not answer in time") from None
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:
             raise EngineError(f"engine connection failed: {exc}", retry_after=1) from None
 
@@ -166,28 +271,58 @@ class EngineClient:
             raise EngineError(f"engine answered {resp.status}: {_error_text(body)}", status=503, retry_after=2)
         raise EngineError(f"engine answered {resp.status}: {_error_text(body)}", retry_after=1)
 
-    async def generate(self, payload: dict) -> dict:
-        """One non-streamed /generate; returns SGLang's response object."""
-        resp = await self._post("/generate", {**payload, "stream": False}, self._timeout)
-        await self._check(resp)
+    async def generate(self, payload: dict, timeout: float | None = None) -> dict:
+        """One non-streamed /generate; returns SGLang's response object. Its answer comes whole, so only
+        `timeout` (default request_timeout) or an `abandon` ends a wait on a hung engine."""
+        call = self._begin()
+        limit = self._request_timeout if timeout is None else timeout
+        resp = None
         try:
-            async with resp:
-                return await resp.json(content_type=None)
+            async with self._deadline(call, asyncio.get_running_loop().time() + limit, f"no answer in {limit:g}s"):
+                resp = await self._post("/generate", {**payload, "stream": False}, self._timeout)
+                self._answered()
+                await self._check(resp)
+                async with resp:
+                    return await resp.json(content_type=None)
+        except EngineTimeout as exc:
+            if resp is not None:
+                resp.close()  # half read: the connection cannot be reused, and the engine sees the hang-up
+            self._stalled(call, exc)
+            raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise EngineError(f"engine connection lost: {exc}") from None
         except ValueError:
             raise EngineError("engine sent a body that is not JSON") from None
-        except asyncio.TimeoutError:
-            raise EngineError("engine timed out mid-response") from None
 
     async def stream(self, payload: dict) -> AsyncIterator[Chunk]:
-        """A streamed /generate as a series of `Chunk`s of new tokens."""
-        resp = await self._post("/generate", {**payload, "stream": True}, self._timeout)
-        await self._check(resp)
-        seen = 0
+        """A streamed /generate as a series of `Chunk`s of new tokens: the first byte within first_byte_timeout,
+        each later one within idle_timeout of the wait for it."""
+        call = self._begin()
+        loop = asyncio.get_running_loop()
+        first_by = loop.time() + self._first_byte
+        resp = None
         try:
+            async with self._deadline(call, first_by, f"no first byte in {self._first_byte:g}s"):
+                resp = await self._post("/generate", {**payload, "stream": True}, self._timeout)
+                if resp.status != 200:
+                    self._answered()
+                await self._check(resp)
+            started = False
+
+            async def read() -> bytes:
+                nonlocal started
+                when, what = ((loop.time() + self._idle, f"nothing for {self._idle:g}s mid-stream") if started
+                              else (first_by, f"no first byte in {self._first_byte:g}s"))
+                async with self._deadline(call, when, what):
+                    data = await resp.content.readany()
+                if data:
+                    started = True
+                    self._answered()
+                return data
+
+            seen = 0
             async with resp:
-                async for line in _sse_lines(resp.content):
+                async for line in _sse_lines(read):
                     if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
@@ -207,21 +342,43 @@ class EngineClient:
                     seen += len(ids)
                     yield Chunk(ids=ids, logprobs=[e[0] for e in lps], logprob_ids=[e[1] for e in lps],
                                 finish=meta.get("finish_reason"), meta=meta)
+        except EngineTimeout as exc:
+            if resp is not None:
+                resp.close()
+            self._stalled(call, exc)
+            raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise EngineError(f"engine connection lost mid-stream: {exc}") from None
         except _LineTooLong as exc:
             raise EngineError(str(exc)) from None
         except ValueError:
             raise EngineError("engine sent a stream chunk that is not JSON") from None
-        except asyncio.TimeoutError:
-            raise EngineError("engine timed out mid-stream") from None
+
+    async def probe(self, timeout: float) -> None:
+        """A one-token generation, for an engine whose HTTP front end answers while its scheduler may not."""
+        await self.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                             "rid": f"clawd-probe-{uuid.uuid4().hex}"}, timeout=timeout)
 
     async def control(self, path: str, body: dict, timeout: float) -> None:
-        """A control call (pause, update weights, continue): anything but 200 is an EngineError."""
-        resp = await self._post(path, body, aiohttp.ClientTimeout(total=timeout), admin=True)
-        async with resp:
-            if resp.status != 200:
-                raise EngineError(f"{path} answered {resp.status}: {(await resp.text())[:300]}")
+        """A control call (pause, update weights, continue): anything but 200 is an EngineError. It keeps its own
+        `timeout`; running past it is recorded as `control_timed_out`, the supervisor's evidence of a hang."""
+        self._controls += 1
+        self._control_epoch += 1
+        if path == "/pause_generation":  # before sending: a pause that times out may still have happened
+            self._paused = True
+        try:
+            resp = await self._post(path, body, aiohttp.ClientTimeout(total=timeout), admin=True)
+            async with resp:
+                if resp.status != 200:
+                    raise EngineError(f"{path} answered {resp.status}: {(await resp.text())[:300]}")
+        except (EngineTimeout, asyncio.TimeoutError):
+            self.control_timed_out = f"{path} got no answer in {timeout:g}s"
+            raise EngineTimeout(self.control_timed_out) from None
+        finally:
+            self._controls -= 1
+            self._control_epoch += 1
+            if path == "/continue_generation":  # the publish's window ends whatever the answer
+                self._paused = False
 
     async def abort(self, rid: str) -> None:
         resp = await self._post("/abort_request", {"rid": rid}, self._short, admin=True)
@@ -238,13 +395,13 @@ class EngineClient:
                     raise EngineError(f"/server_info answered {resp.status}")
                 info = await resp.json(content_type=None)
         except asyncio.TimeoutError:
-            raise EngineUnavailable("engine did not answer /server_info in time") from None
+            raise EngineUnresponsive("engine did not answer /server_info in time") from None
         except (aiohttp.ClientError, ConnectionError, OSError, ValueError) as exc:
             raise EngineUnavailable(f"engine unreachable: {exc}") from None
         return info if isinstance(info, dict) else None
 
     async def model_info(self, timeout: float | None = None) -> dict:
-        """Liveness and what the engine serves; `timeout` for a caller that expects it busy."""
+        """Liveness and what the engine serves; `timeout` for a caller that expects it busy (or a short poll)."""
         limit = self._short if timeout is None else aiohttp.ClientTimeout(total=timeout)
         try:
             async with self.session.get(self.url + "/model_info", headers=self._headers, timeout=limit) as resp:
@@ -252,6 +409,6 @@ class EngineClient:
                     raise EngineUnavailable(f"/model_info answered {resp.status}")
                 return await resp.json(content_type=None)
         except asyncio.TimeoutError:  # before OSError: on 3.11 TimeoutError is one
-            raise EngineUnavailable("engine did not answer /model_info in time") from None
+            raise EngineUnresponsive("engine did not answer /model_info in time") from None
         except (aiohttp.ClientError, ConnectionError, OSError, ValueError) as exc:
             raise EngineUnavailable(f"engine unreachable: {exc}") from None

@@ -7,6 +7,21 @@ pidfd registered with the event loop (asyncio's own child watcher would start
 a thread per child on Python 3.11). With `launch = "none"` it only polls the
 configured URL. Liveness is `/model_info`, never `/health` (docs/ARCHITECTURE.md §14).
 
+A ready engine, launched or not, is polled every `health_interval` (each poll waits as long, at least
+1 s, so a loaded machine does not make a healthy engine miss one). It counts as hung on any of:
+`health_failures` polls in a row that fail; `health_failures` generation calls in a row that ran past
+their first-byte, idle or total deadline with no byte from any call in between (SGLang's HTTP front end
+answers /model_info while its scheduler is stuck, so the polls alone would miss that hang; the real calls
+are the probe, and a busy engine that serves anything resets the count); or a control call that ran past
+its own timeout. While a weight publish is under way (a control call in flight, or paused and not yet
+continued) neither polls nor calls count, since it legitimately holds generation for up to
+`learner.publish_timeout`; a publish call that times out is itself the evidence. A hung launched engine
+has its calls abandoned and its process group killed, and is restarted like a dead one (backoff, restart
+counter; its state shows "hung" until the restart). A hung remote engine is marked "hung" (not ready, so
+chat gets a quick 503) and counts as ready again once /model_info and a one-token generation both answer.
+The CPU engine runs its model on its HTTP loop: `health_interval` x `health_failures` must exceed its
+longest single step (one prefill), or a long prompt reads as a hang.
+
 An engine that becomes ready is told `/continue_generation` (a publish cut short may have left it
 paused; harmless otherwise), and its input limit is read from `/server_info` so over-long prompts get
 clawd's own 400. A supervisor given `after` events starts its child only once those are set: on GPUs
@@ -28,12 +43,14 @@ from pathlib import Path
 
 from clawd.config import Config
 from clawd.served import Policy
-from clawd.engine.client import NEUTRAL_SAMPLING, EngineClient, EngineError, EngineUnavailable
+from clawd.engine.client import (NEUTRAL_SAMPLING, EngineClient, EngineError, EngineUnavailable,
+                                 EngineUnresponsive)
 from clawd.engine.launch import engine_launch, keys_file_path, write_keys_file
 
 log = logging.getLogger("clawd.engine")
 
 _PR_SET_PDEATHSIG = 1
+POLL_TIMEOUT_FLOOR = 1.0  # seconds a liveness poll waits at least, however short health_interval is
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -44,6 +61,7 @@ class EngineState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
     DOWN = "down"
+    HUNG = "hung"
     STOPPED = "stopped"
 
 
@@ -65,12 +83,15 @@ class EngineSupervisor:
         self.policy = policy if role == "policy" else None
         self.state = EngineState.STARTING
         self.restarts = 0
+        self.hangs = 0  # times the engine was found hung
+        self.hang_reason: str | None = None  # why, the last time
         self.ready = asyncio.Event()
         self.info: dict = {}
         self.input_limit: int | None = None  # prompts of this many tokens or more are refused (max_req_input_len)
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._stopping = False
+        self._killed_hung = False  # the running child was killed as hung
 
     @property
     def pid(self) -> int | None:
@@ -117,8 +138,11 @@ class EngineSupervisor:
             # A child that ran a good while earns a fresh backoff.
             if time.monotonic() - started > 60:
                 backoff = self.cfg.engine.restart_backoff_initial
-            log.error("%s engine exited with %s; restarting in %.1fs (restart %d)", self.role, code, backoff,
-                      self.restarts)
+            if self._killed_hung:  # the hang was logged when it was found
+                log.info("restarting the hung %s engine in %.1fs (restart %d)", self.role, backoff, self.restarts)
+            else:
+                log.error("%s engine exited with %s; restarting in %.1fs (restart %d)", self.role, code, backoff,
+                          self.restarts)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.engine.restart_backoff_max)
 
@@ -128,59 +152,136 @@ class EngineSupervisor:
         log.info("starting %s engine%s: %s", self.role,
                  f" on GPU(s) {','.join(map(str, launch.devices))}" if launch.devices else "", " ".join(launch.argv))
         fds = (self._sock.fileno(),) if self._sock is not None else ()
-        self._proc = subprocess.Popen(launch.argv, pass_fds=fds, preexec_fn=_die_with_parent,
+        # Its own process group, so a hung engine goes with its helpers (SGLang's scheduler processes).
+        self._proc = subprocess.Popen(launch.argv, pass_fds=fds, preexec_fn=_die_with_parent, process_group=0,
                                       env=launch.environ(dict(os.environ)), stdin=subprocess.DEVNULL)
+        self._killed_hung = False
         self._startup = launch.startup_timeout
         exited = asyncio.get_running_loop().create_future()
         pidfd = os.pidfd_open(self._proc.pid)
         loop = asyncio.get_running_loop()
         loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
         try:
-            waiter = asyncio.ensure_future(self._await_ready(exited))
+            waiter = asyncio.ensure_future(self._supervise(exited))
             await asyncio.wait([waiter, exited], return_when=asyncio.FIRST_COMPLETED)
             if not waiter.done():
                 waiter.cancel()
             await exited
+            self._kill_group()  # helpers the engine left behind (exited, not yet reaped: the group is ours)
             return self._proc.wait()  # reaps at once: the pidfd said it has exited
         finally:
             loop.remove_reader(pidfd)
             os.close(pidfd)
             if self._proc.poll() is None:
-                self._proc.kill()
+                self._kill_group()
                 self._proc.wait()
-            self._set(EngineState.STOPPED if self._stopping else EngineState.DOWN)
+            self._set(EngineState.STOPPED if self._stopping else
+                      EngineState.HUNG if self._killed_hung else EngineState.DOWN)
 
-    async def _await_ready(self, exited: asyncio.Future) -> None:
+    def _kill_group(self) -> None:
+        """SIGKILL the child's process group; only while the child is unreaped, so its pid is still ours."""
+        if self._proc is not None and self._proc.returncode is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the group is gone already
+                pass
+
+    async def _supervise(self, exited: asyncio.Future) -> None:
+        """Until the child exits: wait for it to be ready, then watch it; kill it once it is hung."""
+        if not await self._await_ready(exited):
+            return
+        reason = await self._watch(remote=False)
+        if reason is None:  # being stopped: an engine shutting down is no hang
+            return
+        self._killed_hung = True
+        self._hung(reason, f"killing its process group (pid {self._proc.pid}) to restart it")
+        self._kill_group()
+
+    async def _await_ready(self, exited: asyncio.Future) -> bool:
         deadline = time.monotonic() + self._startup
         while not exited.done():
             try:
                 self.info = await self.client.model_info()
                 await self._on_up()
-                self._set(EngineState.READY)
+                self._became_ready()
                 log.info("%s engine ready at %s (weight_version %s)", self.role, self.client.url,
                          self.info.get("weight_version"))
-                return
+                return True
             except EngineUnavailable:
                 if time.monotonic() > deadline:
                     log.error("%s engine not ready after %.0fs; killing it", self.role, self._startup)
-                    self._proc.kill()
-                    return
+                    self._kill_group()
+                    return False
                 await asyncio.sleep(0.25)
+        return False
+
+    def _became_ready(self) -> None:
+        self.client.clear_evidence()
+        self._set(EngineState.READY)
+
+    def _hung(self, reason: str, action: str) -> None:
+        self.hangs += 1
+        self.hang_reason = reason
+        self._set(EngineState.HUNG)
+        log.error("%s engine at %s is hung (%s); %s", self.role, self.client.url, reason, action)
+        self.client.abandon(f"the {self.role} engine is hung ({reason})")
+
+    async def _watch(self, remote: bool) -> str | None:
+        """Poll a ready engine every health_interval until it is hung; returns why it counts as hung, or None
+        once the supervisor is stopping. A remote engine that refuses the poll (or answers it with an error)
+        raises here, to be marked down as when a call finds it so."""
+        eng = self.cfg.engine
+        failures, last = 0, ""
+        due = time.monotonic()
+        while not self._stopping:
+            due += eng.health_interval
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if self._stopping:
+                break
+            if remote and not self.is_ready:  # a call found it unreachable (mark_unreachable)
+                raise EngineUnavailable("a call found the engine unreachable")
+            publishing = self.client.publishing
+            try:
+                self.info = await self.client.model_info(timeout=max(eng.health_interval, POLL_TIMEOUT_FLOOR))
+                failures = 0
+            except EngineUnresponsive as exc:
+                failures, last = (0, "") if publishing or self.client.publishing else (failures + 1, str(exc))
+            except EngineError as exc:
+                if remote:
+                    raise
+                failures, last = failures + 1, str(exc)
+            if self._stopping:
+                break
+            if self.client.control_timed_out:
+                return f"a control call ran past its timeout: {self.client.control_timed_out}"
+            if self.client.publishing:
+                continue
+            if failures >= eng.health_failures:
+                return f"{failures} liveness polls in a row failed; last: {last}"
+            if self.client.stalls >= eng.health_failures:
+                return (f"{self.client.stalls} engine calls in a row timed out with no answer in between; "
+                        f"last: {self.client.last_stall}")
+        return None
 
     async def _watch_remote(self) -> None:
+        eng = self.cfg.engine
         while not self._stopping:
             try:
                 self.info = await self.client.model_info()
+                if self.state is EngineState.HUNG:  # its scheduler too, not only its HTTP front end
+                    await self.client.probe(eng.first_byte_timeout)
                 if self.state is not EngineState.READY:
                     await self._on_up()
                     log.info("%s engine at %s is ready", self.role, self.client.url)
-                self._set(EngineState.READY)
+                    self._became_ready()
+                reason = await self._watch(remote=True)
+                if reason is not None:
+                    self._hung(reason, "marked unreachable until it answers again")
             except EngineError as exc:
                 if self.state is EngineState.READY:
                     log.error("%s engine at %s is down: %s", self.role, self.client.url, exc)
-                self._set(EngineState.DOWN)
-            await asyncio.sleep(self.cfg.engine.health_interval if self.is_ready
-                                else min(self.cfg.engine.health_interval, 1.0))
+                    self._set(EngineState.DOWN)
+                await asyncio.sleep(min(eng.health_interval, 1.0))
 
     async def _on_up(self) -> None:
         """Before an engine that answers counts as ready: not paused, its input limit known, on the published
@@ -234,8 +335,7 @@ class EngineSupervisor:
     def kill(self) -> None:
         """At once, for a forced stop: no restart."""
         self._stopping = True
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
+        self._kill_group()
 
     async def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -246,7 +346,7 @@ class EngineSupervisor:
             while proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if proc.poll() is None:
-                proc.kill()
+                self._kill_group()
                 proc.wait()
         if self._sock is not None:
             self._sock.close()

@@ -1,37 +1,41 @@
 """The sample journal: append-only segments of framed records (docs/ARCHITECTURE.md §7, §14).
 
-Payload-agnostic: it stores (id, bytes) entries and acknowledgements of ids.
+The frames themselves (encoding, the resynchronising scan) are pure functions in
+`clawd.learning.frames`. It stores (id, bytes) entries and acks of ids in `journal-<16-digit seq>.seg`
+files, oldest first, beside `journal.lock` (one writer) and `quarantine/` (damage set aside).
 
-Directory layout: `journal-<16-digit seq>.seg` files, oldest first, plus
-`journal.lock` (one writer at a time). A segment is a 12-byte header then records:
+    header    = b"CLAWDJNL" + u32 format version                          (little-endian)
+    v2 record = RECORD_MAGIC + u32 length + u32 CRC32(length field + body) + body
+    v1 record = u32 length + u32 CRC32(body) + body      (read only: an older release wrote it)
+    body      = u8 type + payload; APPEND (1): u16 id length + id (UTF-8) + entry payload;
+                ACK (2): u32 count + count × (u16 id length + id);  `length` = len(body)
 
-    header  = b"CLAWDJNL" + u32 format version                    (little-endian)
-    record  = u32 length + u32 CRC32(body) + body,   body = u8 type + payload
-    APPEND  (type 1): u16 id length + id (UTF-8) + entry payload
-    ACK     (type 2): u32 count + count × (u16 id length + id)
+Replay (`open`) returns the appended-and-not-acked entries in append order. A format-1 segment
+is read by its own rules and never appended to (`open` starts a format-2 one after it).
+  * A torn tail (the LAST segment ends inside a record, or in zero bytes: a crash mid-write)
+    is cut off with a warning: not damage. A torn header is rewritten.
+  * Any other bad record (bad magic, impossible length, CRC mismatch, a cut record in an
+    earlier segment) starts a damaged span, in ANY segment. Format 2 resynchronises: the span
+    ends where RECORD_MAGIC starts a record whose CRC checks, so every good record after it is
+    kept; a format-1 span runs to the segment's end. Each span is copied (fsynced) to
+    `quarantine/<segment>-<offset>-<crc32>.bad` BEFORE the segment is rewritten without it (format 1:
+    truncated), counted in `quarantined_records` (one per span) and `quarantined_bytes`, and
+    logged in ONE warning. Start goes on: a lost ACK trains a sample again (at least once), a
+    lost APPEND is a lost sample, counted. If the copy fails the segment is left as it is.
+  * A bad segment magic or an unknown format version is not record damage: `JournalError`.
 
-`length` is len(body). Replay (`open`) returns the appended-and-not-acked
-entries in append order. Damage is handled by where it sits:
-  * in the LAST segment (a torn write after a crash, or any bad record there),
-    the segment is truncated at the first bad record with a warning; records
-    before it are kept. A header that is only a prefix of a valid one is rewritten.
-  * in an EARLIER segment it raises `JournalCorrupt(path, offset)` and the
-    daemon refuses to start: dropping its tail could drop ACKs and APPENDs
-    silently. The operator decides (e.g. `truncate -s OFFSET PATH`).
-  * a bad magic or an unknown format version raises `JournalError` anywhere.
+Group commit: records queued in one loop iteration go out in one os.write (and, with "always",
+one fsync) in a loop callback; `append`/`ack` return once their bytes are in the file. With
+"interval" a loop timer fsyncs `fsync_interval` after the first unsynced write: SIGKILL loses
+no returned append (page cache), power loss at most the last interval. When the write, fsync or
+rotation of a commit raises OSError, its callers get `JournalWriteError` (an OSError with that
+errno, and a JournalError), the segment is cut back to its last complete record (if that fails,
+replay skips the partial bytes as damage) and the next append works once there is room. A failed
+interval fsync writes the bytes since the last good one again in place before the next try.
 
-Group commit: records queued in one loop iteration are written by one
-os.write (and, with fsync="always", one fsync) in a callback on the loop;
-`append`/`ack` return once their bytes are in the file. With "interval", a
-loop timer fsyncs the dirty segment `fsync_interval` after its first unsynced
-write. No threads: SIGKILL cannot lose a returned append (the bytes are in
-the page cache); power loss can lose at most the last interval.
-
-Rotation: a write that would take the active segment past `segment_bytes`
-goes to a new one (a single group commit larger than that gets a segment of its own).
-Compaction deletes whole segments, never rewriting: a segment goes when every
-APPEND in it is acked, it is not the active one, and every segment its ACKs
-point into is already gone (else deleting it would resurrect those entries).
+A write that would take the active segment past `segment_bytes` goes to a new one. Compaction
+deletes whole segments: those with no live APPEND, not active, whose ACKs point into no segment
+still there (deleting it would resurrect those entries).
 """
 from __future__ import annotations
 
@@ -42,111 +46,53 @@ import os
 import re
 import struct
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
+
+from clawd import faults
+from clawd.weights import fsync
+from clawd.learning.frames import (ACK, APPEND, FORMAT_VERSION, HEADER, HEADER_V1, MAGIC, VERSIONS, Scan, encode_ack,
+                                   encode_append, scan_records)
 
 log = logging.getLogger("clawd.journal")
 
-MAGIC = b"CLAWDJNL"
-FORMAT_VERSION = 1
-HEADER = MAGIC + struct.pack("<I", FORMAT_VERSION)
-FRAME = struct.Struct("<II")         # length, crc32
-APPEND, ACK = 1, 2
-MAX_BODY = 1 << 30                   # a larger length field is damage, not data
 SEGMENT_RE = re.compile(r"journal-(\d{16})\.seg")
+QUARANTINE = "quarantine"
 
 
 class JournalError(Exception):
-    pass
+    """Not record damage: a bad segment magic, an unknown format version, a held lock."""
 
 
-class JournalCorrupt(JournalError):
-    def __init__(self, path: Path, offset: int, reason: str):
-        super().__init__(f"{path}: corrupt record at offset {offset}: {reason}")
-        self.path, self.offset, self.reason = path, offset, reason
+class JournalUnreadable(JournalError):
+    """A segment clawd will not read at all (bad magic, unknown format): the operator must look."""
 
 
-# ---- pure encoding -----------------------------------------------------------
-
-def _encode_id(entry_id: str) -> bytes:
-    raw = entry_id.encode()
-    if not 0 < len(raw) <= 0xFFFF:
-        raise ValueError(f"entry id must be 1..65535 UTF-8 bytes, got {len(raw)}")
-    return struct.pack("<H", len(raw)) + raw
-
-
-def frame(body: bytes) -> bytes:
-    return FRAME.pack(len(body), zlib.crc32(body)) + body
-
-
-def encode_append(entry_id: str, payload: bytes) -> bytes:
-    return frame(bytes([APPEND]) + _encode_id(entry_id) + bytes(payload))
-
-
-def encode_ack(ids: list[str]) -> bytes:
-    return frame(bytes([ACK]) + struct.pack("<I", len(ids)) + b"".join(_encode_id(i) for i in ids))
-
-
-def _decode_id(body: bytes, at: int) -> tuple[str, int]:
-    if at + 2 > len(body):
-        raise ValueError("id length past the end of the record")
-    (n,) = struct.unpack_from("<H", body, at)
-    if n == 0 or at + 2 + n > len(body):
-        raise ValueError("bad id length")
-    return body[at + 2:at + 2 + n].decode(), at + 2 + n
-
-
-def decode_body(body: bytes) -> tuple[int, object]:
-    """(APPEND, (id, payload)) or (ACK, [ids]); ValueError when the body does not parse."""
-    kind = body[0]
-    if kind == APPEND:
-        entry_id, at = _decode_id(body, 1)
-        return APPEND, (entry_id, body[at:])
-    if kind == ACK:
-        if len(body) < 5:
-            raise ValueError("short ACK record")
-        (count,) = struct.unpack_from("<I", body, 1)
-        ids, at = [], 5
-        for _ in range(count):
-            entry_id, at = _decode_id(body, at)
-            ids.append(entry_id)
-        if at != len(body):
-            raise ValueError("trailing bytes in ACK record")
-        return ACK, ids
-    raise ValueError(f"unknown record type {kind}")
-
-
-@dataclass(frozen=True)
-class Scan:
-    records: list          # [(type, value)] of the good records, in file order
-    good_end: int          # offset just after the last good record
-    problem: str | None    # why scanning stopped before the end of the data, or None
-
-
-def scan_records(data: bytes, start: int = len(HEADER)) -> Scan:
-    """Decode records from `start` until the end or the first damaged one."""
-    records, at = [], start
-    while at < len(data):
-        if at + FRAME.size > len(data):
-            return Scan(records, at, "truncated frame header")
-        length, crc = FRAME.unpack_from(data, at)
-        if not 0 < length <= MAX_BODY:
-            return Scan(records, at, f"bad length {length}")
-        body = data[at + FRAME.size:at + FRAME.size + length]
-        if len(body) < length:
-            return Scan(records, at, f"truncated record ({len(body)} of {length} bytes)")
-        if zlib.crc32(body) != crc:
-            return Scan(records, at, "CRC mismatch")
-        try:
-            records.append(decode_body(body))
-        except (ValueError, UnicodeDecodeError) as e:  # CRC passed, so this is a format bug: still stop here
-            return Scan(records, at, f"undecodable record: {e}")
-        at += FRAME.size + length
-    return Scan(records, at, None)
+class JournalWriteError(JournalError, OSError):
+    """A group commit failed; `errno` is the OSError's (ENOSPC, EIO). Nothing of it is in the file."""
 
 
 def segment_name(seq: int) -> str:
     return f"journal-{seq:016d}.seg"
+
+
+def _write_all(fd: int, data, offset: int | None = None) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset)
+        view, offset = view[n:], None if offset is None else offset + n
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Whole or not at all: a temporary name, fsync, rename, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    fsync(path.parent)
 
 
 # ---- the journal ---------------------------------------------------------------
@@ -158,15 +104,16 @@ class Journal:
             raise ValueError(f"fsync must be 'interval' or 'always', not {fsync!r}")
         if fsync_interval <= 0 or segment_bytes <= 0:
             raise ValueError("fsync_interval and segment_bytes must be positive")
-        self.directory = Path(directory)
+        self.directory = Path(directory)  # the daemon checks this filesystem's free space before writes
         self.fsync_mode = fsync
         self.fsync_interval = fsync_interval
         self.segment_bytes = segment_bytes
-        # metrics
-        self.bytes_written = 0
-        self.records_written = 0
-        self.fsyncs = 0
-        self.truncations = 0
+        # metrics; truncations: torn tails cut at replay; quarantined_*: damaged spans set aside at
+        # replay (one record per span) and their bytes; quarantine_failures: spans left in place;
+        # write_failures: group commits whose callers got JournalWriteError
+        self.bytes_written = self.records_written = self.fsyncs = self.truncations = 0
+        self.quarantined_records = self.quarantined_bytes = self.quarantine_failures = 0
+        self.write_failures = self.fsync_failures = 0
         # index: id -> segment seq of its APPEND; per segment: live APPEND count and
         # the segments its ACK records point into
         self._live: dict[str, int] = {}
@@ -178,12 +125,11 @@ class Journal:
         self._sync_timer: asyncio.TimerHandle | None = None
         self._fd: int | None = None
         self._lock_fd: int | None = None
-        self._active = 0
-        self._size = 0
-        self._dirty = False
-        self._broken: BaseException | None = None
-
-    # -- public ------------------------------------------------------------------
+        self._active = self._size = 0
+        # written to the active segment since its last good fsync: (offset, bytes), to write again
+        # in place when an fsync fails (the kernel may have dropped those pages)
+        self._unsynced: list[tuple[int, bytes]] = []
+        self._rewrite = False
 
     @property
     def live(self) -> int:
@@ -194,8 +140,10 @@ class Journal:
         return sorted(self._seg_live)
 
     def stats(self) -> dict[str, int]:
+        names = ("truncations", "quarantined_records", "quarantined_bytes", "quarantine_failures",
+                 "write_failures", "fsync_failures")
         return {"bytes": self.bytes_written, "records": self.records_written, "fsyncs": self.fsyncs,
-                "truncations": self.truncations, "live": self.live, "segments": len(self._seg_live)}
+                "live": self.live, "segments": len(self._seg_live)} | {n: getattr(self, n) for n in names}
 
     def open(self) -> list[tuple[str, bytes]]:
         """Lock the directory, replay every segment, and get ready to append."""
@@ -211,24 +159,26 @@ class Journal:
         return list(entries.items())
 
     def _replay(self) -> dict[str, bytes]:
-        self._live, self._seg_live, self._seg_refs, self._broken = {}, {}, {}, None
-        for stale in self.directory.glob("journal-*.seg.tmp"):  # a rotation cut short
+        self._live, self._seg_live, self._seg_refs = {}, {}, {}
+        for stale in self.directory.glob("journal-*.seg.tmp"):  # a rotation or rewrite cut short
             stale.unlink()
         seqs = sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := SEGMENT_RE.fullmatch(p.name)))
         entries: dict[str, bytes] = {}
+        version = FORMAT_VERSION
         for k, seq in enumerate(seqs):
-            self._replay_segment(seq, last=k == len(seqs) - 1, entries=entries)
+            version = self._replay_segment(seq, last=k == len(seqs) - 1, entries=entries)
         self._known = set(self._live)
-        if seqs:
+        if seqs and version == FORMAT_VERSION:
             self._open_active(seqs[-1])
-        else:
-            self._create_segment(1)
+        else:  # nothing yet, or an older format that is never appended to
+            self._create_segment(seqs[-1] + 1 if seqs else 1)
         if self._size > len(HEADER) and self._size >= self.segment_bytes:
             self._rotate()
         return entries
 
     async def append(self, entry_id: str, payload: bytes) -> None:
-        """Returns once the record is in the file (and fsynced, with fsync="always")."""
+        """Returns once the record is in the file (and fsynced, with fsync="always"); JournalWriteError
+        (ENOSPC, EIO) when its group commit failed: then the id is free again and the journal usable."""
         self._check_writable()
         if entry_id in self._known:
             raise ValueError(f"entry {entry_id!r} is already in the journal")
@@ -237,7 +187,8 @@ class Journal:
         await self._submit(record, APPEND, entry_id)
 
     async def ack(self, ids) -> int:
-        """Marks entries consumed; unknown or already-acked ids are skipped. Returns how many were live."""
+        """Marks entries consumed; unknown or already-acked ids are skipped. Returns how many were live.
+        JournalWriteError as for `append`: the ids stay live."""
         self._check_writable()
         ids = [i for i in dict.fromkeys(ids) if i in self._known]
         if not ids:
@@ -251,9 +202,7 @@ class Journal:
         """Deletes whole segments that hold nothing live (see the module docstring). Returns them."""
         removed = []
         for seq in self.segments:
-            if seq == self._active or self._seg_live[seq] > 0:
-                continue
-            if any(r in self._seg_live for r in self._seg_refs[seq]):
+            if seq == self._active or self._seg_live[seq] > 0 or any(r in self._seg_live for r in self._seg_refs[seq]):
                 continue
             path = self.directory / segment_name(seq)
             path.unlink()
@@ -263,7 +212,7 @@ class Journal:
         return removed
 
     async def close(self) -> None:
-        """Writes what is queued, fsyncs, and unlocks the directory."""
+        """Writes what is queued, fsyncs, and unlocks the directory; JournalWriteError if that fsync fails."""
         if self._lock_fd is None:
             return
         try:
@@ -272,8 +221,11 @@ class Journal:
             if self._sync_timer is not None:
                 self._sync_timer.cancel()
                 self._sync_timer = None
-            if self._dirty and self._broken is None:
-                self._fsync()
+            if self._unsynced:
+                try:
+                    self._sync()
+                except OSError as e:
+                    raise JournalWriteError(e.errno, f"final journal fsync failed: {e.strerror or e}") from e
         finally:
             self._release()
 
@@ -295,28 +247,24 @@ class Journal:
         os.close(self._lock_fd)
         self._lock_fd = None
 
-    def _replay_segment(self, seq: int, *, last: bool, entries: dict[str, bytes]) -> None:
+    def _replay_segment(self, seq: int, *, last: bool, entries: dict[str, bytes]) -> int:
+        """Indexes one segment, setting its damage aside; returns its format version."""
         path = self.directory / segment_name(seq)
         data = path.read_bytes()
-        if data[:len(HEADER)] != HEADER:
-            if last and len(data) < len(HEADER) and HEADER.startswith(data):
-                log.warning("%s: torn header (%d bytes), rewriting it", path, len(data))
-                self._truncate(path, 0)
-                data = b""
-            elif data[:len(MAGIC)] != MAGIC:
-                raise JournalError(f"{path}: not a clawd journal segment (bad magic)")
-            else:
-                version = struct.unpack_from("<I", data, len(MAGIC))[0] if len(data) >= len(HEADER) else None
-                raise JournalError(f"{path}: journal format version {version} is not {FORMAT_VERSION}")
-        scan = scan_records(data) if data else Scan([], 0, None)
-        if scan.problem is not None:
-            if not last:
-                raise JournalCorrupt(path, scan.good_end, scan.problem)
-            log.warning("%s: %s at offset %d; truncating %d bytes (the %d records before it are kept)",
-                        path, scan.problem, scan.good_end, len(data) - scan.good_end, len(scan.records))
-            self._truncate(path, scan.good_end)
-        self._seg_live[seq] = 0
-        self._seg_refs[seq] = set()
+        version = FORMAT_VERSION
+        if len(data) < len(HEADER) and last and (HEADER.startswith(data) or HEADER_V1.startswith(data)):
+            log.warning("%s: torn header (%d bytes), rewriting it", path, len(data))
+            self._truncate(path, 0)
+            data = b""
+        elif data[:len(MAGIC)] != MAGIC:
+            raise JournalUnreadable(f"{path}: not a clawd journal segment (bad magic)")
+        else:
+            version = struct.unpack_from("<I", data, len(MAGIC))[0] if len(data) >= len(HEADER) else None
+            if version not in VERSIONS:
+                raise JournalUnreadable(f"{path}: journal format version {version} is not one of {VERSIONS}")
+        scan = scan_records(data, version)
+        self._mend(path, data, scan, version, last)
+        self._seg_live[seq], self._seg_refs[seq] = 0, set()
         for kind, value in scan.records:
             self._index(seq, kind, value[0] if kind == APPEND else value)
             if kind == APPEND:
@@ -324,6 +272,45 @@ class Journal:
             else:
                 for i in value:
                     entries.pop(i, None)
+        return version
+
+    def _mend(self, path: Path, data: bytes, scan: Scan, version: int, last: bool) -> None:
+        """Cuts a torn tail; copies each damaged span to quarantine, then cuts the spans out."""
+        spans = list(scan.damaged)
+        if scan.torn is not None and last:
+            log.warning("%s: torn tail at offset %d; cutting %d bytes (the %d records before it are kept)",
+                        path, scan.torn, len(data) - scan.torn, len(scan.records))
+            self._truncate(path, scan.torn)
+        elif scan.torn is not None:  # rotation fsyncs a segment before the next: a cut here is damage
+            spans.append((scan.torn, len(data) - scan.torn, "truncated record"))
+        saved = True
+        for offset, length, reason in spans:
+            self.quarantined_records += 1
+            self.quarantined_bytes += length
+            blob = data[offset:offset + length]  # (its CRC in the name: a later span at the same offset differs)
+            target = self.directory / QUARANTINE / f"{path.name}-{offset}-{zlib.crc32(blob):08x}.bad"
+            try:
+                if not target.parent.is_dir():
+                    target.parent.mkdir()
+                    fsync(self.directory)
+                _write_file(target, blob)
+            except OSError as e:  # the segment stays as it is, so the bytes are not lost
+                saved = False
+                self.quarantine_failures += 1
+                log.error("%s: %s at offset %d: cannot copy its %d bytes to %s (%s); left in place, skipped",
+                          path, reason, offset, length, target, e)
+            else:
+                log.warning("%s: %s at offset %d: %d bytes moved to %s; the records around them are kept",
+                            path, reason, offset, length, target.relative_to(self.directory))
+        if not spans or not saved:
+            return  # (a failed copy: the next start meets the spans again)
+        try:
+            if version == FORMAT_VERSION:
+                _write_file(path, data[:len(HEADER)] + b"".join(data[s:e] for s, e in scan.kept))
+            else:  # format 1: a single span, from the first bad record to the end
+                self._truncate(path, spans[0][0])
+        except OSError as e:
+            log.error("%s: cannot cut its damaged spans out (%s); the next start skips them again", path, e)
 
     def _truncate(self, path: Path, size: int) -> None:
         fd = os.open(path, os.O_WRONLY)
@@ -339,7 +326,7 @@ class Journal:
         """value: the id of an APPEND, the ids of an ACK."""
         if kind == APPEND:
             entry_id = value
-            if entry_id in self._live:  # only a hand-edited journal gets here; the newest wins
+            if entry_id in self._live:  # a retried append after a failed cut, or a hand edit: the newest wins
                 self._seg_live[self._live[entry_id]] -= 1
             self._live[entry_id] = seq
             self._seg_live[seq] += 1
@@ -358,49 +345,37 @@ class Journal:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._active = seq
         self._size = os.fstat(self._fd).st_size
+        self._unsynced, self._rewrite = [], False
         if self._size == 0:  # its torn header was cut away during replay
-            self._write_all(HEADER)
+            _write_all(self._fd, HEADER)
             self._size = len(HEADER)
-            self._fsync()
+            os.fsync(self._fd)
+            self.fsyncs += 1
 
     def _create_segment(self, seq: int) -> None:
-        # header to a temporary name, fsync, rename, fsync the directory: a segment
-        # file either has its whole header or does not exist
+        # a segment file either has its whole header or does not exist
+        faults.point("journal.rotate")
         path = self.directory / segment_name(seq)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            self._write_all(HEADER, fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-        dfd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _write_file(path, HEADER)
         self.fsyncs += 2
         old = self._fd
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        self._seg_live[seq] = 0
-        self._seg_refs[seq] = set()
+        self._seg_live[seq], self._seg_refs[seq] = 0, set()
         self._active = seq
         self._size = len(HEADER)
+        self._unsynced, self._rewrite = [], False
         if old is not None:
             os.close(old)
 
     def _rotate(self) -> None:
-        if self._dirty:
-            self._fsync()
+        if self._unsynced:
+            self._sync()
         self._create_segment(self._active + 1)  # the old segment stays active if this fails
         log.info("journal rotated to %s", segment_name(self._active))
 
     # -- writing -----------------------------------------------------------------------
 
     def _check_writable(self) -> None:
-        if self._broken is not None:
-            raise JournalError("journal is unusable after a failed write or fsync") from self._broken
         if self._fd is None:
             raise JournalError("journal is not open")
 
@@ -423,14 +398,15 @@ class Journal:
         try:
             self._write_batch(data)
         except Exception as e:  # handed to every caller in the batch, so none waits for ever
+            self.write_failures += 1
             log.error("journal write of %d records failed: %r", len(batch), e)
-            for _, kind, value, fut in batch:  # undo what _submit's callers assumed
-                if kind == APPEND:
-                    self._known.discard(value)
-                else:
-                    self._known.update(value)
+            for _, kind, value, fut in batch:
+                (self._known.discard if kind == APPEND else self._known.update)(value)  # undo _submit's callers
                 if not fut.done():
-                    fut.set_exception(JournalError(f"journal write failed: {e}"))
+                    err = (JournalWriteError(e.errno, f"journal write failed: {e.strerror or e}")
+                           if isinstance(e, OSError) else JournalError(f"journal write failed: {e!r}"))
+                    err.__cause__ = e
+                    fut.set_exception(err)
             return
         for _, kind, value, fut in batch:
             self._index(self._active, kind, value)
@@ -442,41 +418,52 @@ class Journal:
     def _write_batch(self, data: bytes) -> None:
         if self._size > len(HEADER) and self._size + len(data) > self.segment_bytes:
             self._rotate()
+        start = self._size
         try:
-            self._write_all(data)
+            faults.point("journal.write")
+            _write_all(self._fd, data)
+            self._size += len(data)
+            self._unsynced.append((start, data))
+            if self.fsync_mode == "always":
+                self._sync()
         except OSError:
-            try:  # leave no half batch behind for the next write to follow
-                os.ftruncate(self._fd, self._size)
+            if self._unsynced and self._unsynced[-1][0] == start:
+                self._unsynced.pop()  # its callers are told it failed: it must not come back
+            try:  # leave no partial batch for the next write to follow
+                os.ftruncate(self._fd, start)
+                self._size = start
             except OSError as e:
-                self._broken = e
+                log.error("journal: cannot cut %s back to %d bytes (%s); replay will skip what is left",
+                          segment_name(self._active), start, e)
+                self._size = os.fstat(self._fd).st_size
             raise
-        self._size += len(data)
-        self._dirty = True
-        if self.fsync_mode == "always":
-            self._fsync()
-        elif self._sync_timer is None:
+        if self._unsynced and self._sync_timer is None:
             self._sync_timer = asyncio.get_running_loop().call_later(self.fsync_interval, self._timed_sync)
-
-    def _write_all(self, data: bytes, fd: int | None = None) -> None:
-        fd = self._fd if fd is None else fd
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
 
     def _timed_sync(self) -> None:
         self._sync_timer = None
-        if self._dirty and self._fd is not None:
+        if self._unsynced and self._fd is not None:
             try:
-                self._fsync()
+                self._sync()
             except OSError as e:
-                log.error("journal fsync failed: %s; refusing further writes", e)
-                self._broken = e
+                log.error("journal fsync failed: %s; writing the %d unsynced records again in %.3gs",
+                          e, len(self._unsynced), self.fsync_interval)
+                self._sync_timer = asyncio.get_running_loop().call_later(self.fsync_interval, self._timed_sync)
 
-    def _fsync(self) -> None:
+    def _sync(self) -> None:
+        if self._rewrite:  # a failed fsync came before: the unsynced records once more, at their offsets
+            fd = os.open(self.directory / segment_name(self._active), os.O_WRONLY)
+            try:
+                for offset, data in self._unsynced:
+                    _write_all(fd, data, offset)
+            finally:
+                os.close(fd)
         try:
+            faults.point("journal.fsync")
             os.fsync(self._fd)
-        except OSError as e:  # after a failed fsync the page cache may have dropped our bytes
-            self._broken = e
+        except OSError:
+            self.fsync_failures += 1
+            self._rewrite = True
             raise
         self.fsyncs += 1
-        self._dirty = False
+        self._rewrite, self._unsynced = False, []

@@ -11,26 +11,40 @@ The engine always serves the trainer's state: a failed publish is retried
 before the next step; a (re)started trainer holds its checkpoint's weights, so
 samples trained after that checkpoint wait again and, when those weights are
 not what the engine serves, they are published (as a new version when their
-own directory is gone). Version numbers only go up.
+own directory is gone). Version numbers only go up: each is one above the
+newest the trainer's last reply reported (or the served one, if higher).
+
+A step is trained once. When the trainer's write of its weights or of its
+checkpoint fails, the step stays in the trainer (`owed` in its state) and only
+that write is retried before the next step: with backoff after an I/O error,
+after a pause (reason "disk", clawd.pauses) when the disk is full or short of
+`[state] min_free_bytes`, the end of the pause retrying it first. Only a trainer that
+died or whose step itself raised (it exits) loses the step; it restarts from
+its checkpoint and the unacknowledged samples are trained again.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import random
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from clawd.config import LearnerConfig
 from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
 from clawd.served import Policy
 from clawd.learning import controls
+from clawd.learning.journal import JournalWriteError
 from clawd.learning.store import SampleStore
+from clawd.pauses import DISK, NON_FINITE, Pauses, describe
 from clawd.samples import Sample
-from clawd.trainer.link import TrainerError, TrainerSupervisor
-from clawd.weights import version_dir
+from clawd.trainer.link import HandlerError, TrainerError, TrainerSupervisor
+from clawd.trainer.wire import Trained
+from clawd.weights import checkpointed_samples, version_dir
 
 log = logging.getLogger("clawd.learner")
 
@@ -52,6 +66,8 @@ class LearnerStats:
     last_intake_held_seconds: float = 0.0  # engine paused: new requests wait, running ones are parked
     waiting_since: float | None = None
     requeued_after_restart: int = 0
+    failed_writes: int = 0  # the trainer's weights or checkpoint writes that failed; retried alone, never retrained
+    disk_pauses: int = 0    # of those, the ones that paused learning for disk space
 
 
 class Publisher:
@@ -94,7 +110,7 @@ class Publisher:
 
 class Learner:
     def __init__(self, cfg: LearnerConfig, store: SampleStore, trainer: TrainerSupervisor, publisher: Publisher,
-                 policy: Policy, state_dir, *, control_seed: int = 0):
+                 policy: Policy, state_dir, *, control_seed: int = 0, pauses: Pauses | None = None):
         self.cfg = cfg
         self._control_rng = random.Random(control_seed)  # `[learner] control = "shuffle_rewards"` only
         self.store = store
@@ -103,33 +119,33 @@ class Learner:
         self.policy = policy
         self.state_dir = state_dir
         self.stats = LearnerStats()
-        self._running = asyncio.Event()
-        self._running.set()
+        # Learning's one pause state (the daemon's, shared with clawctl and the disk budget): no new step
+        # starts while a reason holds; the learner itself adds "disk" and "non_finite".
+        self.pauses = pauses if pauses is not None else Pauses(Path(state_dir) / "pause.json")
+        self._stopping = False
         self._idle = asyncio.Event()  # no step in progress
         self._idle.set()
         self._unacked: list[Sample] = []  # trained, not yet covered by a checkpoint
         self._trainer_pid: int | None = None  # the child whose state _unacked is in
         self._unpublished: tuple[str, int] | None = None  # (weights_dir, version) the engine should serve
         self._retry_delay = _RETRY_INITIAL
-        self.pause_reason: str | None = None
         self.on_publish: Callable[[float, float], None] | None = None  # (seconds, intake held): metrics
 
     @property
     def paused(self) -> bool:
-        return not self._running.is_set()
+        return self._stopping or self.pauses.learning
 
-    def pause(self, reason: str | None = None) -> None:
-        """No new step starts; the current one finishes."""
-        self.pause_reason = reason or self.pause_reason or "paused by the operator"
-        self._running.clear()
-
-    def resume(self) -> None:
-        self.pause_reason = None
-        self._running.set()
+    @property
+    def pause_reason(self) -> str | None:
+        if self._stopping:
+            return "stopping"
+        return "; ".join(map(describe, self.pauses.held.values())) or None
 
     async def run(self) -> None:
-        while True:
-            await self._running.wait()
+        while not self._stopping:
+            await self.pauses.until_running()
+            if self._stopping:
+                return
             if not await self._busy(self._serve_trainer_state()):
                 continue
             batch = await self._collect()
@@ -150,14 +166,13 @@ class Learner:
         """Let a step in progress finish (within timeout) and checkpoint what was trained, so its
         samples are acknowledged now rather than trained again after the restart. The caller then
         cancels `run`; a step cut short is replayed from the journal on the next start."""
-        self.pause("stopping")
+        self._stopping = True
         try:
             async with asyncio.timeout(timeout):
                 await self._idle.wait()
                 if self._unacked and self.trainer.alive:
                     await self.trainer.checkpoint(timeout)
-                    await self.store.ack([s.sample_id for s in self._unacked])
-                    self._unacked = []
+                    await self._ack()
         except (TimeoutError, TrainerError) as exc:
             log.warning("stopping without a final checkpoint (%s); %d trained sample(s) replay at the next start",
                         exc or "timed out", len(self._unacked))
@@ -178,31 +193,90 @@ class Learner:
                 if ready.weights_version > self.policy.version and (path / "config.json").is_file():
                     self._unpublished = (str(path), ready.weights_version)
                 else:  # older (checkpoint_every > 1) or rotated out: the same weights, a new number
-                    version = max(self.policy.version, ready.version) + 1
+                    version = self._next_version()
                     try:
                         weights = await self.trainer.publish(version, timeout=self.cfg.publish_timeout)
                     except TrainerError as exc:
                         log.error("could not write the trainer's weights as v%d: %s", version, exc)
                         self._trainer_pid = None  # try the whole thing again
-                        await self._backoff()
-                        return False
+                        return await self._write_failed("publish", exc)
                     self._unpublished = (weights, version)
-        if self._unpublished is not None:
-            if not await self._publish(*self._unpublished):
-                await self._backoff()
-                return False
-            self._unpublished = None
+        if not await self._write_owed():
+            return False
         self._retry_delay = _RETRY_INITIAL
         return True
 
+    async def _write_owed(self) -> bool:
+        """The writes the trainer's last step still owes (its state's `owed`), each retried alone, and the
+        engine moved onto the newest written version. False: not yet (paused or backed off)."""
+        while (owed := (self.trainer.state or {}).get("owed", [])) or self._unpublished is not None:
+            if owed and owed[0] == "publish":
+                version = self._next_version()
+                try:
+                    self._unpublished = (await self.trainer.publish(version, timeout=self.cfg.publish_timeout),
+                                         version)
+                except TrainerError as exc:
+                    return await self._write_failed("publish", exc)
+                continue
+            if self._unpublished is not None:
+                if not await self._publish(*self._unpublished):
+                    await self._backoff()
+                    return False
+                self._unpublished = None
+                continue
+            try:  # owed == ["checkpoint"]
+                await self.trainer.checkpoint(self.cfg.publish_timeout)
+            except TrainerError as exc:
+                return await self._write_failed("checkpoint", exc)
+            await self._ack()
+        return True
+
+    async def _write_failed(self, op: str, exc: TrainerError | dict) -> bool:
+        """A trainer write failed: pause for disk space, else back off. Always False (not written yet)."""
+        kind = exc.get("kind") if isinstance(exc, dict) else getattr(exc, "kind", None)
+        message = exc.get("message") if isinstance(exc, dict) else str(exc)
+        self.stats.failed_writes += 1
+        if kind == "disk":
+            self.stats.disk_pauses += 1
+            self.pauses.hold(DISK, f"the trainer's {op} failed: {message}")
+            log.error("learning paused: the trainer's %s failed for disk space; the trained step is kept and "
+                      "the %s is retried first when the pause lifts: %s", op, op, message)
+        else:
+            log.error("the trainer's %s failed, retrying it (the step is kept): %s", op, message)
+            await self._backoff()
+        return False
+
+    def _next_version(self) -> int:
+        return max(self.policy.version, self.trainer.version) + 1
+
+    async def _ack(self) -> None:
+        """A checkpoint holds every step trained so far: their samples leave the journal. A journal write that
+        fails keeps them for the next ack (until then a restart would train them again: at least once)."""
+        if not self._unacked:
+            return
+        try:
+            await self.store.ack([s.sample_id for s in self._unacked])
+        except JournalWriteError as exc:
+            log.error("acknowledging %d trained sample(s) failed, retried with the next checkpoint: %s",
+                      len(self._unacked), exc)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.pauses.hold(DISK, f"a journal acknowledgement failed: {exc.strerror or exc}")
+            return
+        self._unacked = []
+
     def _trainer_restarted(self, pid: int) -> None:
-        """A new child resumed from the newest checkpoint: samples trained since are not in it."""
+        """A new child resumed from the newest checkpoint: samples trained since are not in it and wait to be
+        trained again; those it holds (a child that died after its checkpoint, before its reply) stay to be
+        acknowledged, never trained twice."""
         if self._trainer_pid is not None and self._unacked:
-            log.warning("trainer restarted from its checkpoint: %d trained sample(s) wait to be trained again",
-                        len(self._unacked))
-            self.stats.requeued_after_restart += len(self._unacked)
-            self.store.requeue(self._unacked)
-            self._unacked = []
+            kept = checkpointed_samples(self.state_dir)
+            again = [s for s in self._unacked if s.sample_id not in kept]
+            self._unacked = [s for s in self._unacked if s.sample_id in kept]
+            if again:
+                log.warning("trainer restarted from its checkpoint: %d trained sample(s) wait to be trained again",
+                            len(again))
+                self.stats.requeued_after_restart += len(again)
+                self.store.requeue(again)
         self._trainer_pid = pid
 
     async def _backoff(self) -> None:
@@ -238,36 +312,47 @@ class Learner:
                     log.info("waiting for samples: %d/%d effective (policy v%d, %.0fs)", fresh, n, version, waited)
 
     async def _step(self, batch: list[Sample]) -> None:
-        version = max(self.policy.version, self.trainer.version) + 1
+        version = self._next_version()
         batch_id = uuid.uuid4().hex
         try:
             trained = await self.trainer.train(batch_id, version, controls.apply(self.cfg.control, batch,
                                                                                   self._control_rng),
                                                timeout=self.cfg.train_timeout)
-        except TrainerError as exc:
+        except TrainerError as exc:  # no step was kept for the batch (a fatal one restarts the trainer)
             self.stats.failed_steps += 1
             log.error("training step failed, its %d samples wait for the next try: %s", len(batch), exc)
             self.store.requeue(batch)
-            await self._backoff()
+            if not (isinstance(exc, HandlerError) and exc.fatal):
+                await self._backoff()
             return
         ready = self.trainer.ready
         if ready is not None and ready.pid != self._trainer_pid:  # restarted during the step, which it retried
             self._trainer_restarted(ready.pid)
+            self._catch_up(trained)
         self.stats.steps += 1
         self.stats.samples_trained += len(batch)
         self.stats.last_metrics = trained.metrics
         self._unacked += batch
-        if trained.weights_dir is None:
+        if trained.weights_dir is None and trained.failed is None:  # nothing to publish: not a failed publish
             self.stats.skipped_steps += 1
             log.warning("step %s skipped: %s", batch_id, trained.metrics.get("skip_reason"))
             if trained.metrics.get("paused"):  # non-finite steps in a row: stop, say so, keep serving
-                self.pause(f"trainer paused: {trained.metrics.get('pause_reason')}")
-                log.error("learning paused: %s", self.pause_reason)
-        elif not await self._publish(trained.weights_dir, version):
-            self._unpublished = (trained.weights_dir, version)  # retried before the next step
+                self.pauses.hold(NON_FINITE, str(trained.metrics.get("pause_reason")))
+        elif trained.weights_dir is not None and not await self._publish(trained.weights_dir, trained.version):
+            self._unpublished = (trained.weights_dir, trained.version)  # retried before the next step
         if trained.checkpointed:
-            await self.store.ack([s.sample_id for s in self._unacked])
-            self._unacked = []
+            await self._ack()
+        if trained.failed is not None:  # the step is kept; only the write is retried, before the next step
+            await self._write_failed(trained.failed["op"], trained.failed)
+
+    def _catch_up(self, trained: Trained) -> None:
+        """A retried step the restarted trainer found already in its checkpoint publishes nothing new: the
+        engine must still move onto that checkpoint's weights, which the lost reply never named."""
+        version = (trained.state or {}).get("weights_version")
+        if trained.weights_dir is None and version is not None and version > self.policy.version:
+            path = version_dir(self.state_dir, version)
+            if (path / "config.json").is_file():
+                self._unpublished = (str(path), version)
 
     async def _publish(self, weights_dir: str, version: int) -> bool:
         started = time.monotonic()

@@ -133,6 +133,19 @@ class SampleStore:
         self.dropped_stale += len(stale)
         return batch, stale
 
+    def drop_trained(self, sample_ids: set[str]) -> int:
+        """Waiting samples the surviving weights were already trained on (clawd.weights.checkpointed_samples):
+        they leave the line now and are acked in the journal with the next `ack`."""
+        gone = [s for s in self._waiting if s.sample_id in sample_ids]
+        if gone:
+            self._waiting = [s for s in self._waiting if s.sample_id not in sample_ids]
+            for s in gone:
+                self._by_principal[s.principal] -= 1
+                if not self._by_principal[s.principal]:
+                    del self._by_principal[s.principal]
+            self._drop_unacked.extend(s.sample_id for s in gone)
+        return len(gone)
+
     def requeue(self, samples: list[Sample]) -> None:
         """A batch whose step failed goes back to the front of the line, in its order."""
         ids = {s.sample_id for s in samples}

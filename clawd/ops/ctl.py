@@ -138,12 +138,24 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
 
 
 def format_pause(result: dict) -> str:
-    reason = f" ({result['reason']})" if result.get("reason") else ""
-    if result.get("serving"):
-        return f"paused learning and serving{reason}: new chat requests get 503 until `clawctl resume`"
-    if result.get("learning"):
-        return f"paused learning{reason}: chat is still served, no turn becomes a sample"
+    """The reply to pause or resume: the pause state after it (Pauses.snapshot())."""
+    reasons = result.get("reasons") or []
+    operator = next((p for p in reasons if p["reason"] == "operator"), None)
+    others = [p for p in reasons if p["reason"] != "operator"]
+    still = "; still paused by " + ", ".join(_pause_text(p) for p in others) if others else ""
+    if operator is not None:
+        detail = f" ({operator['detail']})" if operator.get("detail") else ""
+        if operator.get("serving"):
+            return f"paused learning and serving{detail}: new chat requests get 503 until `clawctl resume`{still}"
+        return f"paused learning{detail}: chat is still served, no turn becomes a sample{still}"
+    if others:
+        return "resumed serving; learning " + still.removeprefix("; ")
     return "resumed: learning and serving"
+
+
+def _pause_text(pause: dict) -> str:
+    detail = f" ({pause['detail']})" if pause.get("detail") else ""
+    return f"{pause['reason']}{detail}, lifted by {pause.get('lifted_by', '?')}"
 
 
 def human_age(seconds: float) -> str:
@@ -190,8 +202,9 @@ def format_status(snapshot: dict, now: float | None = None) -> str:
     paused = get("paused")
     state = ("learning and serving paused" if paused.get("serving") else
              "learning paused, serving" if paused.get("learning") else "no")
-    if paused.get("learning"):
-        state += f" since {ago(paused.get('since'))}" + (f": {paused['reason']}" if paused.get("reason") else "")
+    for pause in paused.get("reasons") or []:
+        state += f"\n  {'':<20}{pause['reason']} since {ago(pause.get('since'))}" + (
+            f": {pause['detail']}" if pause.get("detail") else "") + f" (lifted by {pause.get('lifted_by', '?')})"
     uptime = snapshot.get("uptime_s")
     section("clawd", ("pid", snapshot.get("pid", "?")), ("up", "?" if uptime is None else human_age(uptime)),
             ("mode", f"{snapshot.get('mode', '?')} (judge {snapshot.get('judge', '?')})"), ("paused", state))

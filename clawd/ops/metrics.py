@@ -19,10 +19,12 @@ from typing import Any, Awaitable, Callable, Iterator
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from clawd.pauses import LIFTED_BY as PAUSE_REASONS
 
 # Seconds. Requests include whole streamed replies, so the latency buckets reach minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -74,7 +76,17 @@ class Metrics:
                                  "engine, start to served.", buckets=PUBLISH_BUCKETS, registry=reg)
         self.intake_held = Histogram("clawd_publish_intake_held_seconds", "Per publish, how long the policy "
                                      "engine held new requests.", buckets=HELD_BUCKETS, registry=reg)
+        self.connections_closed = Counter("clawd_connections_closed", "Client connections clawd closed itself, by "
+                                          "reason (header_timeout, body_timeout, write_timeout, evicted, refused).",
+                                          ["reason"], registry=reg)
+        self.connections_open = Gauge("clawd_connections_open", "Client connections open now.", registry=reg)
         reg.register(SnapshotCollector(snapshot))
+
+    def watch_connections(self, open_now: Callable[[], int]) -> Callable[[str], None]:
+        """The connection tracker's numbers: the gauge reads `open_now` at scrape; the returned callable
+        counts a connection closed for a reason."""
+        self.connections_open.set_function(open_now)
+        return lambda reason: self.connections_closed.labels(reason).inc()
 
     def observe_first_token(self, seconds: float) -> None:
         self.first_token.observe(seconds)
@@ -136,7 +148,7 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()
-        chat, policy, paused = snap["chat"], snap["policy"], snap["paused"]["by_operator"]
+        chat, policy, paused = snap["chat"], snap["policy"], snap["paused"]
         yield counter("clawd_prompt_tokens_total", "Prompt tokens of answered chat requests.", chat["prompt_tokens"])
         yield counter("clawd_completion_tokens_total", "Tokens generated for answered chat requests.",
                       chat["completion_tokens"])
@@ -152,8 +164,11 @@ class SnapshotCollector(Collector):
         if policy["published_at"] is not None:
             yield gauge("clawd_policy_published_timestamp_seconds", "When the served policy version was "
                         "published (Unix time).", policy["published_at"])
-        yield labelled(GaugeMetricFamily, "clawd_paused", "1 while the operator has paused learning or "
-                       "serving.", "what", {"learning": paused["learning"], "serving": paused["serving"]})
+        yield labelled(GaugeMetricFamily, "clawd_paused", "1 while learning (for any reason) or serving (by "
+                       "the operator) is paused.", "what", {"learning": paused["learning"], "serving": paused["serving"]})
+        held = {p["reason"] for p in paused["reasons"]}
+        yield labelled(GaugeMetricFamily, "clawd_pause_reason", "1 while this reason holds learning paused.",
+                       "reason", {reason: reason in held for reason in PAUSE_REASONS})
         yield counter("clawd_turns_not_learned_total", "Finished turns not scored because learning was paused.",
                       snap["scoring"]["not_learned_while_paused"])
         yield from _scoring(snap["mode"], snap["scoring"])
@@ -161,11 +176,15 @@ class SnapshotCollector(Collector):
         if snap["learner"] is not None:
             yield from _learner(snap["learner"])
         restarts = CounterMetricFamily("clawd_engine_restarts", "Engine restarts by role.", labels=["role"])
+        hangs = CounterMetricFamily("clawd_engine_hangs", "Times an engine was found hung (no answer to liveness "
+                                    "polls or calls) by role.", labels=["role"])
         ready = GaugeMetricFamily("clawd_engine_ready", "1 while the engine answers as ready.", labels=["role"])
         for role, engine in snap["engines"].items():
             restarts.add_metric([role], engine["restarts"])
+            hangs.add_metric([role], engine["hangs"])
             ready.add_metric([role], float(engine["ready"]))
         yield restarts
+        yield hangs
         yield ready
         if (trainer := snap["trainer"]) is not None:
             yield counter("clawd_trainer_restarts_total", "Trainer subprocess restarts.", trainer["restarts"])
@@ -204,6 +223,14 @@ def _queue(queue: dict, j: dict) -> Iterator[Metric]:
     yield counter("clawd_journal_fsyncs_total", "Journal fsyncs.", j["fsyncs"])
     yield counter("clawd_journal_truncations_total", "Torn journal tails cut off.", j["truncations"])
     yield gauge("clawd_journal_segments", "Journal segment files.", j["segments"])
+    yield counter("clawd_journal_quarantined_records_total", "Damaged journal spans set aside at replay (each "
+                  "one lost record or more, kept in journal/quarantine/).", j["quarantined_records"])
+    yield counter("clawd_journal_quarantined_bytes_total", "Bytes of damaged journal spans set aside at replay.",
+                  j["quarantined_bytes"])
+    yield labelled(CounterMetricFamily, "clawd_journal_failures", "Journal operations that failed (a full "
+                   "disk, an I/O error); their callers were told, nothing else was lost.", "op",
+                   {"write": j["write_failures"], "fsync": j["fsync_failures"],
+                    "quarantine": j["quarantine_failures"]})
 
 
 def _learner(st: dict) -> Iterator[Metric]:
@@ -217,6 +244,8 @@ def _learner(st: dict) -> Iterator[Metric]:
                   st["requeued_after_restart"])
     yield counter("clawd_publishes_total", "Policy versions published.", st["publishes"])
     yield counter("clawd_publishes_failed_total", "Publishes that failed (retried).", st["failed_publishes"])
+    yield counter("clawd_trainer_writes_failed_total", "Weights or checkpoint writes of the trainer that failed; "
+                  "each was retried alone, never by training again.", st["failed_writes"])
     last = st["last_metrics"]
     yield labelled(GaugeMetricFamily, "clawd_train_loss", "The last step's loss (total) and its parts.", "part",
                    {part: last[key] for key, part in LOSS_PARTS.items() if _number(last.get(key))})

@@ -19,7 +19,9 @@ from aiohttp import web
 from clawd.config import Config
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.learning.learner import Learner
-from clawd.ops.pause import PauseState
+from clawd.ops.disk import DiskBudget
+from clawd.pauses import Pauses
+from clawd.records import RecordWriter
 from clawd.served import Policy
 from clawd.learning.store import SampleStore
 from clawd.scoring.scorer import Scorer
@@ -75,7 +77,7 @@ class Status:
     """
     cfg: Config
     policy: Policy
-    pause: PauseState
+    pauses: Pauses
     chat: ChatService
     store: SampleStore
     scorer: Scorer
@@ -85,40 +87,48 @@ class Status:
     started: float
     requests: Rate = field(default_factory=Rate)  # chat requests admitted, ticked by the API
     turns: Rate = field(default_factory=Rate)     # finished turns, ticked by the handover to scoring
+    disk: DiskBudget | None = None
+    records: Sequence[RecordWriter] = ()
 
     def snapshot(self) -> dict:
         cfg, learner, trainer, store = self.cfg, self.learner, self.trainer, self.store
-        paused = self.pause.current
-        learning_reason = learner.pause_reason if learner is not None and learner.paused else None
         sc = self.scorer.stats
         return {
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
             "mode": cfg.scoring.mode,
             "judge": cfg.judge.backend,
-            "paused": {"learning": paused.learning or learning_reason is not None, "serving": paused.serving,
-                       "since": paused.since, "reason": paused.reason or learning_reason,
-                       "by_operator": {"learning": self.pause.learning, "serving": self.pause.serving}},
+            "paused": self.pauses.snapshot(),
             "policy": {"version": self.policy.version, "weight_version": self.policy.weight_version,
                        "published_at": self.policy.published_at, "weights": self.policy.weights_dir},
             "queue": {"waiting": store.waiting, "in_flight": store.in_flight,
                       "effective": store.fresh(self.policy.version, cfg.learner.max_staleness),
                       "batch_size": cfg.learner.rollout_batch_size, "journal_live": store.depth,
                       "stale_dropped": store.dropped_stale, "acked": store.acked_total},
-            "sessions": {"live": len(self.chat.sessions)},
+            "sessions": {"live": len(self.chat.sessions), "bytes": self.chat.sessions.retained_bytes,
+                         "max_bytes": self.chat.sessions.max_bytes,
+                         "evicted_for_bytes": self.chat.sessions.evicted_for_bytes},
+            "tokenizer_cache": {"bytes": self.chat.tok.cache_bytes, "max_bytes": self.chat.tok.cache_max_bytes,
+                                "entries": self.chat.tok.cache_entries},
             "chat": dataclasses.asdict(self.chat.stats),
             "rates": {"requests_per_min": self.requests.per_minute(), "turns_per_min": self.turns.per_minute()},
-            "scoring": {"turns": sc.submitted, "samples": sc.emitted, "pending": sc.pending, "votes": dict(sc.votes),
+            "scoring": {"turns": sc.submitted, "samples": sc.emitted, "pending": sc.pending,
+                        "pending_bytes": sc.pending_bytes, "votes": dict(sc.votes),
                         "kinds": dict(sc.kinds), "excluded": dict(sc.excluded), "hints_offered": sc.hints_offered,
-                        "hints_accepted": sc.hints_accepted, "not_learned_while_paused": self.pause.turns_not_learned},
+                        "hints_accepted": sc.hints_accepted, "not_learned_while_paused": self.pauses.turns_not_learned},
             "learner": None if learner is None else {**dataclasses.asdict(learner.stats),
                                                      "control": cfg.learner.control},
             "engines": {s.role: {"state": s.state.value, "ready": s.is_ready, "pid": s.pid, "restarts": s.restarts,
-                                 "url": s.client.url, "input_limit": s.input_limit} for s in self.supervisors},
+                                 "hangs": s.hangs, "hang_reason": s.hang_reason, "url": s.client.url,
+                                 "input_limit": s.input_limit} for s in self.supervisors},
             "trainer": None if trainer is None else {
                 "alive": trainer.alive, "pid": trainer.pid, "restarts": trainer.restarts,
-                "step": trainer.ready.step if trainer.ready else None, "version": trainer.version},
+                "step": trainer.ready.step if trainer.ready else None, "version": trainer.version,
+                "checkpoint_step": (trainer.state or {}).get("checkpoint_step"),
+                "owed": (trainer.state or {}).get("owed", [])},
             "journal": {**store.journal.stats(), "size_bytes": _tree_size(store.journal.directory)},
+            "disk": None if self.disk is None else self.disk.snapshot(),
+            "records": {w.kind: {"written": w.written, "failed": w.failed} for w in self.records},
         }
 
     async def handle_debug_process(self, request: web.Request) -> web.Response:

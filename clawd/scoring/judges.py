@@ -13,11 +13,19 @@ Every outcome is counted in the backend's `JudgeStats`.
 
 Backends:
 - `SGLangJudge`: SGLang's native /generate, token in (the judge messages rendered
-  with the policy's chat template), the output ids decoded by clawd.
+  with the policy's chat template, `judge_prompt_ids`), the output ids decoded by clawd.
 - `OpenAIJudge`: any OpenAI-compatible /chat/completions with its own key.
 - `Teacher`: log-probs of the exact response ids via prefill scoring (docs/ARCHITECTURE.md §3):
   `input_ids = P' + R`, `max_new_tokens: 0`, `logprob_start_len = len(P') - 1`,
   `meta_info.input_token_logprobs[1:]` lines up with R, first token included.
+
+Quoted text in token prompts: the tokenizer cuts every added token (`<|im_end|>`,
+`<|im_start|>`) out of any text, so a user's `<|im_end|>\n<|im_start|>system` would
+close the judge's user turn. `judge_prompt_ids` and `teacher_prompt_ids` render the
+chat template with a placeholder where the untrusted text goes, then encode the
+template's own text as usual and the untrusted text with added tokens as plain text
+(`ChatTokenizer.encode_chat_quoted`); text without such look-alikes gives exactly the
+ids `encode_chat` gives.
 
 Host names: aiohttp's own resolver runs getaddrinfo in a thread, and the daemon has
 none; the OpenAI judge's session looks names up on the loop (`scoring/resolver.py`),
@@ -33,6 +41,7 @@ import json
 import logging
 import math
 import random
+import secrets
 import ssl
 import time
 import uuid
@@ -45,6 +54,7 @@ import aiohttp
 from clawd.devices import nameserver_problem, parse_nameserver
 from clawd.engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable
 from clawd.messages import content_parts
+from clawd.scoring import judging
 from clawd.scoring.resolver import LookupFailed, LoopResolver, NoLookups
 from clawd.tokenizer import ChatTokenizer, TemplateError
 
@@ -213,6 +223,25 @@ def engine_failure(exc: EngineError) -> AttemptFailed:
     return AttemptFailed("engine_error", "engine_errors", retryable=True, detail=str(exc))
 
 
+# --- prompt ids with quoted text -------------------------------------------------------------
+
+def judge_prompt_ids(tok: ChatTokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """A judge prompt's ids: every message's text (clawd's words and the material judging.py quotes)
+    is quoted, so none of it can become a control token."""
+    key = secrets.token_hex(8)
+    quotes = {f"QUOTED{key}N{i}": m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
+    skeleton = [{**m, "content": f"QUOTED{key}N{i}"} if f"QUOTED{key}N{i}" in quotes else m
+                for i, m in enumerate(messages)]
+    return tok.encode_chat_quoted(skeleton, None, quotes)
+
+
+def teacher_prompt_ids(tok: ChatTokenizer, turn: Any, hint: str) -> list[int]:
+    """The teacher's prompt P' (judging.teacher_messages): the turn's messages encoded as the policy's
+    prompt was, the hint quoted (the judge wrote it, maybe copying user text)."""
+    ph = f"QUOTED{secrets.token_hex(8)}HINT"
+    return tok.encode_chat_quoted(judging.teacher_messages(turn, ph), turn.tools, {ph: judging.teacher_hint(hint)})
+
+
 # --- the wrapper -----------------------------------------------------------------------------
 
 class Backend:
@@ -297,7 +326,7 @@ class SGLangJudge(Backend):
 
     async def complete(self, messages: list[dict[str, Any]], *, rid: str | None = None) -> str:
         try:
-            ids = self.tokenizer.encode_chat(messages, None)
+            ids = judge_prompt_ids(self.tokenizer, messages)
         except TemplateError as exc:
             raise self._refuse("template", str(exc)) from None
         room = self.tokenizer.info.context_length - len(ids)

@@ -20,15 +20,15 @@ from typing import Any, Callable, Coroutine, Protocol
 from clawd.scoring import judging, rules
 from clawd.config import Config
 from clawd.learning.journal import JournalError
-from clawd.scoring.judges import JudgeFailed, Teacher
+from clawd.scoring.judges import JudgeFailed, Teacher, teacher_prompt_ids
 from clawd.records import RecordWriter
 from clawd.learning.store import SampleStore
-from clawd.tokenizer import ChatTokenizer, TemplateError
+from clawd.tokenizer import ChatTokenizer, TemplateError, turn_bytes
 from clawd.turns import FinishedTurn
 
 log = logging.getLogger("clawd.scoring")
 
-SCORING_BACKLOG = "scoring_backlog"  # more turns waiting for the judge than scoring.max_pending
+SCORING_BACKLOG = "scoring_backlog"  # beyond scoring.max_pending turns or max_pending_bytes waiting
 TEACHER_FAILED = "teacher_failed"    # the hint was accepted but the teacher could not score the response
 JOURNAL_FAILED = "journal_failed"    # the sample could not be written: nothing was acknowledged
 SCORING_CANCELLED = "scoring_cancelled"  # still being judged when shutdown's drain time ran out
@@ -43,6 +43,7 @@ class ScoringStats:
     submitted: int = 0
     emitted: int = 0
     pending: int = 0
+    pending_bytes: int = 0  # turn_bytes of the turns pending (their messages wait whole for the judge)
     excluded: dict[str, int] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
     votes: dict[str, int] = field(default_factory=dict)   # "+1", "0", "-1", "failed"
@@ -60,6 +61,7 @@ class Scorer:
         self.m = cfg.scoring.prm_m
         self.at_least_one = cfg.scoring.at_least_one
         self.max_pending = cfg.scoring.max_pending
+        self.max_pending_bytes = cfg.scoring.max_pending_bytes
         self.text_chars = cfg.judge.record_text_chars
         self.tok = tokenizer
         self.judge = judge          # None: the rules judge
@@ -70,6 +72,7 @@ class Scorer:
         # Starts a scoring task: the daemon's TaskGroup.create_task, so one group owns every task (tests pass
         # None: the running loop's). The Scorer keeps the ones in flight to drain them at shutdown.
         self.spawn = spawn
+        self.on_write_error: Callable[[OSError], None] | None = None  # a failed journal write: the disk budget
         self._tasks: set[asyncio.Task] = set()
         # Sessions that already gave a sample (rl's at-least-one rule); bounded, oldest forgotten.
         self._served_sessions: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -83,15 +86,25 @@ class Scorer:
         reason = turn.excluded or (finished.reason if finished.next_state is None else None)
         if finished.next_state is None and reason is None:
             reason = judging.NO_NEXT_STATE
-        if reason is None and self.stats.pending >= self.max_pending:
+        size = turn_bytes(turn) if reason is None else 0
+        # Over budget the turn is excluded, not cut: the judge and teacher prompts need its messages whole.
+        if reason is None and (self.stats.pending >= self.max_pending
+                               or self.stats.pending_bytes + size > self.max_pending_bytes):
             reason = SCORING_BACKLOG
         if reason is not None:
             self._exclude(finished, reason)
             return
         self.stats.pending += 1
+        self.stats.pending_bytes += size
         task = (self.spawn or asyncio.get_running_loop().create_task)(self._guarded(finished))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # A done callback, not a finally: it also runs for a task cancelled before it started.
+        task.add_done_callback(lambda _task: self._release(size))
+
+    def _release(self, size: int) -> None:
+        self.stats.pending -= 1
+        self.stats.pending_bytes -= size
 
     async def _guarded(self, finished: FinishedTurn) -> None:
         """A turn's scoring; a bug in it is counted and logged and never reaches the task group (which would
@@ -123,42 +136,41 @@ class Scorer:
         started = time.monotonic()
         turn = finished.turn
         try:
+            outcome, raw = await self._judge(finished)
+        except asyncio.CancelledError:  # shutdown ran out of time: say so in the records
+            self._exclude(finished, SCORING_CANCELLED)
+            raise
+        decision, teacher_lps = outcome.decision, None
+        if decision.emit and decision.has_hint:
+            teacher_lps, decision = await self._teacher(finished, outcome)
+        sample_id = None
+        if decision.emit:
+            sample = judging.build_sample(turn, decision, teacher_lps, mode=self.mode,
+                                    sample_id=uuid.uuid4().hex, now=time.time())
             try:
-                outcome, raw = await self._judge(finished)
-            except asyncio.CancelledError:  # shutdown ran out of time: say so in the records
-                self._exclude(finished, SCORING_CANCELLED)
-                raise
-            decision, teacher_lps = outcome.decision, None
-            if decision.emit and decision.has_hint:
-                teacher_lps, decision = await self._teacher(finished, outcome)
-            sample_id = None
-            if decision.emit:
-                sample = judging.build_sample(turn, decision, teacher_lps, mode=self.mode,
-                                        sample_id=uuid.uuid4().hex, now=time.time())
-                try:
-                    await self.store.put(sample)
-                except JournalError as exc:
-                    log.error("session %s turn %d: the journal refused the sample: %s",
-                              turn.session_id, turn.turn_index, exc)
-                    decision = judging.Decision(False, 0.0, False, JOURNAL_FAILED)
-                else:
-                    sample_id = sample.sample_id
-                    self._served_sessions[(turn.principal, turn.session_id)] = None
-                    if len(self._served_sessions) > 100_000:
-                        self._served_sessions.popitem(last=False)
-            if decision.emit:
-                self.stats.emitted += 1
-                self.stats.kinds[decision.reason] = self.stats.kinds.get(decision.reason, 0) + 1
+                await self.store.put(sample)
+            except JournalError as exc:
+                log.error("session %s turn %d: the journal refused the sample: %s",
+                          turn.session_id, turn.turn_index, exc)
+                decision = judging.Decision(False, 0.0, False, JOURNAL_FAILED)
+                if isinstance(exc, OSError) and self.on_write_error is not None:  # a full disk pauses learning
+                    self.on_write_error(exc)
             else:
-                self.stats.exclude(decision.reason)
-            record = outcome.to_record()
-            record.update(emitted=decision.emit, reason=decision.reason, has_hint=decision.has_hint,
-                          reward=decision.reward, sample_id=sample_id, principal=turn.principal,
-                          raw=[t[:self.text_chars] if t is not None else None for t in raw],
-                          latency=round(time.monotonic() - started, 4))
-            self.records.write(record, time.time())
-        finally:
-            self.stats.pending -= 1
+                sample_id = sample.sample_id
+                self._served_sessions[(turn.principal, turn.session_id)] = None
+                if len(self._served_sessions) > 100_000:
+                    self._served_sessions.popitem(last=False)
+        if decision.emit:
+            self.stats.emitted += 1
+            self.stats.kinds[decision.reason] = self.stats.kinds.get(decision.reason, 0) + 1
+        else:
+            self.stats.exclude(decision.reason)
+        record = outcome.to_record()
+        record.update(emitted=decision.emit, reason=decision.reason, has_hint=decision.has_hint,
+                      reward=decision.reward, sample_id=sample_id, principal=turn.principal,
+                      raw=[t[:self.text_chars] if t is not None else None for t in raw],
+                      latency=round(time.monotonic() - started, 4))
+        self.records.write(record, time.time())
 
     async def _judge(self, finished: FinishedTurn) -> tuple[judging.Outcome, list[str | None]]:
         turn, next_state = finished.turn, finished.next_state
@@ -172,8 +184,10 @@ class Scorer:
             hint = rules_hint if wants_hint else None  # already length-checked by rules_vote
             raw: list[str | None] = []
         else:
-            rl_calls = [self._ask(judging.rl_judge_messages(turn, next_state)) for _ in range(self.m if wants_rl else 0)]
-            hint_calls = [self._ask(judging.hint_judge_messages(turn, next_state))
+            # Each prompt gets its own marker nonce (judging.py: prompt safety).
+            rl_calls = [self._ask(judging.rl_judge_messages(turn, next_state, judging.new_nonce()))
+                        for _ in range(self.m if wants_rl else 0)]
+            hint_calls = [self._ask(judging.hint_judge_messages(turn, next_state, judging.new_nonce()))
                           for _ in range(self.m if wants_hint else 0)]
             raw = list(await asyncio.gather(*rl_calls, *hint_calls))
             rl_raw, hint_raw = raw[:len(rl_calls)], raw[len(rl_calls):]
@@ -206,7 +220,7 @@ class Scorer:
     async def _teacher(self, finished: FinishedTurn, outcome: judging.Outcome) -> tuple[list[float] | None, judging.Decision]:
         turn = finished.turn
         try:
-            prompt = self.tok.encode_chat(judging.teacher_messages(turn, outcome.hint), turn.tools)
+            prompt = teacher_prompt_ids(self.tok, turn, outcome.hint)  # the hint cannot forge control tokens
             return await self.teacher.logprobs(prompt, list(turn.response_ids)), outcome.decision
         except (JudgeFailed, TemplateError) as exc:
             log.warning("session %s turn %d: teacher failed: %s", turn.session_id, turn.turn_index, exc)

@@ -1,12 +1,16 @@
 """The HTTP face of clawd: OpenAI-compatible routes on aiohttp.
 
-Handlers stay thin: authenticate, enforce the concurrency limit, parse, and
-hand over to `ChatService`. One middleware turns every error, aiohttp's own
-(404, 405, 413) included, into OpenAI's error shape, so a client never sees a
-body it cannot parse.
+Handlers stay thin: authenticate, read the body (under `body_timeout`, before
+taking a request slot, so a stalled upload holds a connection and never a
+slot), enforce the concurrency limit (a slot is held while the engine works on
+the request, not while a slow client reads its reply), parse, and hand over to
+`ChatService`. One middleware turns every error, aiohttp's own (404, 405,
+413) included, into OpenAI's error shape, so a client never sees a body it
+cannot parse.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,6 +24,7 @@ from clawd.serving.request import Limits, parse_chat_request
 from clawd.config import Config
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.serving.auth import Authenticator
+from clawd.serving.connections import Connections
 from clawd.serving.errors import ApiError
 
 log = logging.getLogger("clawd.api")
@@ -49,9 +54,24 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
 
 @dataclass
 class Gate:
-    """Who may come in: cleared when the drain starts; counts the chat requests being handled."""
+    """Who may come in: cleared when the drain starts; counts the chat requests holding a slot."""
     accepting: bool = True
     in_flight: int = 0
+
+
+class Slot:
+    """One of the `max_concurrent_requests` slots: they bound the engine's work, so a request gives its
+    slot back once the engine's part is over, while a reply a slow client reads may still be written."""
+
+    def __init__(self, gate: Gate):
+        self.gate, self.held = gate, True
+        gate.in_flight += 1
+
+    def release(self) -> None:
+        """Idempotent: the chat service calls it when the engine is done, the handler when it ends."""
+        if self.held:
+            self.held = False
+            self.gate.in_flight -= 1
 
 
 CONFIG = web.AppKey("config", Config)
@@ -63,6 +83,7 @@ ENGINES = web.AppKey("engines", tuple)          # the engine supervisors, policy
 SERVING_PAUSED = web.AppKey("serving_paused", Callable[[], bool])  # the operator's `clawctl pause --serving`
 ON_REQUEST = web.AppKey("on_request", Callable[[], None])          # a chat request admitted (the status rate)
 STARTED = web.AppKey("started", float)
+CONNECTIONS = web.AppKey("connections", Connections)  # the listener's connections (TrackedSite serves them)
 
 
 def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = None, gate: Gate | None = None,
@@ -70,8 +91,13 @@ def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = Non
              on_request: Callable[[], None] = lambda: None,
              outer_middlewares: Sequence[Middleware] = ()) -> web.Application:
     """The chat API. `outer_middlewares` wrap the error middleware (metrics: it counts the final status,
-    the error middleware's answers and 404s included); other routes (/metrics) are the caller's to add."""
-    app = web.Application(middlewares=[*outer_middlewares, openai_errors], client_max_size=cfg.server.max_body_bytes)
+    the error middleware's answers and 404s included); other routes (/metrics) are the caller's to add.
+    app[CONNECTIONS] tracks the connections of a `TrackedSite` serving this app; its middleware is the
+    outermost, the first to see a request reach clawd."""
+    connections = Connections(cfg.server)
+    app = web.Application(middlewares=[connections.middleware, *outer_middlewares, openai_errors],
+                          client_max_size=cfg.server.max_body_bytes)
+    app[CONNECTIONS] = connections
     app[CONFIG] = cfg
     app[CHAT] = chat
     app[AUTH] = auth or Authenticator(cfg)
@@ -99,22 +125,34 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(503, "clawd is shutting down", code="shutting_down", retry_after=5)
     if app[SERVING_PAUSED]():
         raise ApiError(503, "clawd is paused by its operator (clawctl resume)", code="paused", retry_after=30)
+    # The whole body before a slot: a client that stalls mid-upload must not hold one of the slots.
+    try:
+        async with asyncio.timeout(cfg.server.body_timeout):
+            body = await request.read()
+    except TimeoutError:
+        resp = ApiError(408, f"The request body did not arrive within {cfg.server.body_timeout:g}s",
+                        code="request_timeout").response()
+        resp.force_close()  # the rest of that body is not worth waiting for
+        return resp
+    except web.RequestPayloadError:  # a body its Content-Encoding does not decode
+        resp = ApiError(400, "The request body could not be decoded; check its Content-Encoding",
+                        code="invalid_body").response()
+        # Closed once the 400 is written (the protocol's own force_close would drop it unsent). aiohttp's
+        # lingering read of the broken rest meets the decode error again: the quiet log counts it.
+        resp.force_close()
+        return resp
     app[ON_REQUEST]()
     if gate.in_flight >= cfg.server.max_concurrent_requests:
         raise ApiError(429, f"More than {cfg.server.max_concurrent_requests} requests in flight; retry shortly",
                        code="too_many_requests", retry_after=1)
-    gate.in_flight += 1
+    slot = Slot(gate)
     try:
-        try:
-            body = await request.read()
-        except web.RequestPayloadError:  # a body its Content-Encoding does not decode
-            raise ApiError(400, "The request body could not be decoded; check its Content-Encoding",
-                           code="invalid_body") from None
         req = parse_chat_request(body, request.headers, app[LIMITS])
-        principal = key_name if key_name is not None else (req.user or "anonymous")
-        return await app[CHAT].complete(req, principal, request)
+        return await app[CHAT].complete(req, app[AUTH].principal_for(key_name, req.user), request,
+                                        release=slot.release)
     finally:
-        gate.in_flight -= 1
+        # A whole (non-streamed) reply is written by aiohttp after this returns: after the release, too.
+        slot.release()
 
 
 async def models(request: web.Request) -> web.Response:

@@ -1,6 +1,14 @@
-"""Who is asking: bearer API keys, and the principal a request is counted and trained under."""
+"""Who is asking: bearer API keys, and the principal a request is counted and trained under.
+
+The principal is what the fairness cap (`scoring.fair_share`) counts and what records are kept
+under. With keys, it is the key's name. With no keys there is nothing a client cannot choose, so
+every request is the one principal "anonymous" unless the operator opts in to trusting the
+request's `user` field (`auth.trust_user_field`): then one client that rotates `user` values can
+fill every batch, which is the operator's call to accept (see the README).
+"""
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from aiohttp import web
@@ -9,15 +17,26 @@ from clawd.config import Config
 from clawd.serving.errors import ApiError
 
 
+ANONYMOUS = "anonymous"
+
+
+def _digest(secret: bytes) -> bytes:
+    # Compared as fixed-size digests: compare_digest on the raw keys would return early on a length
+    # mismatch, telling a caller how long a key is.
+    return hashlib.sha256(secret).digest()
+
+
 class Authenticator:
     """Bearer keys, compared in constant time against every configured key."""
 
     def __init__(self, cfg: Config):
+        self.trust_user_field = cfg.auth.trust_user_field
+        self.max_user_chars = cfg.auth.max_user_chars
         self.set_keys(cfg.auth.keys)
 
     def set_keys(self, keys) -> None:
         """At start and on SIGHUP: the next request is checked against these."""
-        self.keys = [(k.name, k.key.encode()) for k in keys]
+        self.keys = [(k.name, _digest(k.key.encode())) for k in keys]
 
     @property
     def open(self) -> bool:
@@ -31,7 +50,7 @@ class Authenticator:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError(401, "Missing bearer token: send 'Authorization: Bearer <key>'", code="missing_api_key")
-        given = token.strip().encode("utf-8", "surrogateescape")  # header bytes as sent
+        given = _digest(token.strip().encode("utf-8", "surrogateescape"))  # header bytes as sent
         found = None
         for name, key in self.keys:  # no early exit: timing does not reveal which key matched
             if hmac.compare_digest(given, key):
@@ -39,3 +58,12 @@ class Authenticator:
         if found is None:
             raise ApiError(401, "Invalid API key", code="invalid_api_key")
         return found
+
+    def principal_for(self, key_name: str | None, user: str | None) -> str:
+        """The principal of an authenticated request: its key's name; with no keys, "anonymous", or the
+        `user` field cut to max_user_chars when the operator trusts it."""
+        if key_name is not None:
+            return key_name
+        if self.trust_user_field and user:
+            return user[:self.max_user_chars]
+        return ANONYMOUS

@@ -21,6 +21,7 @@ from aiohttp import web
 from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, SAMPLING_PARAMS, FinishedTurn, Turn
 from clawd.serving.request import ChatRequest
 from clawd.config import Config
+from clawd.serving.connections import note_hangup
 from clawd.serving.detokenize import IncrementalDetokenizer
 from clawd.engine.client import NEUTRAL_SAMPLING, Chunk, EngineClient, EngineError, EngineUnavailable
 from clawd.engine.supervisor import EngineSupervisor
@@ -89,6 +90,9 @@ class ChatService:
         self.spawn = spawn  # starts a task owned by the daemon (aborts outlive their request)
         self.stats = ChatStats()
         self.context_length = cfg.model.context_length or tokenizer.info.context_length
+        # A prompt has at most context - 1 tokens; longer text than they can stand for is refused unencoded.
+        per_token = tokenizer.max_chars_per_token
+        self.max_prompt_chars = (self.context_length - 1) * per_token if per_token else None
         self.model_name = cfg.server.served_model_name or cfg.model_path.name
         self._locks = _SessionLocks()
         # Streamed replies: called with the seconds from `complete` to the first token written (metrics).
@@ -96,11 +100,19 @@ class ChatService:
 
     # ---- request → engine payload -------------------------------------------------
 
-    def _prompt_ids(self, req: ChatRequest) -> list[int]:
+    def _prompt_ids(self, req: ChatRequest) -> tuple[list[int], dict]:
+        """The prompt's ids and its pieces new to the tokenizer's cache, kept only once the request passes
+        the context checks; text that cannot fit the context is refused before it is encoded."""
         try:
-            return self.tok.encode_chat(req.render_messages, req.tools, **req.chat_template_kwargs)
+            text = self.tok.render(req.render_messages, req.tools, **req.chat_template_kwargs)
         except TemplateError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from None
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise ApiError(400, f"The prompt is {len(text)} characters, more than the model's context of "
+                           f"{self.context_length} tokens can hold (a token stands for at most "
+                           f"{self.tok.max_chars_per_token} characters)", param="messages",
+                           code="context_length_exceeded")
+        return self.tok.encode_held(text)
 
     def _sampling(self, req: ChatRequest, prompt_len: int, main: bool) -> tuple[dict, float, str | None]:
         s, cfg = req.sampling, self.cfg.sampling
@@ -147,13 +159,16 @@ class ChatService:
 
     # ---- the request ----------------------------------------------------------------
 
-    async def complete(self, req: ChatRequest, principal: str, request: web.Request) -> web.StreamResponse:
+    async def complete(self, req: ChatRequest, principal: str, request: web.Request,
+                       release: Callable[[], None] = lambda: None) -> web.StreamResponse:
+        """`release` gives back the request's slot (idempotent) once the engine's part is over."""
         self.stats.requests += 1
         started = time.monotonic()
-        prompt_ids = self._prompt_ids(req)
+        prompt_ids, new_pieces = self._prompt_ids(req)
         turn_type = req.turn_type or self.cfg.sessions.default_turn_type
         main = turn_type == "main"
         params, temperature, excluded = self._sampling(req, len(prompt_ids), main)
+        self.tok.keep(new_pieces)  # within the context: worth caching
         if req.no_train:
             excluded = NO_TRAIN
         if not self.supervisor.is_ready:
@@ -163,7 +178,7 @@ class ChatService:
         payload = {"input_ids": prompt_ids, "rid": rid, "sampling_params": params, "return_logprob": True}
         if not main:
             self.stats.side_turns += 1
-            return await self._serve(req, request, payload, rid, prompt_ids, None, started)
+            return await self._serve(req, request, payload, rid, prompt_ids, None, started, release)
 
         lock_key = (principal, req.session_id) if req.session_id is not None else None
         if lock_key:
@@ -173,23 +188,26 @@ class ChatService:
             self._finish(admission.finished)
             capture = _Capture(admission=admission, principal=principal, temperature=temperature,
                                excluded=excluded, version=self.policy.version, req=req)
-            return await self._serve(req, request, payload, rid, prompt_ids, capture, started)
+            return await self._serve(req, request, payload, rid, prompt_ids, capture, started, release)
         finally:
             if lock_key:
                 self._locks.release(lock_key)
 
     async def _serve(self, req: ChatRequest, request: web.Request, payload: dict, rid: str,
-                     prompt_ids: list[int], capture: "_Capture | None", started: float) -> web.StreamResponse:
+                     prompt_ids: list[int], capture: "_Capture | None", started: float,
+                     release: Callable[[], None]) -> web.StreamResponse:
         out = _Output(self, req, rid)
         try:
             if req.stream:
-                resp = await self._stream(req, request, payload, out, started)
-            else:
+                resp = await self._stream(req, request, payload, out, started, release)
+            else:  # a whole reply is written by aiohttp after the handler returns: after the slot is released
                 resp = await self._whole(payload, out)
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away (aiohttp cancels the handler, or a write finds the
-            # socket closed): stop the engine's work too.
+            # socket closed): stop the engine's work too. Counted (clawd_aborted_requests_total) and
+            # logged quietly: a client that leaves is routine, a line per hang-up would let one fill the log.
             self.stats.aborted += 1
+            note_hangup(f"rid={rid} stream={req.stream}")
             self.spawn(self._abort(rid))
             if capture:
                 self.sessions.cancel(capture.admission, time.time())
@@ -249,7 +267,7 @@ class ChatService:
                            retry_after=exc.retry_after or 1) from None
 
     async def _stream(self, req: ChatRequest, request: web.Request, payload: dict, out: "_Output",
-                      started: float) -> web.StreamResponse:
+                      started: float, release: Callable[[], None]) -> web.StreamResponse:
         chunks = self.engine.stream(payload)
         # Wait for the engine's first chunk before sending headers, so an engine
         # failure at the start is still a proper 502/503 rather than a broken stream.
@@ -268,8 +286,37 @@ class ChatService:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        await resp.write(out.sse({"role": "assistant", "content": ""}))
+        # This handler reads the engine into `outbox`, (bytes, carries a token) parts then None; the writer
+        # task, which it alone owns, writes them. A client that stops reading stalls only the writer: the
+        # engine's stream is read to its end, the slot released, the rest written under write_timeout. The
+        # outbox holds at most one reply: max_new_tokens (at most the context) events of a few hundred bytes
+        # (~1 kB with log-probs), one per token, plus the role, finish, usage and [DONE] events.
+        outbox: asyncio.Queue[tuple[bytes, bool] | None] = asyncio.Queue()
+        outbox.put_nowait((out.sse({"role": "assistant", "content": ""}), False))
         first_token = self.on_first_token
+        writer = asyncio.create_task(_deliver(
+            resp, outbox, None if first_token is None else lambda: first_token(time.monotonic() - started)))
+        try:
+            try:
+                await self._pump(req, first, chunks, out, outbox, writer)
+            finally:
+                await chunks.aclose()
+            outbox.put_nowait(None)
+            release()
+            await writer  # a failed write (the client left) raises here: the abort path in _serve
+        finally:
+            if not writer.done():  # this request is ending another way (cancelled): the writer goes with it
+                writer.cancel()
+                await asyncio.wait([writer])
+            if writer.done() and not writer.cancelled():
+                # Read, so asyncio does not log it as never retrieved: a write that failed as the client left,
+                # while this request is already ending by its own exception (which says so).
+                writer.exception()
+        return resp
+
+    async def _pump(self, req: ChatRequest, first: Chunk | None, chunks, out: "_Output", outbox: asyncio.Queue,
+                    writer: asyncio.Task) -> None:
+        """The engine's chunks, from `first` to the end, as SSE events into `outbox`."""
         try:
             chunk = first
             while chunk is not None:
@@ -277,11 +324,10 @@ class ChatService:
                 if logprobs and not deltas:
                     deltas = [{}]  # log-probs of tokens whose text is still held back
                 if deltas:  # one write per engine chunk, however many events it makes
-                    await resp.write(b"".join(out.sse(d, logprobs=logprobs if i == len(deltas) - 1 else None)
-                                              for i, d in enumerate(deltas)))
-                    if first_token is not None:  # once: the client has its first token
-                        first_token(time.monotonic() - started)
-                        first_token = None
+                    outbox.put_nowait((b"".join(out.sse(d, logprobs=logprobs if i == len(deltas) - 1 else None)
+                                                for i, d in enumerate(deltas)), True))
+                if writer.done():  # it ends early only when a write failed: the client left
+                    writer.result()
                 chunk = await anext(chunks, None)
             if out.engine_finish == "abort":
                 raise EngineError("the engine aborted the request")
@@ -290,19 +336,14 @@ class ChatService:
             self.stats.engine_errors += 1
             out.failed = True
             err = ApiError(502, f"The model engine failed mid-stream: {exc}", code="engine_error").body()
-            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
-        finally:
-            await chunks.aclose()
+            outbox.put_nowait((b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n", False))
+            return
         tail.append(out.sse({}, finish=out.finish_reason))
         if req.include_usage:
             tail.append(b"data: " + json.dumps(out.usage_chunk()).encode() + b"\n\n")
         tail.append(b"data: [DONE]\n\n")
-        await resp.write_eof(b"".join(tail))
-        if first_token is not None and out.ids:  # the detokenizer held every token back until the end
-            first_token(time.monotonic() - started)
-        return resp
+        # Tokens the detokenizer held back to the end arrive in the tail: their first one is written there.
+        outbox.put_nowait((b"".join(tail), bool(out.ids)))
 
     # ---- the captured turn ---------------------------------------------------------
 
@@ -328,6 +369,16 @@ class ChatService:
     def _finish(self, finished: list[FinishedTurn]) -> None:
         for ft in finished:
             self.on_finished(ft)
+
+
+async def _deliver(resp: web.StreamResponse, outbox: asyncio.Queue, on_token: Callable[[], None] | None) -> None:
+    """A streamed reply's writer: each part as it comes, until None; then the end of the response."""
+    while (part := await outbox.get()) is not None:
+        await resp.write(part[0])
+        if part[1] and on_token is not None:  # once: the client has its first token
+            on_token()
+            on_token = None
+    await resp.write_eof()
 
 
 @dataclass

@@ -16,6 +16,11 @@ Lifecycle: `begin` when a main request arrives (may finalize the session's
 pending turn), then `complete` (the new turn becomes pending) or `cancel`.
 A session with a request in flight is never expired or evicted; it re-enters
 the idle order when its last request ends.
+
+Memory: a session keeps hashes and at most one pending turn, whose messages and
+ids (`turn_bytes`) count against `max_bytes`; beyond it the least recently
+active idle sessions holding a turn are closed (EVICTED), as beyond
+`max_sessions`.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from clawd.messages import content_parts, tool_arguments
+from clawd.tokenizer import turn_bytes
 from clawd.turns import (EVICTED, IDLE_TIMEOUT, MAX_TURNS, REGENERATED, SESSION_DONE,
                          SHUTDOWN, FinishedTurn, Turn)
 
@@ -85,6 +91,7 @@ class _Session:
     pending: Turn | None = None  # latest turn, still waiting for its next state
     pending_prompt: bytes = b""
     pending_reply: bytes = b""
+    pending_bytes: int = 0  # turn_bytes of the pending turn
     inflight: int = 0
     closed: str | None = None  # why it closed
 
@@ -105,10 +112,13 @@ class Admission:
 
 class SessionTable:
     def __init__(self, *, idle_timeout: float, max_turns: int, max_sessions: int,
-                 new_id: Callable[[], str]):
+                 new_id: Callable[[], str], max_bytes: int | None = None):
         self.idle_timeout = idle_timeout
         self.max_turns = max_turns
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes  # None: no byte budget
+        self.retained_bytes = 0     # turn_bytes of all pending turns
+        self.evicted_for_bytes = 0  # sessions closed to stay within max_bytes
         self.new_id = new_id
         self._sessions: dict[Key, _Session] = {}
         # sessions with no request in flight, least recently active first
@@ -195,13 +205,15 @@ class SessionTable:
         s.replies.append((turn.turn_index, reply))
         self._replies[(s.principal, reply)] = (s, turn.turn_index)
         s.pending, s.pending_prompt, s.pending_reply = turn, admission.prompt_hash, reply
+        s.pending_bytes = turn_bytes(turn)
+        self.retained_bytes += s.pending_bytes
         self._prompts[(s.principal, admission.prompt_hash)] = s
         self._pending += 1
         if done:
             finished += self._close(s, SESSION_DONE, now)
         elif turn.turn_index + 1 >= self.max_turns:
             finished += self._close(s, MAX_TURNS, now)
-        return finished
+        return finished + self._shed_bytes(now)
 
     def cancel(self, admission: Admission, now: float) -> None:
         """Generation failed or the client left: nothing becomes pending."""
@@ -237,6 +249,23 @@ class SessionTable:
         self._sessions[s.key] = s
         return s
 
+    def _shed_bytes(self, now: float) -> list[FinishedTurn]:
+        """Close the least recently active idle sessions holding a turn until within max_bytes; in-flight
+        ones are kept, so the table may overshoot by what they hold (bounded by the concurrency limit)."""
+        excess = self.retained_bytes - self.max_bytes if self.max_bytes is not None else 0
+        victims = []
+        for s in self._idle.values():  # sessions without a pending turn free nothing: kept
+            if excess <= 0:
+                break
+            if s.pending_bytes:
+                victims.append(s)
+                excess -= s.pending_bytes
+        finished: list[FinishedTurn] = []
+        for s in victims:
+            finished += self._close(s, EVICTED, now)
+        self.evicted_for_bytes += len(victims)
+        return finished
+
     def _touch_begin(self, s: _Session, now: float) -> None:
         s.inflight += 1
         s.last_active = now
@@ -264,6 +293,8 @@ class SessionTable:
             s.replies.remove((turn.turn_index, s.pending_reply))
             self._unindex_reply(s, s.pending_reply)
         s.pending, s.pending_prompt, s.pending_reply = None, b"", b""
+        self.retained_bytes -= s.pending_bytes
+        s.pending_bytes = 0
         self._pending -= 1
         return FinishedTurn(turn, next_state, reason, now)
 

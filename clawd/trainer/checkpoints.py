@@ -6,6 +6,12 @@
 Every directory is written by `clawd.weights.atomic_dir`: absent or complete. A checkpoint's
 `complete` marker is its last file; one without it is never resumed. The trainer process only
 (torch); `clawd.weights` reads the same layout in the daemon.
+
+Fault points (clawd.faults): `trainer.publish.write` / `trainer.checkpoint.write` as each write
+starts (its temporary directory exists), `trainer.publish.mid` once the safetensors are written and
+before the tokenizer files and the rename, `trainer.checkpoint.mid` after the model's tensors and
+before the optimizer state. `publish_bytes` / `checkpoint_bytes` estimate a write for the free-space
+check that precedes it.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from clawd import faults
 from clawd.weights import CHECKPOINT_DIR, VERSION_DIR, atomic_dir, complete_checkpoints, numbered
 
 CHECKPOINT_FORMAT = 1  # bumped when a checkpoint's files change meaning
@@ -40,6 +47,7 @@ def publish_weights(model, model_dir: Path, dest: Path, dtype: str = "float32") 
     target = getattr(torch, dtype)
 
     def write(tmp: Path) -> None:
+        faults.point("trainer.publish.write")
         if all(t.dtype == target for t in model.state_dict().values() if t.is_floating_point()):
             model.save_pretrained(tmp)  # the master weights as they are: float32 stays bit-exact
         else:
@@ -47,6 +55,7 @@ def publish_weights(model, model_dir: Path, dest: Path, dtype: str = "float32") 
             config = copy.deepcopy(model.config)  # save_pretrained wrote the model's own dtype
             config.dtype = dtype
             config.save_pretrained(tmp)
+        faults.point("trainer.publish.mid")
         for src in sorted(model_dir.iterdir()):
             if (src.is_file() and not src.name.startswith(".") and not (tmp / src.name).exists()
                     and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json")):
@@ -66,6 +75,33 @@ def cast_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             done[key] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
         out[name] = done[key]
     return out
+
+
+def _unique_tensors(model):
+    """The state dict's tensors, each storage once (tied embeddings are written once)."""
+    seen = set()
+    for tensor in model.state_dict().values():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            yield tensor
+
+
+def publish_bytes(model, model_dir: Path, dtype: str) -> int:
+    """About what `publish_weights` writes: the tensors in dtype and the copied tokenizer files."""
+    size = getattr(torch, dtype).itemsize
+    tensors = sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in _unique_tensors(model))
+    files = sum(p.stat().st_size for p in model_dir.iterdir()
+                if p.is_file() and not p.name.startswith(".") and not p.name.endswith(_WEIGHT_SUFFIXES))
+    return tensors + files
+
+
+def checkpoint_bytes(model, optimizer) -> int:
+    """About what `save_checkpoint` writes: the master weights and the optimizer's state tensors."""
+    weights = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
+    state = sum(v.numel() * v.element_size() for per in optimizer.state.values() for v in per.values()
+                if isinstance(v, torch.Tensor))
+    return weights + state
 
 
 def prune_versions(weights_dir: Path, keep: int, spare: int) -> None:
@@ -99,7 +135,9 @@ def save_checkpoint(checkpoints_dir: Path, model, optimizer, state: dict[str, An
         rng["cuda"] = torch.cuda.get_rng_state_all()
 
     def write(tmp: Path) -> None:
+        faults.point("trainer.checkpoint.write")
         save_model(model, str(tmp / "model.safetensors"))
+        faults.point("trainer.checkpoint.mid")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(rng, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps(state, allow_nan=True) + "\n")

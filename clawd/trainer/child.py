@@ -9,12 +9,19 @@ here, in the child only.
 
 The handler: `factory(options)` returns an object with `step`, `version` (the newest version ever
 published: new ones must be above it) and `weights_version` (the version whose weights it holds;
-0 = the base model), all restored from its last checkpoint; `train(batch_id, version, samples)`
--> {"weights_dir": str | None, "metrics": dict, "per_sample": list (optional), "checkpointed":
-bool (optional)}, where `version` is the version the new weights will carry; `publish(version)`
--> weights_dir (its current weights as a new version, checkpointed) and `checkpoint()` ->
-(path, step). An exception becomes an `error` reply; it is retryable when the exception has a
-true `retryable` attribute (see `RetryableError`).
+0 = the base model), all restored from its last checkpoint, and optionally `checkpoint_step` and
+`owed` (the writes its last step still needs); `train(batch_id, version, samples)` -> {"weights_dir":
+str | None, "metrics": dict, "per_sample": list (optional), "checkpointed": bool (optional),
+"failed": {op, kind, message} | None (optional: a write after the step failed)}, where `version` is
+the version the new weights will carry; `publish(version)` -> weights_dir (its current weights as a
+new version) and `checkpoint()` -> (path, step). Every reply carries `state` (`state_of`).
+
+An exception becomes an `error` reply with a `kind`: "disk" (OSError ENOSPC/EDQUOT, from a write or
+the free-space check) and "io" (any other OSError) are retryable; "step" (an exception with a true
+`fatal` attribute: the model is in an unknown state) is not, and the process exits 1 after replying
+so that the daemon restarts it from its last checkpoint; anything else is "request", retryable when
+the exception has a true `retryable` attribute (see `RetryableError`). An error reply to `train`
+means the handler kept no step for that batch.
 
 A spawned process does not inherit the daemon's logging: `main` sets it up at
 `options["log_level"]` (the daemon's [logging] level), on the stderr it shares with the daemon.
@@ -32,6 +39,7 @@ from typing import Callable
 from clawd.config import LOG_FORMAT
 from clawd.samples import Sample
 from clawd.trainer.wire import recv_message, send_message
+from clawd.weights import write_failure_kind
 
 _PR_SET_PDEATHSIG = 1
 
@@ -50,13 +58,35 @@ def _die_with_parent() -> None:
         os._exit(1)  # the daemon died before the signal was armed
 
 
-def _error(batch_id, exc: BaseException) -> dict:
-    return {"type": "error", "batch_id": batch_id, "message": f"{type(exc).__name__}: {exc}",
-            "retryable": bool(getattr(exc, "retryable", False))}
+def state_of(handler) -> dict:
+    """What every reply says of the trainer: its step, its newest version (the next one goes above it),
+    the version its weights are, the step of its newest checkpoint and the writes it owes."""
+    return {"step": handler.step, "version": handler.version, "weights_version": handler.weights_version,
+            "checkpoint_step": getattr(handler, "checkpoint_step", None), "owed": list(getattr(handler, "owed", []))}
+
+
+def _error(batch_id, exc: BaseException, handler=None) -> dict:
+    if isinstance(exc, OSError):
+        kind, retryable, fatal = write_failure_kind(exc), True, False
+    else:
+        fatal = bool(getattr(exc, "fatal", False))
+        kind, retryable = ("step", False) if fatal else ("request", bool(getattr(exc, "retryable", False)))
+    reply = {"type": "error", "batch_id": batch_id, "message": f"{type(exc).__name__}: {exc}",
+             "retryable": retryable, "kind": kind, "fatal": fatal}
+    if handler is not None:
+        reply["state"] = state_of(handler)
+    return reply
 
 
 def handle(handler, msg: dict) -> dict:
-    """The reply to one request. Handler exceptions become `error` replies."""
+    """The reply to one request, with the handler's state. Handler exceptions become `error` replies."""
+    reply = _reply(handler, msg)
+    if reply["type"] != "error":
+        reply["state"] = state_of(handler)
+    return reply
+
+
+def _reply(handler, msg: dict) -> dict:
     kind = msg.get("type")
     if kind == "ping":
         return {"type": "pong", "n": msg.get("n")}
@@ -69,7 +99,7 @@ def handle(handler, msg: dict) -> dict:
             return {"type": "trained", "batch_id": batch_id, "version": msg["version"],
                     "weights_dir": None if weights is None else str(weights), "metrics": out.get("metrics", {}),
                     "per_sample": list(out.get("per_sample", [])),
-                    "checkpointed": bool(out.get("checkpointed", False))}
+                    "checkpointed": bool(out.get("checkpointed", False)), "failed": out.get("failed")}
         if kind == "publish":
             weights = handler.publish(msg["version"])
             return {"type": "published", "version": msg["version"], "weights_dir": str(weights)}
@@ -78,7 +108,7 @@ def handle(handler, msg: dict) -> dict:
             return {"type": "checkpointed", "path": str(path), "step": step}
         raise ValueError(f"unknown message type {kind!r}")
     except Exception as exc:
-        return _error(batch_id, exc)
+        return _error(batch_id, exc, handler)
 
 
 def main(conn, factory: Factory | None, options: dict) -> None:
@@ -96,7 +126,7 @@ def main(conn, factory: Factory | None, options: dict) -> None:
             from clawd.trainer.handler import make as factory
         handler = factory(options)
         ready = {"type": "ready", "pid": os.getpid(), "step": handler.step, "version": handler.version,
-                 "weights_version": handler.weights_version}
+                 "weights_version": handler.weights_version, "state": state_of(handler)}
     except Exception as exc:
         send_message(conn, _error(None, exc))
         raise SystemExit(1)
@@ -108,4 +138,9 @@ def main(conn, factory: Factory | None, options: dict) -> None:
             return  # the daemon is gone
         if msg.get("type") == "shutdown":
             return
-        send_message(conn, handle(handler, msg))
+        reply = handle(handler, msg)
+        send_message(conn, reply)
+        if reply.get("fatal"):
+            logging.getLogger("clawd.trainer").error("exiting to be restarted from the last checkpoint: %s",
+                                                     reply["message"])
+            raise SystemExit(1)

@@ -1,22 +1,35 @@
 """The real trainer's handler: the messages of `clawd.trainer.wire` -> `Trainer` calls.
 
 Imported only in the spawned trainer process (`clawd.trainer.child` imports it when the link
-was given no factory): it imports torch through `clawd.trainer.step`. A train message trains one
-batch, publishes the new weights as the version the daemon asked for, and checkpoints when due,
-so the reply tells the daemon both where the weights are and whether the batch's samples are now
-safe to acknowledge in the journal.
+was given no factory): it imports torch through `clawd.trainer.step`.
+
+A train message takes the optimizer step once, then tries its writes: the weights directory of the
+version the daemon asked for, then a checkpoint when one is due. The step and its writes are
+separate: a write that fails (a full disk, an I/O error) leaves the step in memory and is reported
+in the reply (`failed`), and the handler owes it (`owed`, in every reply's `state`) until a
+`publish` or `checkpoint` message writes it alone. Nothing is ever trained twice for a write.
+
+After every step one line goes to the trained-steps ledger (`clawd.weights.Ledger`,
+state_dir/trainer/steps.jsonl), synced before every checkpoint.
 
 Its options (`clawd.trainer.link.trainer_options`): mode, model_dir, state_dir and train, a
 `TrainConfig` or a [train] table as a dict; dtype, the `[model] dtype` that versions are published
-in ("auto", the base model's, when absent). The GPU share is train's memory_fraction.
+in ("auto", the base model's, when absent); min_free_bytes, what every write must leave free
+(`[state] min_free_bytes`; 0 when absent). The GPU share is train's memory_fraction.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
+from clawd import faults
 from clawd.config import TrainConfig, config_from_dict
 from clawd.samples import Sample
-from clawd.trainer.step import Trainer
+from clawd.trainer.step import StepFailed, Trainer
+from clawd.weights import Ledger, ledger_path, write_failure_kind
+
+log = logging.getLogger("clawd.trainer")
 
 
 def train_config(train: TrainConfig | dict | None) -> TrainConfig:
@@ -31,7 +44,13 @@ class TrainerHandler:
     def __init__(self, options: dict):
         self.mode = options["mode"]
         self.trainer = Trainer(Path(options["model_dir"]), Path(options["state_dir"]),
-                               train_config(options.get("train")), dtype=options.get("dtype", "auto"))
+                               train_config(options.get("train")), dtype=options.get("dtype", "auto"),
+                               min_free_bytes=int(options.get("min_free_bytes", 0)))
+        self.ledger = Ledger(ledger_path(options["state_dir"]))
+        # The resumed weights' line: a publish of them under a new version writes it again with that version.
+        self._line = self.ledger.last_line(self.trainer.step) if self.trainer.step else None
+        self._owe_checkpoint = False  # a checkpoint was due (or the step was skipped) and is not written yet
+        self._batch: Any = self.trainer.journal_position  # the last trained batch: the checkpoint's position
 
     @property
     def step(self) -> int:
@@ -45,30 +64,99 @@ class TrainerHandler:
     def weights_version(self) -> int:
         return self.trainer.weights_version
 
+    @property
+    def checkpoint_step(self) -> int:
+        return self.trainer.checkpoint_step
+
+    @property
+    def owed(self) -> list[str]:
+        """The writes the last step still needs, in the order they must happen: "publish" (the weights
+        are in no version yet), then "checkpoint" (due, and not written)."""
+        t = self.trainer
+        out = ["publish"] if t.unpublished else []
+        if self._owe_checkpoint or t.checkpoint_due:
+            out.append("checkpoint")
+        return out
+
     def train(self, batch_id: str, version: int, samples: list[Sample]) -> dict:
         t = self.trainer
+        if t.step and t.step == t.checkpoint_step and batch_id == self._batch:
+            # The checkpoint this child resumed from already holds this batch's step: its predecessor died
+            # after writing it, before its reply, and the batch came again. Never train it twice.
+            return {"weights_dir": None, "checkpointed": True, "failed": None,
+                    "metrics": {"skipped": True, "step": t.step, "skip_reason": f"batch {batch_id} is already in "
+                                f"the checkpoint of step {t.step} (the trainer died before its reply)"}}
         if t.paused:  # the daemon paused on our report and has been resumed by the operator
             t.unpause()
-        metrics = t.train_step(samples, self.mode)
+        metrics = t.train_step(samples, self.mode)  # StepFailed: fatal, the child exits after replying
+        try:
+            return self._after_step(batch_id, version, samples, metrics)
+        except Exception as exc:  # writes report their own failures; anything else must not be retrained on
+            raise StepFailed(f"after step {t.step}: {type(exc).__name__}: {exc}") from exc
+
+    def _after_step(self, batch_id: str, version: int, samples: list[Sample], metrics: dict) -> dict:
+        t = self.trainer
+        self._batch = batch_id
+        self._line = {"step": t.step, "batch_id": batch_id, "version": None,
+                      "samples": [s.sample_id for s in samples], "skipped": bool(metrics["skipped"])}
+        weights, failed = None, None
         if metrics["skipped"]:
             # Nothing changed: nothing to publish; the samples are spent (their step was non-finite).
-            t.checkpoint(batch_id)
-            return {"weights_dir": None, "metrics": metrics, "checkpointed": True}
-        weights = t.publish(version)
-        checkpointed = t.checkpoint_due
-        if checkpointed:
-            t.checkpoint(batch_id)
-        return {"weights_dir": str(weights), "metrics": metrics, "checkpointed": checkpointed}
+            self._owe_checkpoint = True
+            self._note_line()
+        else:
+            try:
+                weights = str(self._publish(version))
+            except OSError as exc:
+                failed = self._failed("publish", exc)
+                self._note_line()  # the step happened; its version comes with the publish that succeeds
+        checkpointed = False
+        if failed is None and self.owed == ["checkpoint"]:  # never over weights no version says
+            try:
+                self._checkpoint()
+                checkpointed = True
+            except OSError as exc:
+                failed = self._failed("checkpoint", exc)
+        return {"weights_dir": weights, "metrics": metrics, "checkpointed": checkpointed, "failed": failed}
 
     def publish(self, version: int) -> str:
-        """After a restart from a checkpoint whose version is no longer published (or is not what
-        the engine serves): the same weights under a new version, and a checkpoint that says so."""
-        weights = self.trainer.publish(version)
-        self.trainer.checkpoint(self.trainer.journal_position)
+        """The current weights as `version`: the write a failed train reply left owed, or, after a restart
+        from a checkpoint whose version is no longer published (or not what the engine serves), the same
+        weights under a new number. Then a checkpoint is owed if due, or if the weights are the checkpoint's
+        (so that the next restart serves this version)."""
+        republish = not self.trainer.unpublished and self.trainer.step == self.trainer.checkpoint_step
+        weights = self._publish(version)
+        if republish:
+            self._owe_checkpoint = True
         return str(weights)
 
     def checkpoint(self) -> tuple[str, int]:
-        return str(self.trainer.checkpoint(None)), self.trainer.step
+        return str(self._checkpoint()), self.trainer.step
+
+    def _publish(self, version: int) -> Path:
+        weights = self.trainer.publish(version)
+        if self._line is not None and self._line["step"] == self.trainer.step:
+            self._line = {**self._line, "version": version}
+            self._note_line()
+        return weights
+
+    def _checkpoint(self) -> Path:
+        self.ledger.sync()  # every line up to this step is on disk before a checkpoint says it happened
+        path = self.trainer.checkpoint(self._batch)
+        self._owe_checkpoint = False
+        faults.point("trainer.checkpoint.done")  # written, not yet replied: the window a retry must not retrain
+        return path
+
+    def _note_line(self) -> None:
+        self.ledger.add(self._line)
+        try:
+            self.ledger.flush()
+        except OSError as exc:  # kept queued: the next checkpoint writes it first, or fails with it
+            log.warning("trained-steps ledger: %s (line kept for the next checkpoint)", exc)
+
+    def _failed(self, op: str, exc: OSError) -> dict:
+        log.error("step %d: %s failed, owed until written: %s", self.trainer.step, op, exc)
+        return {"op": op, "kind": write_failure_kind(exc), "message": f"{type(exc).__name__}: {exc}"}
 
 
 def make(options: dict) -> TrainerHandler:

@@ -8,8 +8,9 @@ while it leaves nor while a large reply arrives (the format: `clawd.trainer.wire
 
 `TrainerSupervisor` keeps one child alive: `run()` restarts it with exponential backoff (its
 handler resumes from the last checkpoint) and `train()` sends the same batch again after a
-restart. After `attempts` it raises; the caller still holds the samples, nothing is dropped
-silently.
+restart, under a version above the new child's newest. After `attempts` it raises; the caller
+still holds the samples, nothing is dropped silently. Every reply's `state` (the trainer's step,
+newest version and owed writes; `clawd.trainer.wire`) is kept as `link.state`.
 
 `trainer_options(cfg)` is what the real trainer is spawned with. The handler is the child's
 business: a link given no factory runs `clawd.trainer.handler.make`, imported in the child only.
@@ -27,7 +28,6 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Sequence
 
@@ -35,7 +35,8 @@ from clawd.config import Config
 from clawd.devices import Launch, child_env, device_set
 from clawd.samples import Sample
 from clawd.trainer import child
-from clawd.trainer.wire import ProtocolError, answers, encode_message, frame_header, message_frames, read_message
+from clawd.trainer.wire import (Checkpointed, ProtocolError, Ready, Trained, answers, encode_message, frame_header,
+                                message_frames, read_message, retitled)
 
 log = logging.getLogger("clawd.trainer")
 
@@ -65,12 +66,21 @@ class TrainerUnavailable(TrainerError):
 
 
 class HandlerError(TrainerError):
-    """The handler raised; the child is fine. `retryable` says whether trying again may help."""
+    """The handler raised. `retryable` says whether trying again may help; `kind` is the wire's ("disk",
+    "io", "step", "request"); `fatal`: the child exits and is restarted from its checkpoint."""
 
-    def __init__(self, message: str, *, retryable: bool, batch_id: str | None = None):
+    def __init__(self, message: str, *, retryable: bool, batch_id: str | None = None, kind: str = "request",
+                 fatal: bool = False):
         super().__init__(message)
         self.retryable = retryable
         self.batch_id = batch_id
+        self.kind = kind
+        self.fatal = fatal
+
+    @classmethod
+    def of(cls, reply: dict, batch_id: str | None = None) -> "HandlerError":
+        return cls(reply["message"], retryable=reply["retryable"], batch_id=batch_id,
+                   kind=reply.get("kind", "request"), fatal=bool(reply.get("fatal", False)))
 
 
 class TrainFailed(TrainerError):
@@ -81,35 +91,12 @@ class TrainFailed(TrainerError):
         self.attempts = attempts
 
 
-@dataclass(frozen=True)
-class Ready:
-    pid: int
-    step: int
-    version: int          # the newest version the trainer has published: new ones go above it
-    weights_version: int  # the version whose weights it holds (its checkpoint's); 0: the base model
-
-
-@dataclass(frozen=True)
-class Trained:
-    batch_id: str
-    version: int
-    weights_dir: str | None  # None: the step was skipped (non-finite), nothing to publish
-    metrics: dict
-    per_sample: list
-    checkpointed: bool = False  # the batch's samples may now be acknowledged in the journal
-
-
-@dataclass(frozen=True)
-class Checkpointed:
-    path: str
-    step: int
-
-
 def trainer_options(cfg: Config) -> dict:
     """The options the real trainer (`clawd.trainer.handler`) is spawned with, for a daemon run by cfg.
     `env`: what the child changes in its inherited environment before torch starts CUDA (its GPUs)."""
     return {"mode": cfg.scoring.mode, "model_dir": str(cfg.model_path.resolve()),
             "state_dir": str(cfg.state_dir.resolve()), "train": cfg.train, "dtype": cfg.model.dtype,
+            "min_free_bytes": cfg.state.min_free_bytes,
             "log_level": cfg.logging.level, "env": child_env(cfg, cfg.train.gpus, dict(os.environ), unbuffered=False)}
 
 
@@ -138,6 +125,7 @@ class TrainerLink:
         self.factory = factory  # None: the real trainer
         self.ready_timeout = ready_timeout
         self.ready: Ready | None = None
+        self.state: dict | None = None  # the last reply's `state`
         self.exitcode: int | None = None
         self.stats: collections.Counter = collections.Counter()  # frames_in, bytes_in, frames_out, bytes_out
         self._process = None
@@ -149,6 +137,7 @@ class TrainerLink:
         self._eof = asyncio.Event()     # the reader stopped: end of stream or a bad message
         self._closed = asyncio.Event()  # both, and every waiting request settled
         self._doomed = False            # kill() or stop() was called
+        self._exit_grace = _GRACE       # from its end of stream to its exit; a stopping child's teardown may be slow
         self._pings = itertools.count(1)
 
     @property
@@ -235,13 +224,13 @@ class TrainerLink:
     async def checkpoint(self, timeout: float | None = None) -> Checkpointed:
         reply = await self.request({"type": "checkpoint"}, timeout)
         if reply["type"] == "error":
-            raise HandlerError(reply["message"], retryable=reply["retryable"])
+            raise HandlerError.of(reply)
         return Checkpointed(reply["path"], reply["step"])
 
     async def publish(self, version: int, timeout: float | None = None) -> str:
         reply = await self.request({"type": "publish", "version": version}, timeout)
         if reply["type"] == "error":
-            raise HandlerError(reply["message"], retryable=reply["retryable"])
+            raise HandlerError.of(reply)
         return reply["weights_dir"]
 
     async def stop(self, timeout: float = 30.0) -> int | None:
@@ -250,6 +239,7 @@ class TrainerLink:
             return None
         if not self._exited.is_set():
             self._doomed = True
+            self._exit_grace = timeout  # torch's teardown after the socket closes can take seconds under load
             if self._writer is not None and not self._eof.is_set() and not self._writer.is_closing():
                 self._write(message_frames({"type": "shutdown"}))
             if not await _wait(self._closed, timeout):
@@ -323,6 +313,8 @@ class TrainerLink:
             if not fut.done():
                 fut.set_exception(err)
             raise err
+        if isinstance(reply.get("state"), dict):
+            self.state = reply["state"]
         if not fut.done():  # a cancelled request's reply is dropped; the order holds
             fut.set_result(reply)
 
@@ -333,7 +325,7 @@ class TrainerLink:
         for w in waits:
             w.cancel()
         if not self._exited.is_set():  # it closed its end yet lives: it can no longer be talked to
-            if not await _wait(self._exited, _GRACE):
+            if not await _wait(self._exited, self._exit_grace):
                 self.kill()
             await self._exited.wait()
         if not await _wait(self._eof, _GRACE):  # a grandchild may hold the socket open
@@ -383,9 +375,17 @@ class TrainerSupervisor:
         return self.link.ready if self.alive else None
 
     @property
+    def state(self) -> dict | None:
+        """The live child's state as its last reply gave it, or None while there is none."""
+        return self.link.state if self.alive else None
+
+    @property
     def version(self) -> int:
-        """The newest weights version the trainer has (restored from its checkpoint at start)."""
-        return self.link.ready.version if self.link is not None and self.link.ready is not None else 0
+        """The newest weights version the trainer has published (as its last reply said): new ones go above."""
+        link = self.link
+        if link is None or link.ready is None:
+            return 0
+        return link.state["version"] if link.state is not None else link.ready.version
 
     async def run(self) -> None:
         """The long-lived task: start the child, wait for its end, restart it with backoff."""
@@ -422,11 +422,14 @@ class TrainerSupervisor:
                     timeout: float | None = None) -> Trained:
         """One training step on `samples`, producing weights `version`; retried across restarts."""
         msg = {"type": "train", "batch_id": batch_id, "version": version, "samples": list(samples)}
-        frames = await encode_message(msg)  # once: every attempt sends the same bytes
+        frames = await encode_message(msg)  # once: every attempt sends the same samples
         head = {k: v for k, v in msg.items() if k != "samples"}
         last: TrainerError | None = None
         for attempt in range(1, self.attempts + 1):
             link = await self._live_link()
+            if self.version >= head["version"]:  # a restarted child may have published it before dying
+                head = {**head, "version": self.version + 1}
+                frames = [retitled(frames[0], version=head["version"]), *frames[1:]]
             try:
                 reply = await link.request(head, timeout, frames=frames)
             except (TrainerDied, TrainerTimeout, TrainerProtocolError) as exc:
@@ -435,8 +438,9 @@ class TrainerSupervisor:
                 continue
             if reply["type"] == "trained":
                 return Trained(reply["batch_id"], reply["version"], reply["weights_dir"], reply["metrics"],
-                               reply.get("per_sample", []), bool(reply.get("checkpointed", False)))
-            last = HandlerError(reply["message"], retryable=reply["retryable"], batch_id=batch_id)
+                               reply.get("per_sample", []), bool(reply.get("checkpointed", False)),
+                               reply.get("failed"), reply.get("state"))
+            last = HandlerError.of(reply, batch_id)
             if not last.retryable:
                 raise last
             log.warning("batch %s, attempt %d/%d: %s", batch_id, attempt, self.attempts, last)
@@ -449,7 +453,8 @@ class TrainerSupervisor:
         return await (await self._live_link()).checkpoint(timeout)
 
     async def publish(self, version: int, timeout: float | None = None) -> str:
-        """The trainer's current weights as a new version (checkpointed with it); its directory."""
+        """The trainer's current weights as a new version; its directory. Its state then says whether a
+        checkpoint is owed."""
         return await (await self._live_link()).publish(version, timeout)
 
     async def ready_info(self) -> Ready:

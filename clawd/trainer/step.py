@@ -31,6 +31,14 @@ kernel applies) and AdamW is fused, on CPU in float32. Published versions are ca
 dtype (`clawd.weights.model_dtype`). Dropout is off (eval mode): the policy being trained is the
 one that sampled, and with ppo_epochs = 1 the ratio is exactly 1.
 
+Failures. An exception inside a step (after its arguments were checked) is `StepFailed`, `fatal`: the
+weights, gradients or optimizer state may be half updated, so the trainer process exits and is
+restarted from its last checkpoint. A write (publish, checkpoint) is separate from the step: it
+checks free space first (`min_free_bytes`, OSError ENOSPC when short), and a failed one changes
+nothing and may be tried again alone. A checkpoint is refused while the weights of the last step are
+unpublished: it records the version its weights were published as. The fault point
+`trainer.step.after_optimizer` fires right after each optimizer step, before any write.
+
 Scale-out (docs/ARCHITECTURE.md §13): nothing here assumes more than this process's model. Under
 torchrun + FSDP2 the same step runs on every rank (grad_norm would all-reduce), and publish/checkpoint
 gather the full state and write from rank 0 only; the version is a directory name.
@@ -46,16 +54,23 @@ from typing import Any
 
 import torch
 
+from clawd import faults
 from clawd.config import TrainConfig
 from clawd.samples import MODES, Sample
 from clawd.trainer import checkpoints, losses
-from clawd.weights import model_dtype, remove_temporaries, version_dir
+from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
 
 PAUSE_AFTER_SKIPS = 3  # non-finite steps in a row before learning pauses
 
 
 class TrainingPaused(RuntimeError):
     """train_step while learning is paused after non-finite steps; `unpause()` lifts it."""
+
+
+class StepFailed(RuntimeError):
+    """The step raised after it began changing state: the model is in an unknown state, and the trainer
+    process must be restarted from its last checkpoint."""
+    fatal = True
 
 
 # --- packing (pure) --------------------------------------------------------------------------
@@ -142,8 +157,9 @@ class Trainer:
     """
 
     def __init__(self, model_dir: str | Path, state_dir: str | Path, cfg: TrainConfig = TrainConfig(), *,
-                 dtype: str = "auto"):
-        """dtype: `[model] dtype`, the dtype versions are published in ("auto": the base model's)."""
+                 dtype: str = "auto", min_free_bytes: int = 0):
+        """dtype: `[model] dtype`, the dtype versions are published in ("auto": the base model's);
+        min_free_bytes: `[state] min_free_bytes`, what a write must leave free on the state directory."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -151,6 +167,7 @@ class Trainer:
             raise ValueError("invalid trainer config: " + "; ".join(f"{k} {v}" for k, v in problems.items()))
         hf_logging.disable_progress_bar()  # stderr is the daemon's log
         self.cfg = cfg
+        self.min_free_bytes = min_free_bytes
         self.model_dir = Path(model_dir)
         self.state_dir = Path(state_dir)
         self.weights_dir = self.state_dir / "weights"
@@ -185,6 +202,8 @@ class Trainer:
         self.step = 0                  # batches trained (train_step calls), skipped ones included
         self.version = 0               # the newest version published: new ones must be above it
         self.weights_version = 0       # the version the current weights were published as; 0: model_dir
+        self.unpublished = False       # a step changed the weights since: weights_version no longer says them
+        self.checkpoint_step = 0       # the step of the newest checkpoint (0: none)
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.paused = False
@@ -242,6 +261,15 @@ class Trainer:
             raise ValueError("train_step needs at least one sample")
         if self.paused:
             raise TrainingPaused(f"learning is paused: {self.pause_reason}")
+        try:
+            metrics = self._train_step(samples, mode)
+        except Exception as exc:
+            raise StepFailed(f"step {self.step + 1} failed: {type(exc).__name__}: {exc}") from exc
+        if not metrics["skipped"]:
+            self.unpublished = True
+        return metrics
+
+    def _train_step(self, samples: list[Sample], mode: str) -> dict[str, Any]:
         t0 = time.monotonic()
         cfg = self.cfg
         mbs = self._micro_batches(samples)
@@ -313,6 +341,7 @@ class Trainer:
                 grads = [p.grad for p in self.params if p.grad is not None]
                 torch._foreach_mul_(grads, cfg.grad_clip / (gn + 1e-6))  # one launch, not one per tensor
             self.optimizer.step()
+            faults.point("trainer.step.after_optimizer")
             self.consecutive_skips = 0
         else:  # the weights and the optimizer state stay exactly as they were
             self.skipped_steps += 1
@@ -341,9 +370,13 @@ class Trainer:
         publish_dtype, and keep the newest keep_versions. Versions must increase."""
         if not isinstance(version, int) or version <= self.version:
             raise ValueError(f"version {version!r} must be an integer above the last one, {self.version}")
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        check_free(self.weights_dir, checkpoints.publish_bytes(self.model, self.model_dir, self.publish_dtype),
+                   self.min_free_bytes, f"v{version:06d}")
         dest = checkpoints.publish_weights(self.model, self.model_dir, version_dir(self.state_dir, version),
                                            self.publish_dtype)
         self.version = self.weights_version = version
+        self.unpublished = False
         self._publishes_since_checkpoint += 1
         checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare=self._checkpointed_version)
         return dest
@@ -358,6 +391,12 @@ class Trainer:
 
         journal_position is the caller's, opaque and JSON-serialisable: where the journal stood
         after the last step these weights contain."""
+        if self.unpublished:
+            raise RuntimeError(f"the weights of step {self.step} are not published yet: a checkpoint would "
+                               f"say they are v{self.weights_version}")
+        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        check_free(self.checkpoints_dir, checkpoints.checkpoint_bytes(self.model, self.optimizer),
+                   self.min_free_bytes, f"checkpoint of step {self.step}")
         state = {"step": self.step, "version": self.weights_version, "newest_version": self.version,
                  "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                  "paused": self.paused, "pause_reason": self.pause_reason,
@@ -366,6 +405,7 @@ class Trainer:
         self.journal_position = journal_position
         self._publishes_since_checkpoint = 0
         self._checkpointed_version = self.weights_version
+        self.checkpoint_step = self.step
         return dest
 
     def resume(self) -> Any:
@@ -393,4 +433,5 @@ class Trainer:
         self.version = max(self.weights_version, newest, checkpoints.newest_published(self.weights_dir))
         self._checkpointed_version = self.weights_version
         self._publishes_since_checkpoint = 0
+        self.checkpoint_step, self.unpublished = self.step, False
         return self.journal_position

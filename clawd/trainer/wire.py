@@ -11,19 +11,30 @@ of each top-level list field, in the order the head's `"parts": [[field, count],
 them. A 20 MB batch thus travels as many small JSON documents, and neither side decodes 20 MB in
 one call. `train.samples` elements are exactly `Sample.to_json()`.
 
-The catalogue. The child speaks first, once: ready{pid, step, version, weights_version}, or
-error{batch_id: null, message, retryable} if it could not start (and exits 1). Then every request
-gets exactly one reply, in order:
+The catalogue. The child speaks first, once: ready{pid, step, version, weights_version, state}, or
+error{batch_id: null, message, retryable, kind, fatal} if it could not start (and exits 1). Then
+every request gets exactly one reply, in order:
 
     train{batch_id, version, samples}  -> trained{batch_id, version, weights_dir, metrics,
-                                                  per_sample, checkpointed}
-    publish{version}                   -> published{version, weights_dir}
-    checkpoint{}                       -> checkpointed{path, step}
-    ping{n}                            -> pong{n}
+                                                  per_sample, checkpointed, failed, state}
+    publish{version}                   -> published{version, weights_dir, state}
+    checkpoint{}                       -> checkpointed{path, step, state}
+    ping{n}                            -> pong{n, state}
     shutdown{}                         -> no reply: the child exits 0
 
-Any request may instead get error{batch_id, message, retryable} (batch_id: the request's, or
-null); `retryable` says whether sending it again may help.
+`state` is the trainer's after the request: {step, version (the newest published: the next goes
+above it), weights_version, checkpoint_step, owed (writes the last step still needs, in order:
+"publish", "checkpoint")}. A train takes its optimizer step once; `failed` is null, or
+{op: "publish" | "checkpoint", kind: "disk" | "io", message} when a write after the step failed:
+the step is kept (weights_dir null when its publish failed) and the write is retried alone with
+publish{version} / checkpoint{}, never by training again.
+
+Any request may instead get error{batch_id, message, retryable, kind, fatal, state} (batch_id: the
+request's, or null): kind "disk" or "io" (a write failed; retryable), "step" (fatal: the step
+raised, the child exits 1 after replying and is restarted from its checkpoint) or "request";
+`retryable` says whether sending it again may help. An error reply to train means no step was kept.
+
+`Ready`, `Trained` and `Checkpointed` are replies as the daemon's link returns them.
 """
 from __future__ import annotations
 
@@ -31,6 +42,7 @@ import asyncio
 import collections
 import json
 import struct
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from clawd.samples import Sample
@@ -40,6 +52,35 @@ _MAX_SHORT = 0x7FFFFFFF  # multiprocessing sends the 8-byte length only above th
 
 class ProtocolError(Exception):
     """Bytes that are not a well-formed message."""
+
+
+# ---- replies, as the daemon keeps them --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+    step: int
+    version: int          # the newest version the trainer has published: new ones go above it
+    weights_version: int  # the version whose weights it holds (its checkpoint's); 0: the base model
+
+
+@dataclass(frozen=True)
+class Trained:
+    batch_id: str
+    version: int
+    weights_dir: str | None  # None: nothing published (the step was skipped, or `failed` says its publish failed)
+    metrics: dict
+    per_sample: list
+    checkpointed: bool = False  # the batch's samples may now be acknowledged in the journal
+    failed: dict | None = None  # {op, kind, message}: a write after the step failed; the step is kept
+    state: dict | None = None   # the trainer's after the step (the catalogue's `state`)
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    path: str
+    step: int
+
 
 
 # ---- frames -----------------------------------------------------------------------------------
@@ -100,6 +141,11 @@ def recv_message(conn) -> dict:
     for name, count in msg.pop("parts", []):
         msg[name] = [conn.recv_bytes() for _ in range(count)]
     return msg
+
+
+def retitled(head: bytes, **fields) -> bytes:
+    """An encoded head frame with `fields` replaced (a retried train under a new version)."""
+    return _dump({**json.loads(head), **fields})
 
 
 async def encode_message(msg: dict) -> list[bytes]:

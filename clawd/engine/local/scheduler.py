@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clawd import faults
 from clawd.engine.local.model import Batch, WeightLoadError, load_model
 from clawd.engine.local.sampling import pick_token, prompt_logprobs
 from clawd.engine.local.wire import GenerateItem, RequestError, SamplingParams, fit_to_context
@@ -359,6 +360,7 @@ class Engine:
         Rows are left-padded and right-aligned. The logits kept are the ones input
         log-probs need (the last len - logprob_start_len positions) plus the last.
         """
+        faults.point("engine.local.prefill")  # tests: a step that never returns hangs the whole engine
         from transformers import DynamicCache
         for req in rows:
             req.started = True

@@ -48,7 +48,8 @@ class Clawd:
         self.run_dir = Path(run_dir).resolve()
         self.state = self.run_dir / "state"
         self.log_path = self.run_dir / "clawd.log"
-        cfg = {"server": {"port": 0}, "state": {"dir": str(self.state)}}
+        # The simulated users are told apart by the request's `user` field: trusted here, on loopback.
+        cfg = {"server": {"port": 0}, "state": {"dir": str(self.state)}, "auth": {"trust_user_field": True}}
         for name, table in sections.items():
             cfg[name] = {**cfg.get(name, {}), **table}
         self.socket = Path(cfg.get("admin", {}).get("socket") or self.state / "clawd.sock")
