@@ -458,8 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=200, help="normal requests, quiet and then stalled")
     p.add_argument("--concurrency", type=int, default=4, help="the normal client's requests at a time")
     p.add_argument("--tokens", type=int, default=16, help="tokens per normal reply")
-    p.add_argument("--slow-tokens", type=int, default=2000,
-                   help="tokens a slow reader's stream asks for (8000+ to outgrow a loopback's socket buffers)")
+    p.add_argument("--slow-tokens", type=int, default=8000,
+                   help="tokens a slow reader's stream asks for (8000+ to outgrow a loopback's socket buffers; "
+                        "--quick uses 2000, which does not)")
     p.add_argument("--token-delay", type=float, default=0.005, help="the fake engine's seconds per token")
     p.add_argument("--header-timeout", type=float, default=2.0, help="server.header_timeout (and keepalive_timeout)")
     p.add_argument("--body-timeout", type=float, default=3.0, help="server.body_timeout")
@@ -477,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.stalled, args.requests, args.big = min(args.stalled, 100), min(args.requests, 40), min(args.big, 20)
+        args.slow_tokens = min(args.slow_tokens, 2000)
     prov = provenance.stamp()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed bench still stops its daemon and engine
     nofile = raise_nofile()
