@@ -11,7 +11,8 @@ A result is marked STALE when its commit is not HEAD, when it was measured on a 
 is older than the newest commit touching clawd/ or bench/, or (after a run) when this run did not
 write it; a result without provenance is marked "unknown provenance".
 
-    .venv/bin/python bench/all.py                  # run everything (~20 min on 2 cores)
+    .venv/bin/python bench/all.py                  # run everything: ~25 min on 2 cores, plus crash.py's
+                                                   # 200 + 100 kills (over an hour; --only to leave it out)
     .venv/bin/python bench/all.py --only trainer swap
     .venv/bin/python bench/all.py --no-run         # the table from the last results: verdict "not run"
 

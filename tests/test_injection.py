@@ -288,9 +288,17 @@ def test_teacher_hint_is_normalised():
 @pytest.mark.parametrize("position", POSITIONS)
 def test_attack_free_prompts_encode_exactly_as_before(tok, position):
     turn, ns = baseline(position)
+    added = [t.content for t in tok.tokenizer.get_added_tokens_decoder().values()]
     for build in (judging.rl_judge_messages, judging.hint_judge_messages):
         messages = build(turn, ns, NONCE)
-        assert judge_prompt_ids(tok, messages) == tok.encode_chat(messages, None)
+        ids, before = judge_prompt_ids(tok, messages), tok.encode_chat(messages, None)
+        if any(t in messages[1]["content"] for t in added):
+            # Quoted text holding an added token's string (the reasoning's <think> where, as in the tiny
+            # model, it is one): now plain characters, so the ids differ there, the text does not.
+            assert ids != before and tok.tokenizer.decode(ids, skip_special_tokens=False) == \
+                tok.tokenizer.decode(before, skip_special_tokens=False)
+        else:
+            assert ids == before
     teacher = judging.teacher_messages(turn, BENIGN)
     assert teacher_prompt_ids(tok, turn, BENIGN) == tok.encode_chat(teacher, None)
 
