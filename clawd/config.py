@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import math
 import os
 import re
 import tomllib
@@ -20,6 +19,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from clawd import credentials, devices
+from clawd.checks import below, not_positive
+from clawd.train_config import TrainConfig
 
 
 class ConfigError(ValueError):
@@ -61,9 +62,9 @@ class ServerConfig:
     max_connections: int = 8192          # open connections; when full, the longest-stalled one is closed
 
     def check(self) -> dict[str, str]:
-        errors = _below(self, 1, "max_concurrent_requests", "max_body_bytes", "max_messages", "max_message_chars",
+        errors = below(self, 1, "max_concurrent_requests", "max_body_bytes", "max_messages", "max_message_chars",
                         "max_connections")
-        errors |= _below(self, 0, "drain_timeout") | _not_positive(self, "header_timeout", "body_timeout",
+        errors |= below(self, 0, "drain_timeout") | not_positive(self, "header_timeout", "body_timeout",
                                                                     "keepalive_timeout", "write_timeout")
         try:
             ipaddress.ip_address(self.host)
@@ -147,6 +148,23 @@ class EngineConfig:
     cpu_threads: int = 0
     max_batch_size: int = 8
     seed: int = 0
+    replicas: int = 1                    # policy engines clawd launches (local or sglang), each on its own port and GPUs
+    urls: tuple[str, ...] = ()           # launch = "none": the policy replicas' URLs (empty: url alone)
+
+    @property
+    def policy_urls(self) -> tuple[str, ...]:
+        """Every policy replica's URL: `urls` (launch "none"), else url and the next replicas − 1 ports."""
+        if self.launch == "none":
+            return self.urls or (self.url,)
+        parts = urlsplit(self.url)
+        port = parts.port or 80
+        return tuple(parts._replace(netloc=f"{parts.hostname}:{port + i}").geturl() for i in range(self.replicas))
+
+    def replica_gpus(self, i: int) -> str:
+        """Replica i's slice of `gpus` (each replica gets len(gpus) / replicas of them)."""
+        ids = devices.device_set(self.gpus)
+        share = len(ids) // self.replicas
+        return ",".join(map(str, ids[i * share:(i + 1) * share]))
 
     @property
     def streams_deltas(self) -> bool:
@@ -164,9 +182,9 @@ class EngineConfig:
         for name in ("url", "reference_url"):
             if problem := _ip_url_problem(getattr(self, name)):
                 errors[name] = problem
-        errors |= _not_positive(self, "request_timeout", "connect_timeout", "restart_backoff_initial",
+        errors |= not_positive(self, "request_timeout", "connect_timeout", "restart_backoff_initial",
                                 "restart_backoff_max", "health_interval", "first_byte_timeout", "idle_timeout")
-        errors |= _below(self, 1, "health_failures", "max_batch_size")
+        errors |= below(self, 1, "health_failures", "max_batch_size")
         if self.startup_timeout < 0:
             errors["startup_timeout"] = "must be 0 (the launch kind's default) or positive"
         for name in ("gpus", "reference_gpus"):
@@ -183,7 +201,24 @@ class EngineConfig:
             errors["restart_backoff_max"] = "must be at least restart_backoff_initial"
         if self.cpu_threads < 0:
             errors["cpu_threads"] = "must be 0 (torch's default) or positive"
+        errors |= _replica_problems(self)
         return errors
+
+
+def _replica_problems(eng: EngineConfig) -> dict[str, str]:
+    errors = below(eng, 1, "replicas")
+    if eng.urls and eng.launch != "none":
+        errors["urls"] = 'applies to launch = "none" only (launched replicas are replicas = N)'
+    if eng.replicas > 1 and eng.launch == "none":
+        errors["replicas"] = 'counts launched engines: with launch = "none" list them in urls'
+    for i, url in enumerate(eng.urls):
+        if problem := _ip_url_problem(url):
+            errors[f"urls[{i}]"] = problem
+    if len(set(eng.urls)) != len(eng.urls):
+        errors["urls"] = "names a URL twice"
+    if eng.replicas > 1 and eng.gpus and len(devices.device_set(eng.gpus)) % eng.replicas:
+        errors["replicas"] = f"must divide the {len(devices.device_set(eng.gpus))} GPUs of gpus (a slice each)"
+    return errors
 
 
 # Seconds a starting engine may take to answer, per launch kind, when startup_timeout is 0.
@@ -212,7 +247,7 @@ class ScoringConfig:
     fair_share: float = 0.25
 
     def check(self) -> dict[str, str]:
-        errors = _below(self, 1, "max_pending", "max_pending_bytes")
+        errors = below(self, 1, "max_pending", "max_pending_bytes")
         if not 1 <= self.prm_m <= 16:
             errors["prm_m"] = "must be in 1..16"
         if self.at_least_one and self.mode != "rl":
@@ -281,99 +316,13 @@ class LearnerConfig:
     control: typing.Literal["none", "shuffle_rewards", "zero_rewards"] = "none"  # clawd.learning.controls
 
     def check(self) -> dict[str, str]:
-        errors = _not_positive(self, "stall_warn_interval", "train_timeout", "trainer_ready_timeout",
-                               "publish_timeout") | _below(self, 0, "rollout_timeout", "max_staleness")
+        errors = not_positive(self, "stall_warn_interval", "train_timeout", "trainer_ready_timeout",
+                               "publish_timeout") | below(self, 0, "rollout_timeout", "max_staleness")
         if self.rollout_batch_size < 1:
             errors["rollout_batch_size"] = "must be at least 1"
         if not 1 <= self.min_batch_size <= self.rollout_batch_size:
             errors["min_batch_size"] = "must be in 1..rollout_batch_size"
         return errors
-
-
-AGGREGATIONS = ("sample_mean", "token_mean")  # how the loss averages a batch (clawd.trainer.losses.aggregate)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The trainer's settings. The daemon hands this object to the trainer process as is
-    (clawd.trainer.link.trainer_options); the trainer refuses one whose check() finds problems."""
-
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0               # max gradient norm; 0 = off
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    tis_cap: float = 2.0
-    aggregation: typing.Literal[AGGREGATIONS] = "sample_mean"
-    kl_loss_coef: float = 0.0            # > 0 loads a frozen reference copy of the model
-    entropy_coef: float = 0.0
-    w_rl: float = 1.0
-    w_opd: float = 1.0
-    opd_clip: float = 0.0                # 0 = off
-    reward_baseline: typing.Literal["batch_mean", "none"] = "batch_mean"  # losses.centre_rewards
-    ppo_epochs: int = 1
-    micro_batch_tokens: int = 8192       # padded tokens (rows x longest input) per forward
-    keep_versions: int = 3
-    checkpoint_every: int = 10           # checkpoint every N publishes (12 bytes/parameter each)
-    device: str = "cpu"                  # "cuda" when gpus is set and device is not written
-    gpus: str = ""                       # the trainer process's CUDA_VISIBLE_DEVICES
-    memory_fraction: float = 0.0         # share of each GPU the trainer may take; 0 = all of it
-    seed: int = 0
-
-    def check(self) -> dict[str, str]:
-        errors = {}
-
-        def number(name: str, ok=lambda x: True, want: str = "") -> None:  # TOML has inf and nan
-            value = getattr(self, name)
-            if not (_is_number(value) and math.isfinite(value) and ok(value)):
-                errors[name] = f"must be a finite number {want}".rstrip()
-
-        number("lr", lambda x: x > 0, "above 0")
-        number("eps", lambda x: x > 0, "above 0")
-        number("weight_decay", lambda x: x >= 0, ">= 0")
-        number("grad_clip", lambda x: x >= 0, ">= 0 (0 = off)")
-        number("eps_clip", lambda x: 0 < x < 1, "in (0, 1)")
-        number("eps_clip_high", lambda x: x > 0, "above 0")
-        # The cap truncates exp(lp_old - lp_rollout); below 1 it would shrink on-policy tokens too.
-        number("tis_cap", lambda x: x >= 1, ">= 1")
-        number("kl_loss_coef", lambda x: x >= 0, ">= 0 (0 = off)")
-        number("entropy_coef", lambda x: x >= 0, ">= 0 (0 = off)")
-        number("w_rl")
-        number("w_opd")
-        number("opd_clip", lambda x: x >= 0, ">= 0 (0 = off)")
-        betas = self.betas
-        if not (isinstance(betas, tuple) and len(betas) == 2
-                and all(_is_number(b) and 0 <= b < 1 for b in betas)):
-            errors["betas"] = "must be two numbers in [0, 1)"
-        if self.aggregation not in AGGREGATIONS:
-            errors["aggregation"] = f"must be one of {', '.join(map(repr, AGGREGATIONS))}"
-        for name in ("ppo_epochs", "micro_batch_tokens", "keep_versions", "checkpoint_every"):
-            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
-                errors[name] = "must be an integer, at least 1"
-        if not (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)):
-            errors["device"] = 'must be "cpu", "cuda" or "cuda:N"'
-        elif self.gpus and self.device == "cpu":
-            errors["device"] = 'must be "cuda" when gpus is set'
-        if problem := devices.set_problem(self.gpus):
-            errors["gpus"] = problem
-        number("memory_fraction", lambda x: 0 <= x <= 1, "in [0, 1] (0 = the whole device)")
-        if not (_is_int(self.seed) and 0 <= self.seed < 2**32):  # numpy's seed range
-            errors["seed"] = "must be an integer in 0..2**32 - 1"
-        return errors
-
-
-def _is_number(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
-def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _below(section, floor: int, *names: str) -> dict[str, str]:
-    return {n: f"must be at least {floor}" for n in names if getattr(section, n) < floor}
-
-
-def _not_positive(section, *names: str) -> dict[str, str]:
-    return {n: "must be positive" for n in names if getattr(section, n) <= 0}
 
 
 @dataclass(frozen=True)
@@ -383,7 +332,7 @@ class JournalConfig:
     segment_bytes: int = 64 * 1024 * 1024
 
     def check(self) -> dict[str, str]:
-        return _not_positive(self, "fsync_interval") | _below(self, 4096, "segment_bytes")
+        return not_positive(self, "fsync_interval") | below(self, 4096, "segment_bytes")
 
 
 @dataclass(frozen=True)
@@ -414,8 +363,8 @@ class SessionsConfig:
     sweep_interval: float = 5.0
 
     def check(self) -> dict[str, str]:
-        return (_not_positive(self, "session_idle_timeout", "sweep_interval")
-                | _below(self, 1, "session_max_turns", "max_sessions", "max_bytes"))
+        return (not_positive(self, "session_idle_timeout", "sweep_interval")
+                | below(self, 1, "session_max_turns", "max_sessions", "max_bytes"))
 
 
 @dataclass(frozen=True)
@@ -434,7 +383,7 @@ class StateConfig:
     min_free_bytes: int = 1024 * 1024 * 1024
 
     def check(self) -> dict[str, str]:
-        return ({} if self.dir else {"dir": "must not be empty"}) | _below(self, 0, "min_free_bytes")
+        return ({} if self.dir else {"dir": "must not be empty"}) | below(self, 0, "min_free_bytes")
 
 
 @dataclass(frozen=True)
@@ -528,6 +477,9 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
     if problem := devices.placement_problem(cfg):  # across sections: which role runs on which GPU
         key, text = problem
         raise ConfigError(f"{source}: {key}: {text}")
+    if cfg.reference_engine_needed and cfg.engine.reference_url in cfg.engine.policy_urls:
+        raise ConfigError(f"{source}: engine.reference_url: {cfg.engine.reference_url} is a policy replica's URL "
+                          f"(replicas take url's port and the next ones)")
     if not cfg.auth.keys and not cfg.server.loopback and not cfg.auth.allow_open:
         raise ConfigError(f"{source}: auth.keys: none, and server.host {cfg.server.host} is not loopback: anyone "
                           "who reaches it could chat and train the model (set auth.allow_open = true to mean it)")

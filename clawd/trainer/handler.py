@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from clawd import faults
-from clawd.config import TrainConfig, config_from_dict
+from clawd.config import config_from_dict
+from clawd.train_config import TrainConfig
 from clawd.samples import Sample
 from clawd.trainer.step import StepFailed, Trainer
 from clawd.weights import Ledger, ledger_path, write_failure_kind

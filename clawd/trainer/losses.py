@@ -42,7 +42,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from clawd.config import AGGREGATIONS
+from clawd.train_config import AGGREGATIONS
 from clawd.samples import MODES
 
 

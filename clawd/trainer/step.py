@@ -2,7 +2,7 @@
 
 Runs in the trainer process only (it imports torch and transformers); `clawd.trainer.handler`
 calls it with decoded `Sample`s. Plain Python in, plain Python out. Publishing and checkpoints
-are `clawd.trainer.checkpoints`; the settings are `clawd.config.TrainConfig`.
+are `clawd.trainer.checkpoints`; the settings are `clawd.train_config.TrainConfig`.
 
 Packing. Samples are sorted by length and grouped greedily into micro-batches whose padded size
 (rows × longest input) stays within `micro_batch_tokens` and is at most a quarter padding; rows are right-padded and no attention
@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from clawd import faults
-from clawd.config import TrainConfig
+from clawd.train_config import TrainConfig
 from clawd.samples import MODES, Sample
 from clawd.trainer import checkpoints, losses
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir

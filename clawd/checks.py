@@ -1,0 +1,14 @@
+"""Small predicates the configuration's sections share when they check their values."""
+from __future__ import annotations
+
+
+def is_number(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
+def is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
+
+
+def below(section, floor: int, *names: str) -> dict[str, str]:
+    return {n: f"must be at least {floor}" for n in names if getattr(section, n) < floor}
+
+
+def not_positive(section, *names: str) -> dict[str, str]:
+    return {n: "must be positive" for n in names if getattr(section, n) <= 0}

@@ -1,0 +1,120 @@
+"""The [train] section: the trainer's settings (docs/ARCHITECTURE.md §9).
+
+Its own module because the trainer process reads it too, and `clawd.config`, the one schema,
+stays one readable file. Loaded and checked as every other section is (`clawd.config`).
+"""
+from __future__ import annotations
+
+import math
+import re
+import typing
+from dataclasses import dataclass
+
+from clawd import devices
+from clawd.checks import is_int, is_number
+
+
+AGGREGATIONS = ("sample_mean", "token_mean")  # how the loss averages a batch (clawd.trainer.losses.aggregate)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The trainer's settings. The daemon hands this object to the trainer process as is
+    (clawd.trainer.link.trainer_options); the trainer refuses one whose check() finds problems."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0               # max gradient norm; 0 = off
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    tis_cap: float = 2.0
+    aggregation: typing.Literal[AGGREGATIONS] = "sample_mean"
+    kl_loss_coef: float = 0.0            # > 0 loads a frozen reference copy of the model
+    entropy_coef: float = 0.0
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+    opd_clip: float = 0.0                # 0 = off
+    reward_baseline: typing.Literal["batch_mean", "none"] = "batch_mean"  # losses.centre_rewards
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 8192       # padded tokens (rows x longest input) per forward
+    keep_versions: int = 3
+    checkpoint_every: int = 10           # checkpoint every N publishes (12 bytes/parameter each)
+    device: str = "cpu"                  # "cuda" when gpus is set and device is not written
+    gpus: str = ""                       # the trainer process's CUDA_VISIBLE_DEVICES
+    memory_fraction: float = 0.0         # share of each GPU the trainer may take; 0 = all of it
+    seed: int = 0
+    nproc_per_node: int = 0              # trainer ranks on this host; 0 = one per GPU of gpus, or 1
+    nnodes: int = 1                      # hosts in the trainer world (the others run clawd-trainer@N)
+    rdzv_endpoint: str = ""              # host:port of this host's rendezvous, reachable by the others
+    collective_timeout: float = 600.0    # seconds a collective may wait for a rank before the world is torn down
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.nproc_per_node or max(len(devices.device_set(self.gpus)), 1)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the trainer world; 1 is today's single process (no process group, no FSDP)."""
+        return self.ranks_per_node * self.nnodes
+
+    def check(self) -> dict[str, str]:
+        errors = {}
+
+        def number(name: str, ok=lambda x: True, want: str = "") -> None:  # TOML has inf and nan
+            value = getattr(self, name)
+            if not (is_number(value) and math.isfinite(value) and ok(value)):
+                errors[name] = f"must be a finite number {want}".rstrip()
+
+        number("lr", lambda x: x > 0, "above 0")
+        number("eps", lambda x: x > 0, "above 0")
+        number("weight_decay", lambda x: x >= 0, ">= 0")
+        number("grad_clip", lambda x: x >= 0, ">= 0 (0 = off)")
+        number("eps_clip", lambda x: 0 < x < 1, "in (0, 1)")
+        number("eps_clip_high", lambda x: x > 0, "above 0")
+        # The cap truncates exp(lp_old - lp_rollout); below 1 it would shrink on-policy tokens too.
+        number("tis_cap", lambda x: x >= 1, ">= 1")
+        number("kl_loss_coef", lambda x: x >= 0, ">= 0 (0 = off)")
+        number("entropy_coef", lambda x: x >= 0, ">= 0 (0 = off)")
+        number("w_rl")
+        number("w_opd")
+        number("opd_clip", lambda x: x >= 0, ">= 0 (0 = off)")
+        betas = self.betas
+        if not (isinstance(betas, tuple) and len(betas) == 2
+                and all(is_number(b) and 0 <= b < 1 for b in betas)):
+            errors["betas"] = "must be two numbers in [0, 1)"
+        if self.aggregation not in AGGREGATIONS:
+            errors["aggregation"] = f"must be one of {', '.join(map(repr, AGGREGATIONS))}"
+        for name in ("ppo_epochs", "micro_batch_tokens", "keep_versions", "checkpoint_every"):
+            if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                errors[name] = "must be an integer, at least 1"
+        if not (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)):
+            errors["device"] = 'must be "cpu", "cuda" or "cuda:N"'
+        elif self.gpus and self.device == "cpu":
+            errors["device"] = 'must be "cuda" when gpus is set'
+        if problem := devices.set_problem(self.gpus):
+            errors["gpus"] = problem
+        number("memory_fraction", lambda x: 0 <= x <= 1, "in [0, 1] (0 = the whole device)")
+        if not (is_int(self.seed) and 0 <= self.seed < 2**32):  # numpy's seed range
+            errors["seed"] = "must be an integer in 0..2**32 - 1"
+        errors |= self._world_problems()
+        return errors
+
+    def _world_problems(self) -> dict[str, str]:
+        errors = {}
+        gpus = len(devices.device_set(self.gpus))
+        if not (is_int(self.nproc_per_node) and self.nproc_per_node >= 0):
+            errors["nproc_per_node"] = "must be an integer, 0 (one per GPU of gpus) or more"
+        elif gpus and self.nproc_per_node not in (0, gpus):
+            errors["nproc_per_node"] = f"must be 0 or {gpus} with gpus set: one rank per GPU"
+        if not (is_int(self.nnodes) and self.nnodes >= 1):
+            errors["nnodes"] = "must be an integer, at least 1"
+        elif self.nnodes > 1 and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.rdzv_endpoint):
+            errors["rdzv_endpoint"] = 'must be "host:port" (this host, as the others reach it) when nnodes > 1'
+        elif self.rdzv_endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.rdzv_endpoint):
+            errors["rdzv_endpoint"] = 'must be "host:port" or "" (a free port on 127.0.0.1)'
+        if not (is_number(self.collective_timeout) and math.isfinite(self.collective_timeout)
+                and self.collective_timeout > 0):
+            errors["collective_timeout"] = "must be a positive number of seconds"
+        return errors
