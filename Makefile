@@ -55,7 +55,8 @@ clean:
 # `make install` (as root): clawd as a system service (see systemd/clawd.service).
 #   $(PREFIX)               the code, and its venv in $(PREFIX)/.venv (clawd installed editable from it)
 #   /etc/clawd/clawd.toml   etc/clawd.toml with the state and model under /var/lib/clawd; never overwritten
-#   /etc/systemd/system/    clawd.service, and clawd.service.d/gpu.conf with GPU=1
+#   /etc/systemd/system/    clawd.service, clawd-trainer@.service (the trainer world's other hosts),
+#                           and clawd.service.d/gpu.conf with GPU=1
 #   /usr/local/bin/clawctl  runs $(PREFIX)/bin/clawctl with the venv's python
 # plus the clawd system user. With DESTDIR set only the files are staged (for packaging and
 # tests): no venv, no user, no systemctl.
@@ -90,6 +91,8 @@ endif
 	find $(DESTDIR)$(PREFIX)/clawd -name __pycache__ -prune -exec rm -rf {} +
 	sed 's|/opt/clawd|$(PREFIX)|g' systemd/clawd.service > $(UNITS)/clawd.service
 	chmod 0644 $(UNITS)/clawd.service
+	sed 's|/opt/clawd|$(PREFIX)|g' systemd/clawd-trainer@.service > $(UNITS)/clawd-trainer@.service
+	chmod 0644 $(UNITS)/clawd-trainer@.service
 ifeq ($(GPU),1)
 	install -D -m 0644 systemd/clawd-gpu.conf $(UNITS)/clawd.service.d/gpu.conf
 endif

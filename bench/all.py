@@ -11,6 +11,8 @@ A result is marked STALE when its commit is not HEAD, when it was measured on a 
 is older than the newest commit touching clawd/ or bench/, or (after a run) when this run did not
 write it; a result without provenance is marked "unknown provenance".
 
+Each script runs in its full form except scale.py, which runs `--quick` (ARGS below).
+
     .venv/bin/python bench/all.py                  # run everything: ~25 min on 2 cores, plus crash.py's
                                                    # 200 + 100 kills (over an hour; --only to leave it out)
     .venv/bin/python bench/all.py --only trainer swap
@@ -36,9 +38,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-SCRIPTS = ("serve", "pipeline", "trainer", "swap", "learning", "fuzz", "abuse", "crash")
+SCRIPTS = ("serve", "pipeline", "trainer", "swap", "learning", "fuzz", "abuse", "crash", "scale")
 OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "learning": "--out",
-            "fuzz": "--out", "abuse": "--out", "crash": "--out"}
+            "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out"}
+# scale.py's full form takes ~4 min on top of serve.py's similar figures; its quick form answers "does it scale".
+ARGS = {"scale": ["--quick"]}
 if str(HERE) not in sys.path:  # run as a script it is already there; imported (by a test) it is not
     sys.path.insert(0, str(HERE))
 import provenance  # noqa: E402
@@ -132,8 +136,27 @@ def crash(r: dict) -> list[dict]:
                  met["serving_at_end"])]
 
 
+def scale(r: dict) -> list[dict]:
+    rows = []
+    sections = r["sections"]
+    if "serving" in sections:
+        serving = sections["serving"]
+        target = serving["targets"]["scaling"]
+        for n, cell in serving["scaling"].items():
+            rows.append(_row(f"{n} replicas: req/s / ({n} x one replica)", cell["ratio"], "{:.2f}", f">= {target:g}",
+                             cell["ok"]))
+        split = sum(c["sessions_on_two_replicas"] for c in serving["results"].values())
+        rows.append(_row("  sessions that reached two replicas", split, "{:d}", "0", split == 0))
+    if "daemon" in sections:
+        daemon = sections["daemon"]
+        rows.append(_row("main turns per clawd core-second (fake engine)", daemon["cpu"]["main"]["req_per_clawd_core_s"],
+                         "{:.0f}"))
+        rows.append(_row("  RSS per live session (kB)", daemon["memory"]["kb_per_session"], "{:.1f}"))
+    return rows
+
+
 EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "learning": learning,
-           "fuzz": fuzz, "abuse": abuse, "crash": crash}
+           "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale}
 
 
 # ---------------------------------------------------------------- provenance marks
@@ -253,7 +276,7 @@ def run(name: str, results: Path) -> tuple[int, float]:
     started = time.monotonic()
     print(f"== bench/{name}.py", flush=True)
     out = ([OUT_FLAG[name], str(results / f"{name}.json")] if results.resolve() != RESULTS.resolve() else [])
-    code = subprocess.run([sys.executable, str(HERE / f"{name}.py"), *out], cwd=ROOT).returncode
+    code = subprocess.run([sys.executable, str(HERE / f"{name}.py"), *ARGS.get(name, []), *out], cwd=ROOT).returncode
     return code, time.monotonic() - started
 
 

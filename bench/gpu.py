@@ -19,7 +19,9 @@ One warm-up step (its micro-batch budget halved on out-of-memory), then `--steps
 
 Also: peak CUDA memory of the timed steps (torch.cuda.max_memory_allocated), micro-batches and padding,
 whether SDPA's flash kernel accepts the trainer's forward, the chunked head against full logits, the
-top kernels of one profiled step, and the publish's and checkpoint's bytes and seconds. Each result
+top kernels of one profiled step, and the publish's and checkpoint's bytes and seconds. Then the trainer
+as a world of one FSDP2 rank under torchrun on the same base (NCCL, bf16 compute over float32 masters:
+bench/trainer_memory.py), its step seconds and peak memory (`fsdp_world`). Each result
 carries `provenance` (bench/provenance.py: the UTC date, the git commit, "unknown" without one, and
 whether the tree was dirty). Writes $OUT/gpu.json when $OUT is set, else bench/results/gpu-<date>.json.
 Exit status: 0 when measured, 1 when a step failed, 2 without CUDA; the MFU target is reported, not
@@ -38,6 +40,7 @@ import os
 import random
 import resource
 import shutil
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -149,7 +152,7 @@ def chunk_check(trainer, samples) -> dict:
 
     mb = trainer._micro_batches(samples)[0]
     with torch.no_grad():
-        lp, ent, _ = trainer._forward(trainer.model, mb, mb.temperature)
+        lp, ent, _ = trainer._forward(trainer.scorer, mb, mb.temperature)
         with trainer._autocast():
             hidden = trainer.model.get_decoder()(input_ids=mb.input_ids, use_cache=False).last_hidden_state
             hidden = hidden.gather(1, mb.positions[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -325,8 +328,26 @@ def run(args, result: dict) -> None:
             except Exception as e:  # diagnostics only: never the reason a measured run fails
                 result["profile"] = {"error": f"{type(e).__name__}: {e}"[:400]}
         result.update(publish_and_checkpoint(trainer, args.checkpoint))
+        del trainer, model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result["fsdp_world"] = fsdp_world(work)
+        print(f"  FSDP2 world of 1: {json.dumps(result['fsdp_world'])[:400]}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def fsdp_world(work: Path) -> dict:
+    """The trainer as a world of one FSDP2 rank under torchrun on the same base (NCCL on CUDA, bf16
+    compute over float32 master weights): bench/trainer_memory.py's three steps, bytes and peak memory."""
+    out = work / "world.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone",
+           str(ROOT / "bench" / "trainer_memory.py"), str(work / "base"), str(work / "world-state"), str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if run.returncode != 0:
+        return {"ok": False, "error": run.stderr[-2000:]}
+    return {"ok": True, **json.loads(out.read_text())}
 
 
 def summary(r: dict) -> str:
@@ -426,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             result["traceback"] = traceback.format_exc()[-6000:]
             status = 1
         result["wall_s"] = round(time.monotonic() - t0, 1)
+        if status == 0 and not result.get("fsdp_world", {}).get("ok"):
+            status = 1  # the trainer world did not run: a failure, with its stderr in the JSON
     result["measured"] = status == 0
     print(summary(result))
     if "traceback" in result:

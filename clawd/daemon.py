@@ -20,6 +20,7 @@ from aiohttp import web
 
 from clawd.config import Config, JudgeConfig
 from clawd.engine.client import EngineClient
+from clawd.engine.replicas import Balanced, Replicas
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.learning.journal import Journal
 from clawd.learning.learner import Learner, Publisher
@@ -96,7 +97,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     tokenizer = ChatTokenizer(cfg.model_path)
     policy = _restored_policy(state_dir)
     engines = _engine_supervisors(cfg, policy)
-    policy_engine = engines[0]
+    # The policy replicas (one unless [engine] replicas/urls say more): a router sends each request to one.
+    replicas = Replicas([e for e in engines if e.role == "policy"], policy)
 
     # The durable end of learning opens first: its lock keeps a second clawd off this state directory,
     # and its replay brings back the samples not trained before the last stop.
@@ -127,7 +129,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             exits.push_async_callback(engine.client.close)
 
         # Scoring: a finished turn → judge votes / hint / teacher log-probs → a sample in the store.
-        engine_for = {e.role: e.client for e in engines}
+        engine_for = {e.role: e.client for e in engines if e.role != "policy"}
+        engine_for["policy"] = Balanced(replicas)  # judge and teacher calls go to the least loaded replica
         judge = _judge(cfg, tokenizer, engine_for)
         if isinstance(judge, OpenAIJudge):
             await judge.start()
@@ -141,7 +144,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         trainer = learner = None
         if cfg.learner.enabled:
             trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
-            publisher = Publisher(policy_engine.client, cfg.learner.publish_timeout, ready=policy_engine.ready)
+            publisher = Publisher(replicas, cfg.learner.publish_timeout)  # rolling: one replica at a time
             learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir, control_seed=cfg.train.seed,
                               pauses=pauses)
             if cfg.learner.control != "none":
@@ -154,8 +157,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                                 max_turns=cfg.sessions.session_max_turns, max_sessions=cfg.sessions.max_sessions,
                                 new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
         to_scoring = TurnHandover(turn_records, scorer, pauses, turns_per_minute)
-        chat = ChatService(cfg, tokenizer, policy_engine.client, policy_engine, sessions, to_scoring, policy,
-                           spawn=tasks.create_task)
+        chat = ChatService(cfg, tokenizer, replicas, sessions, to_scoring, policy, spawn=tasks.create_task)
 
         # Ops reads the stages through one snapshot and owns none of them.
         status = Status(cfg, policy, pauses, chat, store, scorer, engines, trainer, learner, started=time.time(),
@@ -175,7 +177,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             set_api_keys=auth.set_keys, set_judge=_judge_setter(judge, teacher, scorer))))
 
         async with tasks:
-            engine_tasks = [tasks.create_task(e.run(), name=f"{e.role}-engine") for e in engines]
+            engine_tasks = [tasks.create_task(e.run(), name=f"{e.name}-engine") for e in engines]
             learning_tasks = [] if learner is None else [
                 tasks.create_task(_after(_trainer_waits_for(cfg, engines), trainer.run()), name="trainer"),
                 tasks.create_task(learner.run(), name="learner")]
@@ -270,7 +272,8 @@ async def _cut_short(draining: asyncio.Task, trainer: TrainerSupervisor | None, 
 def _startup_budget(cfg: Config) -> float:
     """Seconds systemd should wait for READY: the engines' loads and the trainer's, one after the other
     where the start is staged (on GPUs), else the longest."""
-    engines = cfg.engine.startup_seconds * (2 if _staged(cfg) and cfg.reference_engine_needed else 1)
+    staged = (cfg.engine.replicas + cfg.reference_engine_needed) if _staged(cfg) else 1
+    engines = cfg.engine.startup_seconds * staged
     trainer = cfg.learner.trainer_ready_timeout if cfg.learner.enabled else 0.0
     trainer_staged = cfg.learner.enabled and cfg.train.device.startswith("cuda")
     return (engines + trainer if trainer_staged else max(engines, trainer)) + 60
@@ -360,16 +363,20 @@ def _restored_policy(state_dir) -> Policy:
 
 
 def _engine_supervisors(cfg: Config, policy: Policy) -> list[EngineSupervisor]:
-    """The policy engine's supervisor, then the reference engine's when the mode needs one."""
+    """The policy replicas' supervisors (each after the one before on GPUs), then the reference engine's when
+    the mode needs one."""
     def client(url: str) -> EngineClient:
         return EngineClient(url, api_key=cfg.engine.api_key, admin_api_key=cfg.engine.admin_api_key,
                             connect_timeout=cfg.engine.connect_timeout, request_timeout=cfg.engine.request_timeout,
                             first_byte_timeout=cfg.engine.first_byte_timeout, idle_timeout=cfg.engine.idle_timeout,
                             incremental_stream=cfg.engine.streams_deltas)
 
-    engines = [EngineSupervisor(cfg, client(cfg.engine.url), "policy", policy)]
+    engines: list[EngineSupervisor] = []
+    for i, url in enumerate(cfg.engine.policy_urls):
+        after = (engines[-1].ready,) if engines and _staged(cfg) else ()
+        engines.append(EngineSupervisor(cfg, client(url), "policy", policy, after=after, index=i))
     if cfg.reference_engine_needed:
-        after = (engines[0].ready,) if _staged(cfg) else ()
+        after = (engines[-1].ready,) if _staged(cfg) else ()
         engines.append(EngineSupervisor(cfg, client(cfg.engine.reference_url), "reference", after=after))
     return engines
 

@@ -123,14 +123,15 @@ def placement_problem(cfg) -> tuple[str, str] | None:
     eng = cfg.engine
     found = roles(cfg)
     if eng.launch == "sglang":
-        for role, args in zip(found, (eng.sglang_args, eng.reference_sglang_args)):
+        for role, args, copies in zip(found, (eng.sglang_args, eng.reference_sglang_args), (eng.replicas, 1)):
             if role.name == "the trainer":
                 break
             if not role.devices:
                 return role.key, f'must name the GPUs of {role.name} when clawd launches SGLang, e.g. "0"'
-            if len(role.devices) != gpus_needed(args):
+            if len(role.devices) != gpus_needed(args) * copies:  # each policy replica gets its own slice
+                each = f" for each of its {copies} replicas" if copies > 1 else ""
                 return role.key, (f"names {len(role.devices)} GPU(s), but the SGLang arguments of {role.name} "
-                                  f"use {gpus_needed(args)} (tp × pp × dp)")
+                                  f"use {gpus_needed(args)} (tp × pp × dp){each}")
         trainer = next((r for r in found if r.name == "the trainer"), None)
         if trainer is not None and not trainer.devices:
             return "train.gpus", "must be set when clawd launches SGLang and trains on CUDA (else both take GPU 0)"

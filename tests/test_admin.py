@@ -360,7 +360,13 @@ SNAPSHOT = {
                 "last_metrics": {"loss": 0.0123456, "loss_policy": -0.01, "loss_kl": 0.002, "grad_norm": 0.5,
                                  "tokens": 812.0, "step": 7, "skipped": False, "skip_reason": None}},
     "engines": {"policy": {"state": "ready", "pid": 4300, "restarts": 1, "url": "http://127.0.0.1:30000"}},
-    "trainer": {"alive": True, "pid": 4301, "restarts": 0, "step": 7, "version": 3},
+    "replicas": [{"index": 0, "url": "http://127.0.0.1:30000", "state": "ready", "in_rotation": True,
+                  "weight_version": "3", "in_flight": 2, "sessions": 3, "failures": 0, "retried_away": 0,
+                  "swap_failures": 0},
+                 {"index": 1, "url": "http://127.0.0.1:30001", "state": "ready", "in_rotation": False,
+                  "weight_version": "2", "in_flight": 0, "sessions": 2, "failures": 1, "retried_away": 1,
+                  "swap_failures": 1}],
+    "trainer": {"alive": True, "pid": 4301, "restarts": 0, "step": 7, "version": 3, "world_size": 2},
     "journal": {"bytes": 1, "records": 2, "fsyncs": 3, "truncations": 0, "live": 20, "segments": 2,
                 "size_bytes": 3 * 1024 * 1024},
 }
@@ -402,8 +408,11 @@ learner
   last step           loss 0.01235, loss_policy -0.01, loss_kl 0.002, grad_norm 0.5, tokens 812
 engines
   policy              ready, pid 4300, 1 restarts
+replicas
+  policy-0            ready, in rotation, v3, 2 in flight, 3 sessions, 0 failures, 0 retried away, 0 failed swaps
+  policy-1            ready, out of rotation, v2, 0 in flight, 2 sessions, 1 failures, 1 retried away, 1 failed swaps
 trainer
-  state               alive, pid 4301, step 7, 0 restarts
+  state               alive, pid 4301, step 7, 2 rank(s), 0 restarts
 journal
   size                3.0 MiB
   records             20 live in 2 segment(s)

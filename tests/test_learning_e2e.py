@@ -101,7 +101,7 @@ class User:
 
 
 def learn(tiny_model, tmp_path, mode: str, seed: int, control: str = "none",
-          steps: int = STEPS, baseline: str = BASELINE) -> tuple[float, float, list[float], dict]:
+          steps: int = STEPS, baseline: str = BASELINE, ranks: int = 1) -> tuple[float, float, list[float], dict]:
     """(rate before, rate after, rate per training batch, learner stats) for one run."""
     (tmp_path / control).mkdir()
     daemon = Daemon(tmp_path / control, {
@@ -112,25 +112,30 @@ def learn(tiny_model, tmp_path, mode: str, seed: int, control: str = "none",
         "judge": {"teacher_engine": "policy"},
         "learner": {"enabled": True, "rollout_batch_size": ROLLOUT_BATCH, "min_batch_size": 1,
                     "control": control},
-        "train": {"lr": LR, "seed": seed, "reward_baseline": baseline}})
+        "train": {"lr": LR, "seed": seed, "reward_baseline": baseline, "nproc_per_node": ranks}})
     try:
         user = User(daemon)
         before = user.evaluate()
         rates = user.train(steps, seed)
         after = user.evaluate()
         learner = user.learner()
+        trainer = daemon.get("/debug/process")[1]["trainer"]
+        assert trainer["world_size"] == ranks and trainer["restarts"] == 0
     finally:
         assert daemon.stop() == 0
     return before, after, rates, learner
 
 
 @pytest.mark.slow  # about 50 s per seed on 2 cores (two runs of 24 steps), more under load
-@pytest.mark.parametrize("seed", [1, 2])
-def test_a_scripted_users_preference_is_learnt_and_a_shuffled_reward_control_learns_far_less(tiny_model, tmp_path, seed):
-    runs = {"arm": learn(tiny_model, tmp_path, "rl", seed),
-            "control": learn(tiny_model, tmp_path, "rl", seed, control="shuffle_rewards")}
+@pytest.mark.parametrize("seed,ranks", [(1, 1), (2, 2)], ids=["seed1-1rank", "seed2-2ranks"])
+def test_a_scripted_users_preference_is_learnt_and_a_shuffled_reward_control_learns_far_less(tiny_model, tmp_path, seed,
+                                                                                            ranks):
+    """Seed 2 trains with a trainer world of 2 ranks (FSDP2 under torchrun, docs/ARCHITECTURE.md §13)."""
+    runs = {"arm": learn(tiny_model, tmp_path, "rl", seed, ranks=ranks),
+            "control": learn(tiny_model, tmp_path, "rl", seed, control="shuffle_rewards", ranks=ranks)}
     for name, (before, after, rates, learner) in runs.items():
-        print(f"\nrl seed {seed} {name}: satisfied before {before:.3f}, after {after:.3f}; per batch {rates}")
+        print(f"\nrl seed {seed}, {ranks} rank(s), {name}: satisfied before {before:.3f}, after {after:.3f}; "
+              f"per batch {rates}")
         assert learner["steps"] == STEPS and learner["publishes"] == STEPS and learner["failed_publishes"] == 0
         assert learner["samples_trained"] == STEPS * ROLLOUT_BATCH and learner["control"] == name.replace(
             "arm", "none").replace("control", "shuffle_rewards")

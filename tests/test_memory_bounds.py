@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from clawd.config import config_from_dict
+from clawd.engine.replicas import Replicas
 from clawd.served import Policy
 from clawd.serving.completion import ChatService
 from clawd.serving.errors import ApiError
@@ -89,7 +90,7 @@ def service(tiny_model):
     cfg = config_from_dict({"model": {"path": str(tiny_model)}})
     supervisor = SimpleNamespace(input_limit=None, is_ready=False)  # accepted requests end in a 503
     sessions = SessionTable(idle_timeout=100.0, max_turns=8, max_sessions=8, new_id=lambda: "s")
-    return ChatService(cfg, tok, None, supervisor, sessions, lambda ft: None, Policy(), spawn=None)
+    return ChatService(cfg, tok, Replicas([supervisor]), sessions, lambda ft: None, Policy(), spawn=None)
 
 
 async def _status(svc: ChatService, content: str) -> tuple[int, str | None]:

@@ -93,7 +93,10 @@ def test_stage_metrics_are_read_at_scrape_time():
                           "skipped": False})),
         engines={"policy": {"state": "ready", "ready": True, "pid": 1, "restarts": 1, "hangs": 1, "url": "u"},
                  "reference": {"state": "starting", "ready": False, "pid": 2, "restarts": 0, "hangs": 0, "url": "v"}},
-        trainer={"alive": True, "pid": 3, "restarts": 2, "step": 2, "version": 1})
+        trainer={"alive": True, "pid": 3, "restarts": 2, "step": 2, "version": 1},
+        replicas=[{"index": i, "url": "u", "state": "ready", "in_rotation": i == 0, "weight_version": v,
+                   "in_flight": 2 - i, "sessions": 5, "failures": i, "retried_away": i, "swap_failures": 0,
+                   "draining": False, "needs_realign": i == 1} for i, v in enumerate(["4", None])])
     metrics = Metrics(lambda: snap)
     snap["chat"]["main_turns"] += 1  # read when scraped, not when built
     metrics.observe_first_token(0.2)
@@ -140,6 +143,11 @@ def test_stage_metrics_are_read_at_scrape_time():
         'clawd_engine_hangs_total{role="policy"} 1.0',
         'clawd_engine_ready{role="reference"} 0.0',
         "clawd_trainer_restarts_total 2.0",
+        'clawd_replica_weight_version{replica="0"} 4.0',
+        'clawd_replica_weight_version{replica="1"} -1.0',
+        'clawd_replica_in_rotation{replica="1"} 0.0',
+        'clawd_replica_in_flight{replica="0"} 2.0',
+        'clawd_replica_failures_total{replica="1"} 1.0',
         "clawd_trainer_up 1.0",
         'clawd_time_to_first_token_seconds_bucket{le="0.1"} 0.0',
         'clawd_time_to_first_token_seconds_bucket{le="0.25"} 1.0',

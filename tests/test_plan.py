@@ -125,3 +125,25 @@ def test_keys_file_is_private_and_holds_sglang_config_keys(tmp_path):
     path = write_keys_file(tmp_path / "run" / "policy-engine-keys.yaml", "sk-a", "sk-b")
     assert json.loads(path.read_text()) == {"api-key": "sk-a", "admin-api-key": "sk-b"}
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_plan_shows_the_trainer_worlds_torchrun_lines_for_every_host(tmp_path):
+    raw = _gpu_config(tmp_path)
+    raw["learner"] = {"enabled": True}
+    raw["train"] = {"gpus": "3,4", "nnodes": 2, "rdzv_endpoint": "10.0.0.5:29500", "collective_timeout": 120.0}
+    done = _plan(tmp_path, raw, "--plan", "--json")
+    assert done.returncode == 0, done.stderr
+    processes = {p["role"]: p for p in json.loads(done.stdout)["processes"]}
+    assert list(processes)[-3:] == ["trainer", "trainer-ranks", "trainer-ranks on host 1 (clawd-trainer@1)"]
+    here, there = processes["trainer-ranks"], processes["trainer-ranks on host 1 (clawd-trainer@1)"]
+    assert here["devices"] == there["devices"] == [3, 4] and here["env"]["CUDA_VISIBLE_DEVICES"] == "3,4"
+    for node, p in enumerate((here, there)):
+        argv = p["argv"]
+        assert argv[1:3] == ["-m", "torch.distributed.run"] and argv[-4:] == ["-m", "clawd.trainer.rank",
+                                                                             "--collective-timeout", "120.0"]
+        flags = dict(zip(argv[3:-4:2], argv[4:-4:2]))
+        assert flags == {"--nnodes": "2", "--nproc-per-node": "2", "--node-rank": str(node), "--rdzv-backend": "static",
+                         "--master-addr": "10.0.0.5", "--master-port": "29500", "--max-restarts": "0",
+                         "--monitor-interval": "0.5"}
+    for secret in SECRETS:
+        assert secret not in done.stdout + done.stderr

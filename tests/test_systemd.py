@@ -423,3 +423,42 @@ def test_daemon_notifies_ready_watchdog_and_stopping(tmp_path, monkeypatch, tiny
         if daemon is not None:
             daemon.stop()
         collector.close()
+
+
+TRAINER_UNIT = ROOT / "systemd" / "clawd-trainer@.service"
+
+
+def test_the_trainer_world_unit_runs_the_line_the_plan_prints_for_its_host():
+    """clawd-trainer@N on another host runs exactly `world_argv(node_rank=N)`: the torchrun line the
+    trainer child runs on node 0, with node rank N (the values from /etc/clawd/trainer-world.env)."""
+    import shlex
+
+    from clawd.train_config import TrainConfig
+    from clawd.trainer.world import world_argv
+
+    unit = _directives(TRAINER_UNIT.read_text())
+    assert unit["Restart"] == ["always"] and unit["User"] == ["clawd"]
+    assert unit["EnvironmentFile"] == ["/etc/clawd/trainer-world.env"]
+    env = {"CLAWD_NNODES": "2", "CLAWD_NPROC": "4", "CLAWD_RDZV_HOST": "10.0.0.5", "CLAWD_RDZV_PORT": "29500",
+           "CLAWD_COLLECTIVE_TIMEOUT": "300.0"}
+    (line,) = unit["ExecStart"]
+    line = re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], line).replace("%i", "1")
+    argv = shlex.split(line)
+    assert argv[1] == "-P"  # the working directory is not on the import path
+    train = TrainConfig(nproc_per_node=4, nnodes=2, rdzv_endpoint="10.0.0.5:29500", collective_timeout=300.0)
+    assert [argv[0], *argv[2:]] == world_argv(train, node_rank=1, endpoint=train.rdzv_endpoint,
+                                                python="/opt/clawd/.venv/bin/python")
+
+
+@needs_analyze
+def test_the_trainer_world_unit_verifies(tmp_path):
+    units = tmp_path / "units"
+    units.mkdir()
+    python = os.path.realpath(sys.executable)
+    (units / "clawd-trainer@.service").write_text(TRAINER_UNIT.read_text().replace("/opt/clawd/.venv/bin/python",
+                                                                                     python))
+    env = {**os.environ, "SYSTEMD_UNIT_PATH": f"{units}:"}
+    out = subprocess.run(["systemd-analyze", "verify", str(units / "clawd-trainer@1.service")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not [line for line in out.stderr.splitlines() if "clawd-trainer" in line], out.stderr

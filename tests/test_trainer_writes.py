@@ -126,11 +126,12 @@ def fault_env(monkeypatch):
 
 
 @contextlib.asynccontextmanager
-async def learning(tiny_model, tmp_path, *, min_free_bytes=0):
-    """A running learner over the real trainer (checkpoint every step); yields (learner, store, fake, trainer)."""
+async def learning(tiny_model, tmp_path, *, min_free_bytes=0, **train):
+    """A running learner over the real trainer (checkpoint every step; `train`: more [train] keys);
+    yields (learner, store, fake, trainer)."""
     cfg = Config(model=ModelConfig(path=str(tiny_model)), scoring=ScoringConfig(mode="rl"),
                  state=StateConfig(dir=str(tmp_path / "state"), min_free_bytes=min_free_bytes),
-                 train=TrainConfig(lr=1e-3, checkpoint_every=1))
+                 train=TrainConfig(**{"lr": 1e-3, "checkpoint_every": 1, **train}))
     async with FakeSGLang() as fake:
         engine = EngineClient(fake.url)
         await engine.start()

@@ -61,6 +61,10 @@ class EngineTimeout(EngineError):
         super().__init__(message, status=503, retry_after=retry_after)
 
 
+class EngineDisconnected(EngineError):
+    """The connection to the engine failed under a call (reset, closed): the engine died or restarted. 502."""
+
+
 class EngineRejected(EngineError):
     """The engine answered 400: the request itself is at fault."""
 
@@ -254,7 +258,7 @@ class EngineClient:
         except asyncio.TimeoutError:  # before OSError: on 3.11 TimeoutError is one
             raise EngineTimeout("engine did not answer in time") from None
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-            raise EngineError(f"engine connection failed: {exc}", retry_after=1) from None
+            raise EngineDisconnected(f"engine connection failed: {exc}", retry_after=1) from None
 
     async def _check(self, resp: aiohttp.ClientResponse) -> None:
         if resp.status == 200:
@@ -290,7 +294,7 @@ class EngineClient:
             self._stalled(call, exc)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise EngineError(f"engine connection lost: {exc}") from None
+            raise EngineDisconnected(f"engine connection lost: {exc}") from None
         except ValueError:
             raise EngineError("engine sent a body that is not JSON") from None
 
@@ -348,7 +352,7 @@ class EngineClient:
             self._stalled(call, exc)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise EngineError(f"engine connection lost mid-stream: {exc}") from None
+            raise EngineDisconnected(f"engine connection lost mid-stream: {exc}") from None
         except _LineTooLong as exc:
             raise EngineError(str(exc)) from None
         except ValueError:

@@ -22,11 +22,14 @@ FD_PLACEHOLDER = "<the listening socket clawd holds>"  # --plan: the local engin
 
 
 def engine_launch(cfg, role: str, weights: str, weight_version: str, *, fd: int | None = None,
-                  keys_file: Path | None = None, base_env: dict[str, str] | None = None) -> Launch:
+                  keys_file: Path | None = None, base_env: dict[str, str] | None = None, replica: int = 0) -> Launch:
     """The `role` ("policy" or "reference") engine's launch on `weights`. `fd`: the local engine's
-    listening socket; `keys_file`: where `write_keys_file` put the engine keys (None: no keys)."""
+    listening socket; `keys_file`: where `write_keys_file` put the engine keys (None: no keys); `replica`:
+    which policy replica (SGLang: url's port + replica, its slice of `gpus`; the local engine listens on
+    the socket clawd made for it)."""
     eng, model = cfg.engine, cfg.model
     base_env = os.environ if base_env is None else base_env
+    name = replica_name(cfg, role, replica)
     if eng.launch == "local":
         argv = [sys.executable, "-m", "clawd.engine.local", "--model", weights,
                 "--fd", FD_PLACEHOLDER if fd is None else str(fd), "--seed", str(eng.seed),
@@ -38,12 +41,12 @@ def engine_launch(cfg, role: str, weights: str, weight_version: str, *, fd: int 
         argv.append("--incremental-streaming-output")  # see EngineConfig.streams_deltas
         if keys_file is not None:
             argv += ["--config", str(keys_file)]
-        return Launch(role, tuple(argv), child_env(cfg, None, base_env), None, (), eng.startup_seconds)
+        return Launch(name, tuple(argv), child_env(cfg, None, base_env), None, (), eng.startup_seconds)
     if eng.launch != "sglang":
         raise ValueError(f'engine.launch = "{eng.launch}": clawd launches no engine')
-    url = eng.url if role == "policy" else eng.reference_url
+    url = eng.policy_urls[replica] if role == "policy" else eng.reference_url
     port = urlsplit(url).port or 80
-    gpus = eng.gpus if role == "policy" else eng.reference_gpus
+    gpus = (eng.replica_gpus(replica) if eng.replicas > 1 else eng.gpus) if role == "policy" else eng.reference_gpus
     argv = [str(Path(sys.executable).with_name("sglang")), "serve", "--model-path", weights,
             "--host", urlsplit(url).hostname, "--port", str(port), "--weight-version", weight_version,
             "--dtype", model_dtype(Path(model.path), model.dtype), "--incremental-streaming-output"]
@@ -52,7 +55,12 @@ def engine_launch(cfg, role: str, weights: str, weight_version: str, *, fd: int 
     if keys_file is not None:
         argv += ["--config", str(keys_file)]
     argv += eng.sglang_args if role == "policy" else eng.reference_sglang_args
-    return Launch(role, tuple(argv), child_env(cfg, gpus, base_env), port, device_set(gpus), eng.startup_seconds)
+    return Launch(name, tuple(argv), child_env(cfg, gpus, base_env), port, device_set(gpus), eng.startup_seconds)
+
+
+def replica_name(cfg, role: str, replica: int) -> str:
+    """"policy-<i>" for a policy replica when there are several, else the role."""
+    return f"{role}-{replica}" if role == "policy" and len(cfg.engine.policy_urls) > 1 else role
 
 
 def keys_file_path(cfg, role: str) -> Path | None:

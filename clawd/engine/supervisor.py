@@ -26,6 +26,12 @@ An engine that becomes ready is told `/continue_generation` (a publish cut short
 paused; harmless otherwise), and its input limit is read from `/server_info` so over-long prompts get
 clawd's own 400. A supervisor given `after` events starts its child only once those are set: on GPUs
 the reference engine waits for the policy engine, so the two do not measure free memory at once.
+
+With several policy replicas (`[engine] replicas`) each has its own supervisor (`index`, named
+"policy-<index>"). A replica whose rolling-publish swap failed is marked `needs_realign` (out of
+rotation, clawd.engine.replicas); so is one found serving an older version than the policy. Its watcher
+loads the policy's weights onto it at the next poll; a launched engine that refuses is restarted, which
+starts it on those weights. A swap and a realignment never interleave (`swap_lock`).
 """
 from __future__ import annotations
 
@@ -45,7 +51,8 @@ from clawd.config import Config
 from clawd.served import Policy
 from clawd.engine.client import (NEUTRAL_SAMPLING, EngineClient, EngineError, EngineUnavailable,
                                  EngineUnresponsive)
-from clawd.engine.launch import engine_launch, keys_file_path, write_keys_file
+from clawd.engine.launch import engine_launch, keys_file_path, replica_name, write_keys_file
+from clawd.engine.replicas import behind
 
 log = logging.getLogger("clawd.engine")
 
@@ -74,11 +81,17 @@ EXPLICIT_SAMPLING = frozenset({*NEUTRAL_SAMPLING, "temperature", "max_new_tokens
 
 class EngineSupervisor:
     def __init__(self, cfg: Config, client: EngineClient, role: str = "policy", policy: Policy | None = None,
-                 after: tuple[asyncio.Event, ...] = ()):
+                 after: tuple[asyncio.Event, ...] = (), index: int = 0):
         self.cfg = cfg
         self.after = after  # start the child only once these are set (staged start on GPUs)
         self.client = client
         self.role = role  # "policy" (serves chat, receives publishes) or "reference" (frozen)
+        self.index = index  # which policy replica (its port offset and GPU slice)
+        self.name = replica_name(cfg, role, index)
+        self.answers = 0  # good /model_info answers so far: a replica a request found broken waits for the next
+        self.needs_realign = False  # a swap onto new weights failed: out of rotation until realigned
+        self.swap_lock = asyncio.Lock()  # a publish's swap and a realignment never interleave
+        self._restart_reason: str | None = None  # the watcher restarts it for this reason, not as hung
         # The policy role serves the published version: a (re)started engine loads it, not the base model.
         self.policy = policy if role == "policy" else None
         self.state = EngineState.STARTING
@@ -120,7 +133,8 @@ class EngineSupervisor:
         keys = keys_file_path(self.cfg, self.role)
         if keys is not None:  # written at each start: a SIGHUP-rotated key file reaches a restarted engine
             write_keys_file(keys, eng.api_key, eng.admin_api_key)
-        return engine_launch(self.cfg, self.role, weights, weight_version, fd=fd, keys_file=keys)
+        return engine_launch(self.cfg, self.role, weights, weight_version, fd=fd, keys_file=keys,
+                             replica=self.index)
 
     async def run(self) -> None:
         for event in self.after:
@@ -139,9 +153,9 @@ class EngineSupervisor:
             if time.monotonic() - started > 60:
                 backoff = self.cfg.engine.restart_backoff_initial
             if self._killed_hung:  # the hang was logged when it was found
-                log.info("restarting the hung %s engine in %.1fs (restart %d)", self.role, backoff, self.restarts)
+                log.info("restarting the hung %s engine in %.1fs (restart %d)", self.name, backoff, self.restarts)
             else:
-                log.error("%s engine exited with %s; restarting in %.1fs (restart %d)", self.role, code, backoff,
+                log.error("%s engine exited with %s; restarting in %.1fs (restart %d)", self.name, code, backoff,
                           self.restarts)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.engine.restart_backoff_max)
@@ -149,13 +163,14 @@ class EngineSupervisor:
     async def _run_child_once(self) -> int | None:
         launch = self._launch()
         self._set(EngineState.STARTING)
-        log.info("starting %s engine%s: %s", self.role,
+        log.info("starting %s engine%s: %s", self.name,
                  f" on GPU(s) {','.join(map(str, launch.devices))}" if launch.devices else "", " ".join(launch.argv))
         fds = (self._sock.fileno(),) if self._sock is not None else ()
         # Its own process group, so a hung engine goes with its helpers (SGLang's scheduler processes).
         self._proc = subprocess.Popen(launch.argv, pass_fds=fds, preexec_fn=_die_with_parent, process_group=0,
                                       env=launch.environ(dict(os.environ)), stdin=subprocess.DEVNULL)
         self._killed_hung = False
+        self.needs_realign = False  # a new process, started on the policy's weights
         self._startup = launch.startup_timeout
         exited = asyncio.get_running_loop().create_future()
         pidfd = os.pidfd_open(self._proc.pid)
@@ -193,6 +208,11 @@ class EngineSupervisor:
         reason = await self._watch(remote=False)
         if reason is None:  # being stopped: an engine shutting down is no hang
             return
+        if self._restart_reason is not None:
+            log.error("%s engine: %s; restarting it on the published weights", self.name, self._restart_reason)
+            self._restart_reason = None
+            self._kill_group()
+            return
         self._killed_hung = True
         self._hung(reason, f"killing its process group (pid {self._proc.pid}) to restart it")
         self._kill_group()
@@ -202,20 +222,22 @@ class EngineSupervisor:
         while not exited.done():
             try:
                 self.info = await self.client.model_info()
+                self.answers += 1
                 await self._on_up()
                 self._became_ready()
-                log.info("%s engine ready at %s (weight_version %s)", self.role, self.client.url,
+                log.info("%s engine ready at %s (weight_version %s)", self.name, self.client.url,
                          self.info.get("weight_version"))
                 return True
             except EngineUnavailable:
                 if time.monotonic() > deadline:
-                    log.error("%s engine not ready after %.0fs; killing it", self.role, self._startup)
+                    log.error("%s engine not ready after %.0fs; killing it", self.name, self._startup)
                     self._kill_group()
                     return False
                 await asyncio.sleep(0.25)
         return False
 
     def _became_ready(self) -> None:
+        self.needs_realign = False  # aligned by _on_up
         self.client.clear_evidence()
         self._set(EngineState.READY)
 
@@ -223,8 +245,8 @@ class EngineSupervisor:
         self.hangs += 1
         self.hang_reason = reason
         self._set(EngineState.HUNG)
-        log.error("%s engine at %s is hung (%s); %s", self.role, self.client.url, reason, action)
-        self.client.abandon(f"the {self.role} engine is hung ({reason})")
+        log.error("%s engine at %s is hung (%s); %s", self.name, self.client.url, reason, action)
+        self.client.abandon(f"the {self.name} engine is hung ({reason})")
 
     async def _watch(self, remote: bool) -> str | None:
         """Poll a ready engine every health_interval until it is hung; returns why it counts as hung, or None
@@ -243,6 +265,7 @@ class EngineSupervisor:
             publishing = self.client.publishing
             try:
                 self.info = await self.client.model_info(timeout=max(eng.health_interval, POLL_TIMEOUT_FLOOR))
+                self.answers += 1
                 failures = 0
             except EngineUnresponsive as exc:
                 failures, last = (0, "") if publishing or self.client.publishing else (failures + 1, str(exc))
@@ -258,6 +281,8 @@ class EngineSupervisor:
                 continue
             if failures >= eng.health_failures:
                 return f"{failures} liveness polls in a row failed; last: {last}"
+            if failures == 0 and not await self._realign(remote):
+                return None if self._stopping else "restart"
             if self.client.stalls >= eng.health_failures:
                 return (f"{self.client.stalls} engine calls in a row timed out with no answer in between; "
                         f"last: {self.client.last_stall}")
@@ -268,18 +293,19 @@ class EngineSupervisor:
         while not self._stopping:
             try:
                 self.info = await self.client.model_info()
+                self.answers += 1
                 if self.state is EngineState.HUNG:  # its scheduler too, not only its HTTP front end
                     await self.client.probe(eng.first_byte_timeout)
                 if self.state is not EngineState.READY:
                     await self._on_up()
-                    log.info("%s engine at %s is ready", self.role, self.client.url)
+                    log.info("%s engine at %s is ready", self.name, self.client.url)
                     self._became_ready()
                 reason = await self._watch(remote=True)
                 if reason is not None:
                     self._hung(reason, "marked unreachable until it answers again")
             except EngineError as exc:
                 if self.state is EngineState.READY:
-                    log.error("%s engine at %s is down: %s", self.role, self.client.url, exc)
+                    log.error("%s engine at %s is down: %s", self.name, self.client.url, exc)
                     self._set(EngineState.DOWN)
                 await asyncio.sleep(min(eng.health_interval, 1.0))
 
@@ -292,27 +318,50 @@ class EngineSupervisor:
         except EngineUnavailable:
             raise
         except EngineError as exc:  # e.g. a key it refuses: chat may still work, publishes will say why not
-            log.error("%s engine refused a control call: %s", self.role, exc)
+            log.error("%s engine refused a control call: %s", self.name, exc)
             info = None
         limit = (info or {}).get("max_req_input_len")
         self.input_limit = limit if isinstance(limit, int) and limit > 0 else None
         if info is None:
-            log.warning("%s engine has no /server_info: its input limit is unknown", self.role)
+            log.warning("%s engine has no /server_info: its input limit is unknown", self.name)
         preferred = self.info.get("preferred_sampling_params") or {}
         if isinstance(preferred, str):
             preferred = json.loads(preferred or "{}")
         if unsent := sorted(set(preferred) - EXPLICIT_SAMPLING):
             log.warning("%s engine merges preferred sampling params into requests that leave them unset: %s "
-                        "(clawd does not send these; they change what is sampled)", self.role, ", ".join(unsent))
-        await self._align()
+                        "(clawd does not send these; they change what is sampled)", self.name, ", ".join(unsent))
+        await self._align(force=self.needs_realign)
 
-    async def _align(self) -> None:
+    async def _realign(self, remote: bool) -> bool:
+        """A replica marked `needs_realign`, or found behind the policy, is moved onto the policy's weights.
+        False: a launched engine refused, and `_restart_reason` says why it is to be restarted."""
+        if self.policy is None or self.client.publishing:
+            return True
+        if not self.needs_realign and not behind(self.info.get("weight_version"), self.policy):
+            return True
+        try:
+            async with self.swap_lock:
+                await self._align(force=self.needs_realign)
+        except EngineError as exc:
+            if remote:  # nothing to restart: it stays out of rotation, tried again at the next poll
+                log.error("%s engine could not be realigned onto v%s: %s", self.name, self.policy.weight_version,
+                          exc)
+                return True
+            self._restart_reason = f"could not be realigned onto v{self.policy.weight_version}: {exc}"
+            return False
+        self.needs_realign = False
+        log.info("%s engine realigned onto weight_version %s", self.name, self.info.get("weight_version"))
+        return True
+
+    async def _align(self, force: bool = False) -> None:
         """An engine that comes up on other weights than the published version (one we do not launch
-        and that restarted on its base model) is moved onto them before it counts as ready."""
+        and that restarted on its base model) is moved onto them before it counts as ready. `force`: also
+        when it names that version (a failed swap may have left it on anything)."""
         if self.policy is None or self.policy.weights_dir is None:
+            self.needs_realign = False  # the base model: nothing was published to realign onto
             return
-        if self.info.get("weight_version") != self.policy.weight_version:
-            log.warning("%s engine serves weight_version %r, not the published %s: loading %s", self.role,
+        if force or self.info.get("weight_version") != self.policy.weight_version:
+            log.warning("%s engine serves weight_version %r, not the published %s: loading %s", self.name,
                         self.info.get("weight_version"), self.policy.weight_version, self.policy.weights_dir)
             await self.client.control("/update_weights_from_disk",
                                       {"model_path": self.policy.weights_dir,

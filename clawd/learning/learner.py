@@ -36,6 +36,7 @@ from typing import Callable
 
 from clawd.config import LearnerConfig
 from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
+from clawd.engine.replicas import Replicas
 from clawd.served import Policy
 from clawd.learning import controls
 from clawd.learning.journal import JournalWriteError
@@ -71,38 +72,87 @@ class LearnerStats:
 
 
 class Publisher:
-    """Moves the policy engine onto a published directory (docs/ARCHITECTURE.md §6)."""
+    """Moves the policy engine onto a published directory (docs/ARCHITECTURE.md §6).
 
-    def __init__(self, engine: EngineClient, timeout: float, ready: asyncio.Event | None = None):
-        self.engine = engine
+    Given `Replicas`, a rolling publish: each replica in rotation is swapped in turn (new work goes to the
+    others meanwhile), so serving never stops. `publish` returns once every replica in rotation confirmed
+    the version (the learner then moves the policy); a replica whose swap failed is marked `needs_realign`,
+    out of rotation until its supervisor has moved it onto the policy's weights, provided another replica
+    confirmed. If none did, the publish fails as a whole and is retried, as with one engine."""
+
+    def __init__(self, engine: EngineClient | Replicas, timeout: float, ready: asyncio.Event | None = None):
+        self.replicas = engine if isinstance(engine, Replicas) else None
+        self.engine = None if isinstance(engine, Replicas) else engine
         self.timeout = timeout
         self.ready = ready  # the engine supervisor's: set while the engine is up and on the published weights
 
     async def publish(self, weights_dir: str, version: int) -> float:
-        """Returns the seconds the engine's intake was held (pause to continue)."""
-        if self.ready is not None and not self.ready.is_set():
-            # A starting engine's socket already accepts (the daemon owns it): calls sent now would be
-            # served, out of order with the supervisor's own checks, once it is up. Wait for it instead.
-            try:
-                async with asyncio.timeout(self.timeout):
-                    await self.ready.wait()
-            except TimeoutError:
-                raise EngineUnavailable(f"the engine is not ready after {self.timeout:.0f}s") from None
+        """Returns the seconds the engine's intake was held (pause to continue; the longest of the replicas')."""
+        if self.replicas is None:
+            await self._until_ready(lambda: self.ready is None or self.ready.is_set(), self.ready)
+            return await self._swap(self.engine, weights_dir, version)
+        replicas = self.replicas
+        await self._until_ready(lambda: any(s.is_ready for s in replicas.supervisors), None)
+        done: set[int] = set()
+        failed: dict[int, EngineError] = {}
+        held = 0.0
+        # A second pass takes a replica that became ready during the first (on the old weights).
+        for _ in range(2):
+            todo = [i for i, s in enumerate(replicas.supervisors)
+                    if i not in done and i not in failed and s.is_ready and not s.needs_realign]
+            for i in todo:
+                sup = replicas.supervisors[i]
+                async with sup.swap_lock:
+                    replicas.counts[i].draining = True
+                    try:
+                        took = await self._swap(sup.client, weights_dir, version)
+                        held = max(held, took)
+                        log.info("publishing v%d: %s swapped, intake held %.3fs", version, sup.name, took)
+                    except EngineError as exc:
+                        failed[i] = exc
+                        replicas.counts[i].swap_failures += 1
+                        log.error("publishing v%d: replica %s failed its swap: %s", version, sup.name, exc)
+                        continue
+                    finally:
+                        replicas.counts[i].draining = False
+                    sup.info = {**sup.info, "weight_version": str(version)}
+                    done.add(i)
+        if not done:
+            raise next(iter(failed.values()), None) or EngineUnavailable("no policy replica is ready")
+        for i in failed:  # realigned by its supervisor once the policy has moved (right after this returns)
+            replicas.supervisors[i].needs_realign = True
+        return held
+
+    async def _until_ready(self, ready: Callable[[], bool], event: asyncio.Event | None) -> None:
+        """A starting engine's socket already accepts (the daemon owns it): calls sent now would be served,
+        out of order with the supervisor's own checks, once it is up. Wait for it instead."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                while not ready():
+                    if event is not None:
+                        await event.wait()
+                    else:
+                        await asyncio.sleep(0.1)
+        except TimeoutError:
+            raise EngineUnavailable(f"the engine is not ready after {self.timeout:.0f}s") from None
+
+    async def _swap(self, engine: EngineClient, weights_dir: str, version: int) -> float:
+        """One engine onto `weights_dir`; the seconds its intake was held."""
         # Retract parks running requests (they resume on the new weights); nothing is refused. Continue is
         # sent whatever happened, a failed pause included: a pause that failed on our side may have
         # happened on the engine's, and a paused engine holds every chat. (The supervisor also sends it
         # whenever an engine becomes ready, for a clawd that died between the two.)
         held = time.monotonic()
         try:
-            await self.engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
-            await self.engine.control("/update_weights_from_disk",
-                                      {"model_path": weights_dir, "weight_version": str(version)}, self.timeout)
+            await engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
+            await engine.control("/update_weights_from_disk",
+                                 {"model_path": weights_dir, "weight_version": str(version)}, self.timeout)
         finally:
-            await self.engine.control("/continue_generation", {}, self.timeout)
+            await engine.control("/continue_generation", {}, self.timeout)
             held = time.monotonic() - held
         # The engine's own word on what it serves beats the HTTP status of the update. It is busy
         # re-running the requests the swap parked: give it the publish timeout, not the short one.
-        served = (await self.engine.model_info(timeout=self.timeout)).get("weight_version")
+        served = (await engine.model_info(timeout=self.timeout)).get("weight_version")
         if served != str(version):
             raise EngineError(f"engine serves weight_version {served!r} after publishing {version}")
         return held

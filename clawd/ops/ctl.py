@@ -243,10 +243,16 @@ def format_status(snapshot: dict, now: float | None = None) -> str:
     engines = snapshot.get("engines") or {}
     section("engines", *[(role, f"{e.get('state', '?')}, pid {e.get('pid') or '-'}, {e.get('restarts', 0)} restarts")
                          for role, e in sorted(engines.items())] or [("state", "off")])
+    section("replicas", *[(f"policy-{r.get('index', '?')}", f"{r.get('state', '?')}, {'in' if r.get('in_rotation') else 'out of'} "
+                           f"rotation, v{r.get('weight_version', '?')}, {r.get('in_flight', 0)} in flight, "
+                           f"{r.get('sessions', 0)} sessions, {r.get('failures', 0)} failures, "
+                           f"{r.get('retried_away', 0)} retried away, {r.get('swap_failures', 0)} failed swaps")
+                          for r in snapshot.get("replicas") or []] or [("replicas", "none")])
     trainer = snapshot.get("trainer")
     section("trainer", ("state", "off") if not trainer else
             ("state", f"{'alive' if trainer.get('alive') else 'down'}, pid {trainer.get('pid') or '-'}, "
-                      f"step {_num(trainer.get('step', '-'))}, {trainer.get('restarts', 0)} restarts"))
+                      f"step {_num(trainer.get('step', '-'))}, {trainer.get('world_size', 1)} rank(s), "
+                      f"{trainer.get('restarts', 0)} restarts"))
     j = get("journal")
     section("journal", ("size", human_bytes(j.get("size_bytes", 0))),
             ("records", f"{j.get('live', '?')} live in {j.get('segments', '?')} segment(s)"))

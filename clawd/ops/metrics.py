@@ -186,9 +186,43 @@ class SnapshotCollector(Collector):
         yield restarts
         yield hangs
         yield ready
+        yield counter("clawd_engine_retries_total", "Chat calls tried again on another policy replica after "
+                      "failing before any byte was sent.", chat.get("retries", 0))
+        yield from _replicas(snap.get("replicas") or [])
         if (trainer := snap["trainer"]) is not None:
             yield counter("clawd_trainer_restarts_total", "Trainer subprocess restarts.", trainer["restarts"])
             yield gauge("clawd_trainer_up", "1 while the trainer subprocess is alive.", trainer["alive"])
+
+
+def _replicas(replicas: list[dict]) -> Iterator[Metric]:
+    """The policy replicas, by a `replica` label (its index)."""
+    families = [
+        (GaugeMetricFamily, "clawd_replica_in_rotation", "1 while the router sends requests to this replica.",
+         lambda r: float(r["in_rotation"])),
+        (GaugeMetricFamily, "clawd_replica_in_flight", "Requests this replica is serving now.",
+         lambda r: r["in_flight"]),
+        (GaugeMetricFamily, "clawd_replica_sessions", "Sessions homed on this replica.", lambda r: r["sessions"]),
+        (GaugeMetricFamily, "clawd_replica_weight_version", "The weight version this replica last reported "
+         "(-1: not a number).", lambda r: _version_number(r["weight_version"])),
+        (CounterMetricFamily, "clawd_replica_failures", "Requests that found this replica broken (refused, "
+         "reset, died).", lambda r: r["failures"]),
+        (CounterMetricFamily, "clawd_replica_retried_away", "Requests that failed on this replica before any "
+         "byte was sent and were retried on another.", lambda r: r["retried_away"]),
+        (CounterMetricFamily, "clawd_replica_swap_failures", "Rolling-publish swaps this replica failed (then "
+         "realigned out of rotation).", lambda r: r["swap_failures"]),
+    ]
+    for kind, name, text, value in families:
+        family = kind(name, text, labels=["replica"])
+        for r in replicas:
+            family.add_metric([str(r["index"])], value(r))
+        yield family
+
+
+def _version_number(version) -> float:
+    try:
+        return float(int(version))
+    except (TypeError, ValueError):
+        return -1.0
 
 
 def _scoring(mode: str, st: dict) -> Iterator[Metric]:

@@ -1,7 +1,7 @@
 """`bin/clawd --plan [--json]`: every process a configuration would start, without starting any.
 
 Built by the same functions that start them (`clawd.engine.launch.engine_launch`,
-`clawd.trainer.link.trainer_launch`), so the plan is what runs. It needs neither SGLang nor a GPU,
+`clawd.trainer.link.trainer_launch`, `world_launches`), so the plan is what runs. It needs neither SGLang nor a GPU,
 only the configuration and the base model's config.json (for the dtype). No secret appears in it:
 engine keys travel in a file only clawd can read, and `env` lists what clawd sets (a value) or
 removes (null), never what it inherits.
@@ -16,22 +16,27 @@ from clawd.config import Config
 from clawd.devices import Launch
 from clawd.engine.launch import engine_launch, keys_file_path
 from clawd.trainer.link import trainer_launch
+from clawd.trainer.world import world_launches
 from clawd.weights import restored_weights
 
 
 def launches(cfg: Config) -> list[Launch]:
-    """In start order: the policy engine, the reference engine, the trainer (each as far as cfg starts it)."""
+    """In start order: the policy engine (each replica), the reference engine, the trainer (each as far as cfg
+    starts it)."""
     found = []
     if cfg.engine.launch != "none":
         restored = restored_weights(cfg.state_dir)  # a restart serves the checkpointed version, not the base
         weights, version = ((str(restored[1]), str(restored[0])) if restored
                             else (str(Path(cfg.model.path).resolve()), "0"))
-        found.append(engine_launch(cfg, "policy", weights, version, keys_file=keys_file_path(cfg, "policy")))
+        for i in range(cfg.engine.replicas):  # each replica on its own port (and GPU slice, for SGLang)
+            found.append(engine_launch(cfg, "policy", weights, version, keys_file=keys_file_path(cfg, "policy"),
+                                       replica=i))
         if cfg.reference_engine_needed:
             found.append(engine_launch(cfg, "reference", str(Path(cfg.model.path).resolve()), "0",
                                        keys_file=keys_file_path(cfg, "reference")))
     if cfg.learner.enabled:
         found.append(trainer_launch(cfg))
+        found += world_launches(cfg)  # a trainer of several ranks: torchrun, started by the trainer child
     return found
 
 
@@ -49,5 +54,6 @@ def plan_text(cfg: Config) -> str:
             lines.append(f"  env {name}={shlex.quote(value)}" if value is not None else f"  env -u {name}")
         lines.append("  " + shlex.join(launch.argv))
     if cfg.engine.launch == "none":
-        lines.append(f"\nengines: none (clawd uses the ones at {cfg.engine.url} and {cfg.engine.reference_url})")
+        lines.append(f"\nengines: none (clawd uses the ones at {', '.join(cfg.engine.policy_urls)} and "
+                     f"{cfg.engine.reference_url})")
     return "\n".join(lines)

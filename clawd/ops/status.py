@@ -118,11 +118,15 @@ class Status:
                         "hints_accepted": sc.hints_accepted, "not_learned_while_paused": self.pauses.turns_not_learned},
             "learner": None if learner is None else {**dataclasses.asdict(learner.stats),
                                                      "control": cfg.learner.control},
-            "engines": {s.role: {"state": s.state.value, "ready": s.is_ready, "pid": s.pid, "restarts": s.restarts,
+            "engines": {s.name: {"state": s.state.value, "ready": s.is_ready, "pid": s.pid, "restarts": s.restarts,
                                  "hangs": s.hangs, "hang_reason": s.hang_reason, "url": s.client.url,
                                  "input_limit": s.input_limit} for s in self.supervisors},
+            # The policy replicas as the router sees them (clawd.engine.replicas).
+            "replicas": self.chat.replicas.snapshot(self.chat.sessions.homed(len(self.chat.replicas))),
+            "sessions_rehomed": self.chat.replicas.rehomed,
             "trainer": None if trainer is None else {
                 "alive": trainer.alive, "pid": trainer.pid, "restarts": trainer.restarts,
+                "world_size": trainer.ready.world_size if trainer.ready else cfg.train.world_size,
                 "step": trainer.ready.step if trainer.ready else None, "version": trainer.version,
                 "checkpoint_step": (trainer.state or {}).get("checkpoint_step"),
                 "owed": (trainer.state or {}).get("owed", [])},

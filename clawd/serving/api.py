@@ -170,8 +170,12 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     # Chat needs the policy engine only; a reference engine that is down costs samples, not replies.
     chat = request.app[CHAT]
-    ok = chat.supervisor.is_ready and request.app[GATE].accepting
-    body = {"ready": ok, "engine": chat.supervisor.state.value, "policy_version": chat.policy.version,
-            "engines": {s.role: s.state.value for s in request.app[ENGINES]}}
+    # With several policy replicas, one in rotation is enough.
+    replicas = chat.replicas
+    serving = replicas.any_usable
+    ok = serving and request.app[GATE].accepting
+    engine = "ready" if serving else replicas.supervisors[0].state.value
+    body = {"ready": ok, "engine": engine, "policy_version": chat.policy.version,
+            "engines": {s.name: s.state.value for s in request.app[ENGINES]}}
     headers = None if ok else {"Retry-After": "2"}
     return web.json_response(body, status=200 if ok else 503, headers=headers)

@@ -1,10 +1,16 @@
 """One chat completion, from a validated request to an OpenAI response and a captured turn.
+(One file, over 500 lines: the request path and `_Output`, the reply it builds, change together.)
 
 The path (docs/ARCHITECTURE.md §2): render the prompt ids with the chat template → resolve
 the session → engine `/generate` token-in with explicit sampling params and
 log-probs → decode and parse the output ids ourselves → answer (streamed token
 by token, or whole) → hand the finished turn to the session table. The ids
 and log-probs kept for training are exactly the engine's.
+
+With several policy replicas the router (clawd.engine.replicas) picks one per request: the session's
+home, else the least loaded. A call that fails before any byte reached the client, on a broken replica,
+is tried once on another (`Attempt.run`). A reply names the weight version of the replica that produced
+it (`system_fingerprint`, the turn's versions).
 """
 from __future__ import annotations
 
@@ -23,8 +29,8 @@ from clawd.serving.request import ChatRequest
 from clawd.config import Config
 from clawd.serving.connections import note_hangup
 from clawd.serving.detokenize import IncrementalDetokenizer
-from clawd.engine.client import NEUTRAL_SAMPLING, Chunk, EngineClient, EngineError, EngineUnavailable
-from clawd.engine.supervisor import EngineSupervisor
+from clawd.engine.client import NEUTRAL_SAMPLING, Chunk, EngineError, EngineUnavailable
+from clawd.engine.replicas import Attempt, Replicas
 from clawd.serving.errors import ApiError, bad_request
 from clawd.serving.parsers import Content, Reasoning, ToolCall, make_parser
 from clawd.served import Policy
@@ -42,6 +48,7 @@ class ChatStats:
     excluded: dict[str, int] = field(default_factory=dict)
     aborted: int = 0
     engine_errors: int = 0
+    retries: int = 0            # calls tried again on another replica after failing before any byte was sent
     prompt_tokens: int = 0      # of answered requests, main and side
     completion_tokens: int = 0
 
@@ -76,14 +83,12 @@ class _SessionLocks:
 
 
 class ChatService:
-    def __init__(self, cfg: Config, tokenizer: ChatTokenizer, engine: EngineClient,
-                 supervisor: EngineSupervisor, sessions: SessionTable,
+    def __init__(self, cfg: Config, tokenizer: ChatTokenizer, replicas: Replicas, sessions: SessionTable,
                  on_finished: Callable[[FinishedTurn], None], policy: Policy,
                  spawn: Callable[[Any], Any]):
         self.cfg = cfg
         self.tok = tokenizer
-        self.engine = engine
-        self.supervisor = supervisor
+        self.replicas = replicas
         self.sessions = sessions
         self.on_finished = on_finished
         self.policy = policy
@@ -121,7 +126,7 @@ class ChatService:
             raise ApiError(400, f"The prompt is {prompt_len} tokens, which leaves no room in the model's "
                            f"context of {self.context_length} tokens", param="messages",
                            code="context_length_exceeded")
-        limit = self.supervisor.input_limit  # the engine's own, a few tokens under the context (SGLang)
+        limit = self.replicas.input_limit  # the engine's own, a few tokens under the context (SGLang)
         if limit is not None and prompt_len >= limit:
             raise ApiError(400, f"The prompt is {prompt_len} tokens; the model engine accepts prompts of fewer "
                            f"than {limit}", param="messages", code="context_length_exceeded")
@@ -171,7 +176,7 @@ class ChatService:
         self.tok.keep(new_pieces)  # within the context: worth caching
         if req.no_train:
             excluded = NO_TRAIN
-        if not self.supervisor.is_ready:
+        if not self.replicas.any_usable:
             raise ApiError(503, "The model engine is not ready; retry shortly", code="engine_unavailable",
                            retry_after=2)
         rid = uuid.uuid4().hex
@@ -197,18 +202,24 @@ class ChatService:
                      prompt_ids: list[int], capture: "_Capture | None", started: float,
                      release: Callable[[], None]) -> web.StreamResponse:
         out = _Output(self, req, rid)
+        route = Attempt(self.replicas, sessions=self.sessions.homed(len(self.replicas)))
+        if capture:
+            route.home = self.sessions.replica_of(capture.admission)
+            route.rehome = lambda i: self.sessions.set_replica(capture.admission, i)
+        out.replicas, out.route = self.replicas, route
         try:
             if req.stream:
-                resp = await self._stream(req, request, payload, out, started, release)
+                resp = await self._stream(req, request, payload, out, started, release, route)
             else:  # a whole reply is written by aiohttp after the handler returns: after the slot is released
-                resp = await self._whole(payload, out)
+                resp = await self._whole(payload, out, route)
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away (aiohttp cancels the handler, or a write finds the
             # socket closed): stop the engine's work too. Counted (clawd_aborted_requests_total) and
             # logged quietly: a client that leaves is routine, a line per hang-up would let one fill the log.
             self.stats.aborted += 1
             note_hangup(f"rid={rid} stream={req.stream}")
-            self.spawn(self._abort(rid))
+            if route.replica is not None:
+                self.spawn(self._abort(rid, route.replica))
             if capture:
                 self.sessions.cancel(capture.admission, time.time())
             raise
@@ -216,6 +227,8 @@ class ChatService:
             if capture:
                 self.sessions.cancel(capture.admission, time.time())
             raise
+        finally:
+            route.end()
         self.stats.prompt_tokens += len(prompt_ids)
         self.stats.completion_tokens += len(out.ids)
         if capture and out.failed:  # the client got an error event: no turn to learn from
@@ -223,20 +236,21 @@ class ChatService:
         elif capture:
             self._capture(capture, rid, prompt_ids, out)
         # One structured line per completion: enough to follow a turn from client to records.
-        log.info("chat id=%s rid=%s session=%s turn=%s version=%d type=%s stream=%s prompt=%d completion=%d "
-                 "finish=%s", out.completion_id, rid, capture.admission.session_id if capture else "-",
-                 capture.admission.turn_index if capture else "-", self.policy.version,
-                 "main" if capture else "side", req.stream, len(prompt_ids), len(out.ids), out.finish_reason)
+        log.info("chat id=%s rid=%s session=%s turn=%s version=%d replica=%s served=%s type=%s stream=%s prompt=%d "
+                 "completion=%d finish=%s", out.completion_id, rid, capture.admission.session_id if capture else "-",
+                 capture.admission.turn_index if capture else "-", self.policy.version, route.replica,
+                 out.weight_version, "main" if capture else "side", req.stream, len(prompt_ids), len(out.ids),
+                 out.finish_reason)
         return resp
 
-    async def _abort(self, rid: str) -> None:
+    async def _abort(self, rid: str, replica: int) -> None:
         try:
-            await self.engine.abort(rid)
+            await self.replicas.client(replica).abort(rid)
         except EngineError as exc:
             log.warning("could not abort rid %s: %s", rid, exc)
 
-    async def _whole(self, payload: dict, out: "_Output") -> web.Response:
-        result = await self._engine_call(self.engine.generate(payload))
+    async def _whole(self, payload: dict, out: "_Output", route: Attempt) -> web.Response:
+        result = await self._on_replica(route, lambda engine: engine.generate(payload))
         meta = result.get("meta_info") or {}
         lps = meta.get("output_token_logprobs") or []
         out.add(Chunk(ids=list(result.get("output_ids") or []), logprobs=[e[0] for e in lps],
@@ -248,30 +262,48 @@ class ChatService:
         out.close()
         return web.json_response(out.completion(), dumps=json.dumps)
 
-    async def _engine_call(self, coro):
+    async def _on_replica(self, route: Attempt, call):
+        """`call(engine client)` on the request's replica, tried once more elsewhere where that is safe."""
         try:
-            return await coro
-        except EngineUnavailable as exc:
-            self.stats.engine_errors += 1
-            self.supervisor.mark_unreachable()
-            raise ApiError(503, f"The model engine is unavailable: {exc}", code="engine_unavailable",
-                           retry_after=exc.retry_after or 2) from None
+            return await route.run(call)
         except EngineError as exc:
-            self.stats.engine_errors += 1
-            if exc.status == 400:
-                raise ApiError(400, f"The model engine rejected the request: {exc}", code="engine_rejected") from None
-            if exc.status == 503:
-                raise ApiError(503, f"The model engine is busy: {exc}", code="engine_unavailable",
-                               retry_after=exc.retry_after or 2) from None
-            raise ApiError(502, f"The model engine failed: {exc}", code="engine_error",
-                           retry_after=exc.retry_after or 1) from None
+            raise self._engine_failed(exc) from None
+        finally:
+            self.stats.retries += int(route.attempts > 1)
+
+    def _engine_failed(self, exc: EngineError) -> ApiError:
+        """The engine failure as the client's error (OpenAI's shape; 503s with Retry-After)."""
+        self.stats.engine_errors += 1
+        if isinstance(exc, EngineUnavailable):
+            return ApiError(503, f"The model engine is unavailable: {exc}", code="engine_unavailable",
+                            retry_after=exc.retry_after or 2)
+        if exc.status == 400:
+            return ApiError(400, f"The model engine rejected the request: {exc}", code="engine_rejected")
+        if exc.status == 503:
+            return ApiError(503, f"The model engine is busy: {exc}", code="engine_unavailable",
+                            retry_after=exc.retry_after or 2)
+        return ApiError(502, f"The model engine failed: {exc}", code="engine_error", retry_after=exc.retry_after or 1)
+
+    async def _first_chunk(self, engine, payload: dict, box: list):
+        """Opens a stream on `engine` and reads its first chunk; the stream goes into `box` either way, so
+        the caller can close it."""
+        chunks = engine.stream(payload)
+        box[:] = [chunks]
+        try:
+            return await anext(chunks, None)
+        except BaseException:
+            await chunks.aclose()
+            raise
 
     async def _stream(self, req: ChatRequest, request: web.Request, payload: dict, out: "_Output",
-                      started: float, release: Callable[[], None]) -> web.StreamResponse:
-        chunks = self.engine.stream(payload)
+                      started: float, release: Callable[[], None], route: Attempt) -> web.StreamResponse:
         # Wait for the engine's first chunk before sending headers, so an engine
-        # failure at the start is still a proper 502/503 rather than a broken stream.
-        first = await self._engine_call(anext(chunks, None))
+        # failure at the start is still a proper 502/503 rather than a broken stream (or a retry elsewhere).
+        box: list = []
+        first = await self._on_replica(route, lambda engine: self._first_chunk(engine, payload, box))
+        chunks = box[0]
+        if first is not None and first.meta:
+            out.meta = first.meta
         finish = (first.finish or {}) if first is not None else {}
         if finish.get("type") == "abort" and not first.ids:
             # SGLang refuses some requests inside a started stream (HTTP 200, an abort carrying a status):
@@ -358,8 +390,8 @@ class ChatService:
             request_id=out.completion_id, rid=rid, prompt_ids=prompt_ids, response_ids=out.ids,
             response_logprobs=[float(lp) if lp is not None else float("nan") for lp in out.logprobs],
             temperature=cap.temperature, messages=cap.req.render_messages, tools=cap.req.tools,
-            reply=out.reply_message(), finish_reason=out.finish_reason, policy_version=cap.version,
-            weight_version=str(out.meta.get("weight_version", self.policy.weight_version)), created=now,
+            reply=out.reply_message(), finish_reason=out.finish_reason, policy_version=out.version(cap.version),
+            weight_version=out.weight_version or self.policy.weight_version, created=now,
             excluded=excluded)
         self.stats.main_turns += 1
         if excluded:
@@ -398,8 +430,9 @@ class _Output:
         self.req = req
         self.tok = svc.tok
         self.model = svc.model_name
-        # OpenAI's "backend configuration" field: here, which policy version served the reply.
-        self.fingerprint = f"clawd-v{svc.policy.version}"
+        self.policy = svc.policy
+        self.replicas = svc.replicas
+        self.route: Attempt | None = None  # which replica serves it
         self.completion_id = f"chatcmpl-{rid}"
         self.created = int(time.time())
         self.detok = IncrementalDetokenizer(svc.tok.tokenizer, svc.tok.special_ids)
@@ -415,6 +448,27 @@ class _Output:
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
         self.failed = False
+
+    @property
+    def weight_version(self) -> str | None:
+        """The weight version of the replica that produced the reply: its own word when it gave one (SGLang's
+        meta_info.weight_version, the last token's), else what that replica last reported."""
+        served = self.meta.get("weight_version")
+        if served is None and self.route is not None and self.route.replica is not None:
+            served = self.replicas.version(self.route.replica)
+        return None if served is None else str(served)
+
+    def version(self, default: int) -> int:
+        """The policy version number of the weights that produced the reply (staleness counts from it)."""
+        try:
+            return int(self.weight_version)  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # no number (a remote engine's base model: "default")
+            return default
+
+    @property
+    def fingerprint(self) -> str:
+        # OpenAI's "backend configuration" field: here, which policy version served the reply.
+        return f"clawd-v{self.version(self.policy.version)}"
 
     def add(self, chunk: Chunk) -> tuple[list[dict], list[dict]]:
         self.ids += chunk.ids

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from clawd.serving.errors import ApiError, bad_request
+from clawd.serving.errors import bad_request
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TRUE = {"1", "true", "yes", "on"}

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -94,6 +94,7 @@ class _Session:
     pending_bytes: int = 0  # turn_bytes of the pending turn
     inflight: int = 0
     closed: str | None = None  # why it closed
+    replica: int | None = None  # the policy replica its requests go to (clawd.engine.replicas)
 
     @property
     def key(self) -> Key:
@@ -127,6 +128,7 @@ class SessionTable:
         self._replies: dict[tuple[str, bytes], tuple[_Session, int]] = {}
         self._prompts: dict[tuple[str, bytes], _Session] = {}
         self._pending = 0
+        self._homed: Counter[int] = Counter()  # sessions per replica
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -140,6 +142,23 @@ class SessionTable:
         for s in self._idle.values():
             return s.last_active + self.idle_timeout
         return None
+
+    def homed(self, replicas: int) -> list[int]:
+        """Sessions homed on each of `replicas` replicas."""
+        return [self._homed[i] for i in range(replicas)]
+
+    @staticmethod
+    def replica_of(admission: Admission) -> int | None:
+        return admission._session.replica
+
+    def set_replica(self, admission: Admission, replica: int) -> None:
+        """Home the admitted request's session on `replica` (a new session, or one whose home left rotation)."""
+        s = admission._session
+        if s.replica is not None and s.closed is None:
+            self._homed[s.replica] -= 1
+        s.replica = replica
+        if s.closed is None:
+            self._homed[replica] += 1
 
     # ------------------------------------------------------------ requests
 
@@ -309,6 +328,8 @@ class SessionTable:
             self._unindex_reply(s, reply)
         s.replies.clear()
         s.closed = reason
+        if s.replica is not None:
+            self._homed[s.replica] -= 1
         del self._sessions[s.key]
         self._idle.pop(s.key, None)
         return finished

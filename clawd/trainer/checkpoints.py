@@ -15,21 +15,23 @@ check that precedes it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+import torch.distributed.checkpoint as dcp
 
 from clawd import faults
 from clawd.weights import CHECKPOINT_DIR, VERSION_DIR, atomic_dir, complete_checkpoints, numbered
 
-CHECKPOINT_FORMAT = 1  # bumped when a checkpoint's files change meaning
+CHECKPOINT_FORMAT = 2  # bumped when a checkpoint's files change meaning (1 still loads)
 CHECKPOINTS_KEPT = 2
 
 # Files of a model directory that are weights: never copied next to the freshly saved ones.
@@ -38,20 +40,31 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h
 
 # --- published weights -----------------------------------------------------------------------
 
-def publish_weights(model, model_dir: Path, dest: Path, dtype: str = "float32") -> Path:
+def publish_weights(model, model_dir: Path, dest: Path, dtype: str = "float32", world=None) -> Path:
     """model as a complete Hugging Face directory at dest (config, generation config, safetensors)
     with the other files of model_dir (the tokenizer's), written atomically. dtype is what the
     engines serve (`clawd.weights.model_dtype`): weights of another dtype are cast to it, one tensor
-    at a time into host memory (the device holds no second copy), and config.json says so."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    at a time into host memory (the device holds no second copy), and config.json says so.
+    In a world every rank calls it: each tensor is gathered whole in turn and only rank 0 keeps it,
+    cast, on the host (one full copy, in the served dtype), then writes; every rank gets its outcome."""
     target = getattr(torch, dtype)
+    if world is not None:
+        host = gathered_state_dict(model, target, world)
+        return world.agree((lambda: _write_published(model, model_dir, dest, dtype, host)) if world.writer else None)
+    if all(t.dtype == target for t in model.state_dict().values() if t.is_floating_point()):
+        return _write_published(model, model_dir, dest, dtype, None)  # the master weights as they are
+    return _write_published(model, model_dir, dest, dtype, cast_state_dict(model, target))
+
+
+def _write_published(model, model_dir: Path, dest: Path, dtype: str, state_dict: dict | None) -> Path:
+    dest.parent.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: Path) -> None:
         faults.point("trainer.publish.write")
-        if all(t.dtype == target for t in model.state_dict().values() if t.is_floating_point()):
-            model.save_pretrained(tmp)  # the master weights as they are: float32 stays bit-exact
+        if state_dict is None:
+            model.save_pretrained(tmp)  # float32 stays bit-exact
         else:
-            model.save_pretrained(tmp, state_dict=cast_state_dict(model, target))
+            model.save_pretrained(tmp, state_dict=state_dict)
             config = copy.deepcopy(model.config)  # save_pretrained wrote the model's own dtype
             config.dtype = dtype
             config.save_pretrained(tmp)
@@ -62,6 +75,25 @@ def publish_weights(model, model_dir: Path, dest: Path, dtype: str = "float32") 
                 shutil.copy2(src, tmp / src.name)
 
     return atomic_dir(dest, write)
+
+
+def gathered_state_dict(model, dtype: torch.dtype, world) -> dict[str, torch.Tensor]:
+    """The sharded model's state dict, whole, on rank 0's host in dtype (floating-point tensors), gathered
+    one tensor at a time (a collective per tensor: every rank calls it in the same order); {} elsewhere.
+    Tensors shared under two names (tied embeddings) are gathered once and stay shared."""
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if id(tensor) not in done:
+            whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if world.writer:
+                done[id(tensor)] = whole.detach().to("cpu", dtype if whole.is_floating_point() else whole.dtype)
+            else:
+                done[id(tensor)] = None
+            del whole
+        if world.writer:
+            out[name] = done[id(tensor)]
+    return out
 
 
 def cast_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -81,7 +113,10 @@ def _unique_tensors(model):
     """The state dict's tensors, each storage once (tied embeddings are written once)."""
     seen = set()
     for tensor in model.state_dict().values():
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if hasattr(tensor, "to_local"):  # a shard of the world's: a tied one is the same object under both names
+            key = ("sharded", id(tensor))
+        else:
+            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key not in seen:
             seen.add(key)
             yield tensor
@@ -97,8 +132,9 @@ def publish_bytes(model, model_dir: Path, dtype: str) -> int:
 
 
 def checkpoint_bytes(model, optimizer) -> int:
-    """About what `save_checkpoint` writes: the master weights and the optimizer's state tensors."""
-    weights = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
+    """About what `save_checkpoint` writes: the master weights (DCP stores tied ones under each name)
+    and the optimizer's state tensors."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state = sum(v.numel() * v.element_size() for per in optimizer.state.values() for v in per.values()
                 if isinstance(v, torch.Tensor))
     return weights + state
@@ -117,32 +153,57 @@ def newest_published(weights_dir: Path) -> int:
     return max((v for v, _ in numbered(weights_dir, VERSION_DIR)), default=0)
 
 
-# --- checkpoints -----------------------------------------------------------------------------
+# --- checkpoints ---------------------------------------------------------------------------------
+#
+# Format 2 (any world size): ckpt-N/dcp holds the model and the optimizer as torch.distributed.checkpoint
+# wrote them, sharded by the ranks that saved them and loadable at any other world size (DCP reshards
+# on load); rng-R.pt is rank R's random state; state.json the counters (world_size among them);
+# `complete` last. Format 1 (one process, before the trainer world): model.safetensors, optimizer.pt
+# (AdamW's state by parameter index), rng.pt; still loaded, by any world size.
 
-def save_checkpoint(checkpoints_dir: Path, model, optimizer, state: dict[str, Any]) -> Path:
-    """A new ckpt-N: the model, the optimizer, every RNG's state and `state` (the trainer's
+def save_checkpoint(checkpoints_dir: Path, model, optimizer, state: dict[str, Any], world=None) -> Path:
+    """A new ckpt-N: the model, the optimizer, every rank's RNG state and `state` (the trainer's
     counters, JSON-serialisable) in state.json; then only the newest CHECKPOINTS_KEPT complete
-    ones are kept."""
-    checkpoints_dir.mkdir(parents=True, exist_ok=True)
-    existing = numbered(checkpoints_dir, CHECKPOINT_DIR)
-    n = existing[-1][0] + 1 if existing else 1
+    ones are kept. In a world every rank calls it; rank 0 names the directory and finishes it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     np_state, py_state = np.random.get_state(), random.getstate()
-    state = {"format": CHECKPOINT_FORMAT, **state,
+    state = {"format": CHECKPOINT_FORMAT, **state, "world_size": 1 if world is None else world.size,
              "python_rng": [py_state[0], list(py_state[1]), py_state[2]],
              "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    rank = 0 if world is None else world.rank
 
-    def write(tmp: Path) -> None:
+    def shards(tmp: Path) -> None:  # every rank
+        with _alone_is_meant(world):
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"), no_dist=world is None)
+        _each_rank(world, lambda: torch.save(_rng_state(), tmp / f"rng-{rank}.pt"))
+
+    def write(tmp: Path) -> None:  # rank 0
         faults.point("trainer.checkpoint.write")
-        save_model(model, str(tmp / "model.safetensors"))
+        if world is not None:
+            world.broadcast(("tmp", str(tmp)))
+        shards(tmp)
         faults.point("trainer.checkpoint.mid")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(rng, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps(state, allow_nan=True) + "\n")
         (tmp / "complete").write_text(f"{CHECKPOINT_FORMAT}\n")  # last: the rest is in place
 
+    return _led_by_rank0(world, lambda: _new_checkpoint(checkpoints_dir, write), shards)
+
+
+@contextlib.contextmanager
+def _alone_is_meant(world):
+    """DCP warns on every single-process save and load, even when told so (no_dist): here one process is meant."""
+    with warnings.catch_warnings():
+        if world is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _new_checkpoint(checkpoints_dir: Path, write) -> Path:
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    existing = numbered(checkpoints_dir, CHECKPOINT_DIR)
+    n = existing[-1][0] + 1 if existing else 1
     dest = atomic_dir(checkpoints_dir / f"ckpt-{n:08d}", write)
     keep = complete_checkpoints(checkpoints_dir)[-CHECKPOINTS_KEPT:]
     for _, path in numbered(checkpoints_dir, CHECKPOINT_DIR):
@@ -151,28 +212,110 @@ def save_checkpoint(checkpoints_dir: Path, model, optimizer, state: dict[str, An
     return dest
 
 
+def _led_by_rank0(world, lead, follow):
+    """Rank 0 runs `lead`, which first broadcasts ("tmp", path) to the others, who then run `follow(path)`
+    (the collectives `lead` makes after its broadcast, in the same order). Rank 0's outcome, a result
+    or an exception, then reaches every rank, so that all raise or none does. Rank 0 may fail alone
+    only before its broadcast or after the last collective."""
+    if world is None:
+        return lead()
+    if world.writer:
+        try:
+            outcome = ("done", ("ok", lead()))
+        except Exception as exc:
+            outcome = ("done", ("raise", exc))
+        world.broadcast(outcome)
+    else:
+        outcome = world.broadcast()
+        if outcome[0] == "tmp":
+            try:
+                follow(Path(outcome[1]))
+            except Exception:
+                pass  # rank 0 met the same collective's failure: its outcome, next, is what counts
+            outcome = world.broadcast()
+    kind, value = outcome[1]
+    if kind == "raise":
+        raise value
+    return value
+
+
+def _each_rank(world, work) -> None:
+    """Every rank runs `work`; if any raised, every rank raises the first one (a file each rank writes)."""
+    try:
+        work()
+        mine = None
+    except Exception as exc:
+        mine = exc
+    errors = [mine] if world is None else world.gather(mine)
+    if first := next((e for e in errors if e is not None), None):
+        raise first
+
+
+def _rng_state() -> dict:
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
 def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
     """The newest checkpoint with its `complete` marker, or None."""
     complete = complete_checkpoints(checkpoints_dir)
     return complete[-1] if complete else None
 
 
-def load_checkpoint(path: Path, model, optimizer, device: torch.device) -> dict[str, Any]:
-    """Restore the model, the optimizer and every RNG from the checkpoint at path; its state.json."""
+def load_checkpoint(path: Path, model, optimizer, device: torch.device, world=None, seed: int = 0) -> dict[str, Any]:
+    """Restore the model, the optimizer and the RNGs from the checkpoint at path, whatever world size
+    wrote it; its state.json. RNG states are per rank: they are restored when the world size is the
+    writer's, and otherwise every rank is seeded from (seed, step, rank). The step draws no random
+    number (dropout is off, nothing is sampled), so what it computes does not depend on them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
     state = json.loads((path / "state.json").read_text())
-    if state["format"] != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: checkpoint format {state['format']} is not {CHECKPOINT_FORMAT}")
-    load_model(model, str(path / "model.safetensors"), strict=True, device=str(device))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-    rng = torch.load(path / "rng.pt", weights_only=True)
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    v, internal, gauss = state["python_rng"]
-    random.setstate((v, tuple(internal), gauss))
-    kind, keys, *rest = state["numpy_rng"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    if state["format"] not in (1, CHECKPOINT_FORMAT):
+        raise ValueError(f"{path}: checkpoint format {state['format']} is not 1 or {CHECKPOINT_FORMAT}")
+    size, rank = (1, 0) if world is None else (world.size, world.rank)
+    if state["format"] == 1:
+        model_sd, optim_sd = _format1_state(path, model, optimizer)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=StateDictOptions(full_state_dict=True, strict=False))
+        rng_file = path / "rng.pt"
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        box = {"model": model_sd, "optim": optim_sd}
+        with _alone_is_meant(world):
+            dcp.load(box, checkpoint_id=str(path / "dcp"), no_dist=world is None)
+        set_state_dict(model, optimizer, model_state_dict=box["model"], optim_state_dict=box["optim"])
+        rng_file = path / f"rng-{rank}.pt"
+    if state.get("world_size", 1) == size and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        v, internal, gauss = state["python_rng"]
+        random.setstate((v, tuple(internal), gauss))
+        kind, keys, *rest = state["numpy_rng"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    else:
+        seed_all((seed + 1_000_003 * state["step"] + 7919 * rank) % 2**32)
     return state
+
+
+def _format1_state(path: Path, model, optimizer) -> tuple[dict, dict]:
+    """A format-1 checkpoint as full state dicts keyed by parameter name: the safetensors (tied weights
+    written once come back under every name) and AdamW's state, which format 1 kept by parameter index
+    (the order of `model.parameters()`, the optimizer's)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = list(model.named_parameters(remove_duplicate=False))
+    model_sd = {name: next(tensors[n] for n, q in params if q is p and n in tensors) for name, p in params}
+    model_sd |= {name: tensors[name] for name, _ in model.named_buffers() if name in tensors}
+    old = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    optim_sd = {"state": {names[i]: st for i, st in old["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in old["param_groups"]]}
+    return model_sd, optim_sd
 
 
 def seed_all(seed: int) -> None:

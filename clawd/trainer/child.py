@@ -65,7 +65,7 @@ def state_of(handler) -> dict:
             "checkpoint_step": getattr(handler, "checkpoint_step", None), "owed": list(getattr(handler, "owed", []))}
 
 
-def _error(batch_id, exc: BaseException, handler=None) -> dict:
+def error_reply(batch_id, exc: BaseException, handler=None) -> dict:
     if isinstance(exc, OSError):
         kind, retryable, fatal = write_failure_kind(exc), True, False
     else:
@@ -108,12 +108,24 @@ def _reply(handler, msg: dict) -> dict:
             return {"type": "checkpointed", "path": str(path), "step": step}
         raise ValueError(f"unknown message type {kind!r}")
     except Exception as exc:
-        return _error(batch_id, exc, handler)
+        return error_reply(batch_id, exc, handler)
+
+
+def ready_message(handler) -> dict:
+    return {"type": "ready", "pid": os.getpid(), "step": handler.step, "version": handler.version,
+            "weights_version": handler.weights_version, "state": state_of(handler), "world_size": 1}
 
 
 def main(conn, factory: Factory | None, options: dict) -> None:
-    """The child's entry point: handshake, then one reply per request until shutdown or EOF."""
+    """The child's entry point: handshake, then one reply per request until shutdown or EOF. With a
+    trainer world of several ranks, the coordinator's (`clawd.trainer.world`) instead."""
     _die_with_parent()
+    train = options.get("train")
+    if factory is None and getattr(train, "world_size", 1) > 1:
+        logging.basicConfig(level=str(options.get("log_level", "info")).upper(), stream=sys.stderr, format=LOG_FORMAT)
+        from clawd.trainer.world import coordinate
+
+        return coordinate(conn, options)
     for name, value in options.get("env", {}).items():  # its GPUs: set before torch initialises CUDA
         if value is None:
             os.environ.pop(name, None)
@@ -125,10 +137,9 @@ def main(conn, factory: Factory | None, options: dict) -> None:
         if factory is None:
             from clawd.trainer.handler import make as factory
         handler = factory(options)
-        ready = {"type": "ready", "pid": os.getpid(), "step": handler.step, "version": handler.version,
-                 "weights_version": handler.weights_version, "state": state_of(handler)}
+        ready = ready_message(handler)
     except Exception as exc:
-        send_message(conn, _error(None, exc))
+        send_message(conn, error_reply(None, exc))
         raise SystemExit(1)
     send_message(conn, ready)
     while True:

@@ -42,14 +42,16 @@ def train_config(train: TrainConfig | dict | None) -> TrainConfig:
 
 
 class TrainerHandler:
-    def __init__(self, options: dict):
+    def __init__(self, options: dict, world=None):
+        """world: this rank's `sharding.World` when the trainer is several ranks (every rank has a handler
+        and runs every request; rank 0 keeps the ledger and replies)."""
         self.mode = options["mode"]
         self.trainer = Trainer(Path(options["model_dir"]), Path(options["state_dir"]),
                                train_config(options.get("train")), dtype=options.get("dtype", "auto"),
-                               min_free_bytes=int(options.get("min_free_bytes", 0)))
-        self.ledger = Ledger(ledger_path(options["state_dir"]))
+                               min_free_bytes=int(options.get("min_free_bytes", 0)), world=world)
+        self.ledger = Ledger(ledger_path(options["state_dir"])) if world is None or world.writer else None
         # The resumed weights' line: a publish of them under a new version writes it again with that version.
-        self._line = self.ledger.last_line(self.trainer.step) if self.trainer.step else None
+        self._line = self.ledger.last_line(self.trainer.step) if self.trainer.step and self.ledger else None
         self._owe_checkpoint = False  # a checkpoint was due (or the step was skipped) and is not written yet
         self._batch: Any = self.trainer.journal_position  # the last trained batch: the checkpoint's position
 
@@ -142,13 +144,16 @@ class TrainerHandler:
         return weights
 
     def _checkpoint(self) -> Path:
-        self.ledger.sync()  # every line up to this step is on disk before a checkpoint says it happened
+        if self.ledger is not None:
+            self.ledger.sync()  # every line up to this step is on disk before a checkpoint says it happened
         path = self.trainer.checkpoint(self._batch)
         self._owe_checkpoint = False
         faults.point("trainer.checkpoint.done")  # written, not yet replied: the window a retry must not retrain
         return path
 
     def _note_line(self) -> None:
+        if self.ledger is None:
+            return
         self.ledger.add(self._line)
         try:
             self.ledger.flush()
@@ -160,5 +165,5 @@ class TrainerHandler:
         return {"op": op, "kind": write_failure_kind(exc), "message": f"{type(exc).__name__}: {exc}"}
 
 
-def make(options: dict) -> TrainerHandler:
-    return TrainerHandler(options)
+def make(options: dict, world=None) -> TrainerHandler:
+    return TrainerHandler(options, world)

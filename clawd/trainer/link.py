@@ -189,7 +189,8 @@ class TrainerLink:
         if reply["type"] == "error":
             await self._closed.wait()  # it exits 1 after saying why
             raise TrainerError(f"trainer failed to start: {reply['message']}")
-        self.ready = Ready(reply["pid"], reply["step"], reply["version"], reply["weights_version"])
+        self.ready = Ready(reply["pid"], reply["step"], reply["version"], reply["weights_version"],
+                           reply.get("world_size", 1))
         log.info("trainer %d ready at step %d, holding version %d (newest %d)", self._pid, self.ready.step,
                  self.ready.weights_version, self.ready.version)
         return self.ready

@@ -37,7 +37,7 @@ restarted from its last checkpoint. A write (publish, checkpoint) is separate fr
 checks free space first (`min_free_bytes`, OSError ENOSPC when short), and a failed one changes
 nothing and may be tried again alone. A checkpoint is refused while the weights of the last step are
 unpublished: it records the version its weights were published as. The fault point
-`trainer.step.after_optimizer` fires right after each optimizer step, before any write.
+`trainer.step.after_optimizer` fires right after each optimizer step, before any write; `trainer.step.forward` before each micro-batch's forward.
 
 Scale-out (docs/ARCHITECTURE.md §13): nothing here assumes more than this process's model. Under
 torchrun + FSDP2 the same step runs on every rank (grad_norm would all-reduce), and publish/checkpoint
@@ -57,7 +57,8 @@ import torch
 from clawd import faults
 from clawd.train_config import TrainConfig
 from clawd.samples import MODES, Sample
-from clawd.trainer import checkpoints, losses
+from clawd.trainer import checkpoints, losses, sharding
+from clawd.trainer.sharding import World
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
 
 PAUSE_AFTER_SKIPS = 3  # non-finite steps in a row before learning pauses
@@ -149,6 +150,26 @@ def _micro_batch(samples: list[Sample], rows: list[int], device: torch.device) -
 
 # --- the trainer -----------------------------------------------------------------------------
 
+class _Scorer(torch.nn.Module):
+    """The model's log-probs at the response positions, as one module call: the decoder's last hidden
+    states there, then `losses.head_logprobs` over the output layer. One call, so that FSDP's root
+    (this module, holding the embeddings, the final norm and the output layer) gathers its
+    parameters before them and reduces their gradients after."""
+
+    def __init__(self, model, autocast):
+        super().__init__()
+        self.model = model
+        self.autocast = autocast
+
+    def forward(self, input_ids, positions, targets, temperature, with_t1, chunk_tokens, compute_dtype):
+        with self.autocast():
+            hidden = self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        head = self.model.get_output_embeddings()
+        return losses.head_logprobs(hidden, head.weight, targets, temperature, bias=head.bias, with_t1=with_t1,
+                                    chunk_tokens=chunk_tokens, compute_dtype=compute_dtype)
+
+
 class Trainer:
     """The policy, its optimizer and its state on disk.
 
@@ -157,9 +178,10 @@ class Trainer:
     """
 
     def __init__(self, model_dir: str | Path, state_dir: str | Path, cfg: TrainConfig = TrainConfig(), *,
-                 dtype: str = "auto", min_free_bytes: int = 0):
+                 dtype: str = "auto", min_free_bytes: int = 0, world: World | None = None):
         """dtype: `[model] dtype`, the dtype versions are published in ("auto": the base model's);
-        min_free_bytes: `[state] min_free_bytes`, what a write must leave free on the state directory."""
+        min_free_bytes: `[state] min_free_bytes`, what a write must leave free on the state directory;
+        world: this rank's place in a trainer world of several ranks (`sharding.World`), None alone."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -172,7 +194,8 @@ class Trainer:
         self.state_dir = Path(state_dir)
         self.weights_dir = self.state_dir / "weights"
         self.checkpoints_dir = self.state_dir / "checkpoints"
-        self.device = torch.device(cfg.device)
+        self.world = world
+        self.device = torch.device(cfg.device) if world is None else world.device
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device {cfg.device!r} asked for, but CUDA is not available")
         self.publish_dtype = model_dtype(self.model_dir, dtype)
@@ -180,19 +203,23 @@ class Trainer:
         if cuda and cfg.memory_fraction > 0:  # before anything is allocated: an engine may share the GPU
             torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device)
 
-        def load():
+        def load() -> _Scorer:
             # sdpa named: with no attention mask it runs the causal flash kernel on CUDA.
             m = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32,
-                                                     attn_implementation="sdpa")
-            return m.to(self.device).eval()  # eval: dropout off, the policy that sampled
+                                                     attn_implementation="sdpa").eval()  # dropout off
+            scorer = _Scorer(m, self._autocast)
+            if world is None:
+                return scorer.to(self.device)
+            return sharding.shard(scorer, world)  # moves each rank's shards to its device
 
-        self.model = load()
+        self.scorer = load()
+        self.model = self.scorer.model
         for attr in ("final_logit_softcapping", "logit_scale"):  # the head would not be the plain lm_head
             if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
                 raise NotImplementedError(f"models with {attr} are not supported by the trainer's logit path")
-        self.ref_model = None
+        self.ref_scorer = None
         if cfg.kl_loss_coef > 0:  # the frozen initial policy, only for the KL term
-            self.ref_model = load().requires_grad_(False)
+            self.ref_scorer = load().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay, fused=True if cuda else None)
@@ -219,19 +246,22 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, model, mb: _MicroBatch, temperature: float | torch.Tensor, with_t1: bool = False):
-        """(log-probs at temperature, entropy, log-probs at T = 1 or None), each [b, R], from the
-        decoder's last hidden states at the response positions through `losses.head_logprobs`."""
-        with self._autocast():
-            hidden = model.get_decoder()(input_ids=mb.input_ids, use_cache=False).last_hidden_state
-        hidden = hidden.gather(1, mb.positions[..., None].expand(-1, -1, hidden.shape[-1]))
-        head = model.get_output_embeddings()
-        return losses.head_logprobs(hidden, head.weight, mb.targets, temperature, bias=head.bias, with_t1=with_t1,
-                                    chunk_tokens=self.head_chunk_tokens, compute_dtype=self.compute_dtype)
+    def _forward(self, scorer: _Scorer, mb: _MicroBatch, temperature: float | torch.Tensor, with_t1: bool = False):
+        """(log-probs at temperature, entropy, log-probs at T = 1 or None), each [b, R] (`_Scorer`)."""
+        return scorer(mb.input_ids, mb.positions, mb.targets, temperature, with_t1, self.head_chunk_tokens,
+                      self.compute_dtype)
 
-    def _micro_batches(self, samples: list[Sample]) -> list[_MicroBatch]:
-        groups = pack([len(s.tokens) - 1 for s in samples], self.cfg.micro_batch_tokens)
-        return [_micro_batch(samples, rows, self.device) for rows in groups]
+    def _micro_batches(self, samples: list[Sample], share: bool = False) -> list[_MicroBatch]:
+        """The batch packed into micro-batches; with `share`, in a world, this rank's share of it
+        (`sharding.split_by_tokens`), with empty ones added so that every rank runs as many."""
+        lengths = [len(s.tokens) - 1 for s in samples]
+        if not share or self.world is None:
+            return [_micro_batch(samples, rows, self.device) for rows in pack(lengths, self.cfg.micro_batch_tokens)]
+        packs = [[[rows[i] for i in g] for g in pack([lengths[j] for j in rows], self.cfg.micro_batch_tokens)]
+                 for rows in sharding.split_by_tokens(lengths, self.world.size)]
+        mine = [_micro_batch(samples, rows, self.device) for rows in packs[self.world.rank]]
+        pad = [sharding.empty_row()]
+        return mine + [_micro_batch(pad, [0], self.device) for _ in range(max(map(len, packs)) - len(mine))]
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample], temperature: float | None = None) -> list[list[float]]:
@@ -240,7 +270,7 @@ class Trainer:
         out: list[list[float]] = [[] for _ in samples]
         for mb in self._micro_batches(samples):
             t = mb.temperature if temperature is None else temperature
-            lp = self._forward(self.model, mb, t)[0].float().cpu()
+            lp = self._forward(self.scorer, mb, t)[0].float().cpu()
             for r, i in enumerate(mb.rows):
                 out[i] = lp[r, :samples[i].response_length].tolist()
         return out
@@ -248,7 +278,7 @@ class Trainer:
     @torch.no_grad()
     def _fix_old(self, mb: _MicroBatch) -> None:
         """ppo_epochs > 1: lp_old at T and at 1 from a no-grad pass before any update."""
-        lp, _, lp_t1 = self._forward(self.model, mb, mb.temperature, with_t1=mb.needs_t1)
+        lp, _, lp_t1 = self._forward(self.scorer, mb, mb.temperature, with_t1=mb.needs_t1)
         mb.old = (lp, lp if lp_t1 is None else lp_t1)  # at T = 1 they are the same numbers
 
     # --- one step -----------------------------------------------------------------------------
@@ -272,7 +302,7 @@ class Trainer:
     def _train_step(self, samples: list[Sample], mode: str) -> dict[str, Any]:
         t0 = time.monotonic()
         cfg = self.cfg
-        mbs = self._micro_batches(samples)
+        mbs = self._micro_batches(samples, share=True)
         loss_tokens = sum(sum(s.loss_mask) for s in samples)
         # The whole batch's denominator, fixed before splitting (losses.whole_batch_normaliser).
         norm = float(max(len(samples) if cfg.aggregation == "sample_mean" else loss_tokens, 1))
@@ -286,12 +316,17 @@ class Trainer:
                 break
         self.step += 1
         metrics.update(step=self.step, epochs=epoch + 1, samples=len(samples), reward_baseline=baseline,
-                       forward_tokens=sum(mb.tokens for mb in mbs),
-                       padded_tokens=sum(mb.input_ids.numel() for mb in mbs),
+                       **self._token_counts(mbs),
                        micro_batches=len(mbs), lr=cfg.lr, skipped_total=self.skipped_steps,
                        paused=self.paused, pause_reason=self.pause_reason,
                        seconds=time.monotonic() - t0)
         return metrics
+
+    def _token_counts(self, mbs: list[_MicroBatch]) -> dict[str, int]:
+        counts = (sum(mb.tokens for mb in mbs), sum(mb.input_ids.numel() for mb in mbs))
+        if self.world is not None:  # every rank's forwards, the empty ones counted as padding
+            counts = tuple(map(sum, zip(*self.world.gather(counts))))
+        return {"forward_tokens": counts[0], "padded_tokens": counts[1]}
 
     def _epoch(self, mbs: list[_MicroBatch], mode: str, norm: float, baseline: float = 0.0) -> dict[str, Any]:
         """Forward and backward every micro-batch, then one optimizer step (or a skip)."""
@@ -301,9 +336,10 @@ class Trainer:
         parts: dict[str, torch.Tensor] = {}
         seen: dict[str, list[torch.Tensor]] = {k: [] for k in ("new", "old", "rollout", "adv", "entropy")}
         for mb in mbs:
+            faults.point("trainer.step.forward")  # mid-step: a rank dying here leaves the others in a collective
             # The OPD term compares at T = 1; only needed when some hinted row was sampled at T != 1.
             with_t1 = mb.old is None and mode != "rl" and mb.needs_t1
-            lp_new, ent, lp_t1 = self._forward(self.model, mb, mb.temperature, with_t1=with_t1)
+            lp_new, ent, lp_t1 = self._forward(self.scorer, mb, mb.temperature, with_t1=with_t1)
             if mb.old is not None:
                 lp_old, lp_old_t1 = mb.old
             else:
@@ -315,9 +351,9 @@ class Trainer:
             if not cfg.entropy_coef:
                 ent = ent.detach()  # a metric only: no gradient through it
             lp_ref = None
-            if self.ref_model is not None:
+            if self.ref_scorer is not None:
                 with torch.no_grad():
-                    lp_ref = self._forward(self.ref_model, mb, mb.temperature)[0]
+                    lp_ref = self._forward(self.ref_scorer, mb, mb.temperature)[0]
             loss, mb_parts = losses.total_loss_terms(
                 lp_new, lp_old, mb.lp_rollout, adv, mb.mask, aggregation=cfg.aggregation, normaliser=norm,
                 lp_ref=lp_ref, kl_coef=cfg.kl_loss_coef, entropy=ent, entropy_coef=cfg.entropy_coef, **kw)
@@ -329,16 +365,19 @@ class Trainer:
             # every micro-batch; a non-finite loss skips the step below, its gradients unused.
             loss.backward()
 
-        totals = dict(zip(parts, torch.stack(list(parts.values())).tolist()))  # the step's one read-back
+        summed = torch.stack(list(parts.values()))
+        if self.world is not None:  # every rank's share of the whole batch's loss: their sum is the loss
+            self.world.all_sum(summed)
+        totals = dict(zip(parts, summed.tolist()))  # the step's one read-back
         bad = None if math.isfinite(totals["loss"]) else f"non-finite loss ({totals['loss']})"
         gn = math.nan
         if bad is None:
-            gn = losses.grad_norm(self.params)
+            gn = losses.grad_norm(self.params) if self.world is None else sharding.grad_norm(self.params, self.world)
             if not math.isfinite(gn):
                 bad = f"non-finite gradient norm ({gn})"
         if bad is None:
             if cfg.grad_clip and gn > cfg.grad_clip:
-                grads = [p.grad for p in self.params if p.grad is not None]
+                grads = [sharding.local(p.grad) for p in self.params if p.grad is not None]
                 torch._foreach_mul_(grads, cfg.grad_clip / (gn + 1e-6))  # one launch, not one per tensor
             self.optimizer.step()
             faults.point("trainer.step.after_optimizer")
@@ -352,6 +391,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
         cat = {k: torch.cat(v) for k, v in seen.items()}
+        if self.world is not None:  # the diagnostics are over the whole batch's loss tokens
+            cat = {k: torch.cat(per_rank) for k, per_rank in zip(cat, zip(*self.world.gather(
+                [cat[k].cpu() for k in cat])))}
         metrics = losses.loss_metrics(cat["new"], cat["old"], cat["rollout"], cat["adv"],
                                       torch.ones_like(cat["adv"]), entropy=cat["entropy"], **kw)
         names = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy"}
@@ -370,16 +412,24 @@ class Trainer:
         publish_dtype, and keep the newest keep_versions. Versions must increase."""
         if not isinstance(version, int) or version <= self.version:
             raise ValueError(f"version {version!r} must be an integer above the last one, {self.version}")
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        check_free(self.weights_dir, checkpoints.publish_bytes(self.model, self.model_dir, self.publish_dtype),
-                   self.min_free_bytes, f"v{version:06d}")
+        def room() -> None:
+            self.weights_dir.mkdir(parents=True, exist_ok=True)
+            check_free(self.weights_dir, checkpoints.publish_bytes(self.model, self.model_dir, self.publish_dtype),
+                       self.min_free_bytes, f"v{version:06d}")
+
+        self._on_writer(room)
         dest = checkpoints.publish_weights(self.model, self.model_dir, version_dir(self.state_dir, version),
-                                           self.publish_dtype)
+                                           self.publish_dtype, world=self.world)
         self.version = self.weights_version = version
         self.unpublished = False
         self._publishes_since_checkpoint += 1
-        checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare=self._checkpointed_version)
+        spare = self._checkpointed_version
+        self._on_writer(lambda: checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare=spare))
         return dest
+
+    def _on_writer(self, work):
+        """`work` on the rank that writes (rank 0; the only one alone); its result or exception on every rank."""
+        return work() if self.world is None else self.world.agree(work if self.world.writer else None)
 
     @property
     def checkpoint_due(self) -> bool:
@@ -394,14 +444,17 @@ class Trainer:
         if self.unpublished:
             raise RuntimeError(f"the weights of step {self.step} are not published yet: a checkpoint would "
                                f"say they are v{self.weights_version}")
-        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-        check_free(self.checkpoints_dir, checkpoints.checkpoint_bytes(self.model, self.optimizer),
-                   self.min_free_bytes, f"checkpoint of step {self.step}")
+        def room() -> None:
+            self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+            check_free(self.checkpoints_dir, checkpoints.checkpoint_bytes(self.model, self.optimizer),
+                       self.min_free_bytes, f"checkpoint of step {self.step}")
+
+        self._on_writer(room)
         state = {"step": self.step, "version": self.weights_version, "newest_version": self.version,
                  "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                  "paused": self.paused, "pause_reason": self.pause_reason,
                  "journal_position": journal_position, "created": time.time(), "config": asdict(self.cfg)}
-        dest = checkpoints.save_checkpoint(self.checkpoints_dir, self.model, self.optimizer, state)
+        dest = checkpoints.save_checkpoint(self.checkpoints_dir, self.model, self.optimizer, state, self.world)
         self.journal_position = journal_position
         self._publishes_since_checkpoint = 0
         self._checkpointed_version = self.weights_version
@@ -413,15 +466,19 @@ class Trainer:
         return its journal position; without one, keep model_dir's weights (as loaded by the
         constructor, which calls this), seed from the config and return None. The version never
         goes below a directory already in weights/."""
-        remove_temporaries(self.weights_dir)  # what crashed writes left behind
-        remove_temporaries(self.checkpoints_dir)
-        path = checkpoints.latest_checkpoint(self.checkpoints_dir)
+        def find() -> Path | None:
+            remove_temporaries(self.weights_dir)  # what crashed writes left behind
+            remove_temporaries(self.checkpoints_dir)
+            return checkpoints.latest_checkpoint(self.checkpoints_dir)
+
+        path = self._on_writer(find)
         if path is None:
             checkpoints.seed_all(self.cfg.seed)
             self.step = self.skipped_steps = self.consecutive_skips = self.weights_version = newest = 0
             self.paused, self.pause_reason, self.journal_position = False, None, None
         else:
-            state = checkpoints.load_checkpoint(path, self.model, self.optimizer, self.device)
+            state = checkpoints.load_checkpoint(path, self.model, self.optimizer, self.device, self.world,
+                                                seed=self.cfg.seed)
             self.step = state["step"]
             self.skipped_steps = state["skipped_steps"]
             self.consecutive_skips = state["consecutive_skips"]
@@ -430,7 +487,8 @@ class Trainer:
             self.weights_version = state["version"]
             newest = state["newest_version"]
         # Versions published after that checkpoint may be live on an engine: never reuse them.
-        self.version = max(self.weights_version, newest, checkpoints.newest_published(self.weights_dir))
+        published = self._on_writer(lambda: checkpoints.newest_published(self.weights_dir))
+        self.version = max(self.weights_version, newest, published)
         self._checkpointed_version = self.weights_version
         self._publishes_since_checkpoint = 0
         self.checkpoint_step, self.unpublished = self.step, False

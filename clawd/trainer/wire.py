@@ -11,7 +11,7 @@ of each top-level list field, in the order the head's `"parts": [[field, count],
 them. A 20 MB batch thus travels as many small JSON documents, and neither side decodes 20 MB in
 one call. `train.samples` elements are exactly `Sample.to_json()`.
 
-The catalogue. The child speaks first, once: ready{pid, step, version, weights_version, state}, or
+The catalogue. The child speaks first, once: ready{pid, step, version, weights_version, world_size, state}, or
 error{batch_id: null, message, retryable, kind, fatal} if it could not start (and exits 1). Then
 every request gets exactly one reply, in order:
 
@@ -62,6 +62,7 @@ class Ready:
     step: int
     version: int          # the newest version the trainer has published: new ones go above it
     weights_version: int  # the version whose weights it holds (its checkpoint's); 0: the base model
+    world_size: int = 1   # the trainer's ranks (clawd.trainer.world)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,18 @@ def recv_message(conn) -> dict:
     for name, count in msg.pop("parts", []):
         msg[name] = [conn.recv_bytes() for _ in range(count)]
     return msg
+
+
+def relay_message(src, dst) -> dict:
+    """One message from `src` to `dst`, frame by frame and unchanged (the trainer world's coordinator);
+    its head, list fields as counts. EOFError: `src` closed; OSError: `dst` did."""
+    raw = src.recv_bytes()
+    head = json.loads(raw)
+    dst.send_bytes(raw)
+    for _, count in head.get("parts", []):
+        for _ in range(count):
+            dst.send_bytes(src.recv_bytes())
+    return head
 
 
 def retitled(head: bytes, **fields) -> bytes:

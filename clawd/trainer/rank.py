@@ -1,0 +1,93 @@
+"""One rank of the trainer world, as torchrun starts it: `python -m clawd.trainer.rank`
+(docs/ARCHITECTURE.md §13; the coordinator and the torchrun line: `clawd.trainer.world`).
+
+Every rank joins the process group, gets the trainer's options (rank 0 from the coordinator's
+socket, the others by broadcast: a host running `clawd-trainer@N` needs no configuration but the
+rendezvous), builds the same handler over its shard of the model, and then runs every request
+rank 0 receives and broadcasts. Only rank 0 replies. A fatal step ends every rank (the daemon
+starts a new world from the last checkpoint); so does rank 0 losing the coordinator.
+
+`CLAWD_FAULTS_RANKS` (e.g. "1") limits the fault points armed through CLAWD_FAULTS to the ranks it
+names, so a test can kill or hang one rank of a world.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+from multiprocessing.connection import Connection
+
+from clawd import faults
+from clawd.trainer import child
+from clawd.trainer.wire import recv_message, send_message
+from clawd.trainer.world import RELAY_ENV
+
+log = logging.getLogger("clawd.trainer")
+_PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m clawd.trainer.rank", description=__doc__.splitlines()[0])
+    parser.add_argument("--collective-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with torchrun
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops the world in order
+    rank = os.environ.get("RANK", "0")
+    if (only := os.environ.get("CLAWD_FAULTS_RANKS")) is not None and rank not in only.split(","):
+        os.environ.pop(faults.ENV, None)
+    logging.basicConfig(level="INFO", stream=sys.stderr, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+
+    from clawd.trainer import sharding  # torch, from here on
+    from clawd.trainer.handler import make
+
+    world = sharding.join(args.collective_timeout)
+    conn = _coordinator() if world.writer else None
+    options = world.broadcast(conn.recv() if conn is not None else None)
+    logging.getLogger().setLevel(str(options.get("log_level", "info")).upper())
+    try:
+        handler = make(options, world)
+        ready = child.ready_message(handler)
+    except Exception as exc:
+        if conn is not None:
+            send_message(conn, child.error_reply(None, exc))
+        raise SystemExit(1)
+    if conn is not None:
+        send_message(conn, ready)
+    idle = args.collective_timeout / 3
+    while True:
+        msg = None
+        if conn is not None:
+            try:
+                # The others wait for the next request in a broadcast, which times out like every collective:
+                # while the daemon has nothing to ask, they are told so well within the timeout.
+                msg = recv_message(conn) if conn.poll(idle) else {"type": "idle"}
+            except (EOFError, OSError):
+                msg = {"type": "shutdown"}  # the coordinator is gone: end the world with it
+        msg = world.broadcast(msg)
+        if msg.get("type") == "shutdown":
+            break
+        if msg.get("type") == "idle":
+            continue
+        reply = child.handle(handler, msg)
+        if conn is not None:
+            send_message(conn, reply)
+        if reply.get("fatal"):
+            log.error("exiting to be restarted from the last checkpoint: %s", reply["message"])
+            raise SystemExit(1)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _coordinator() -> Connection:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(os.environ[RELAY_ENV])
+    return Connection(sock.detach())
+
+
+if __name__ == "__main__":
+    main()

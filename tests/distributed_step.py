@@ -1,0 +1,187 @@
+"""Run by tests/test_distributed_trainer.py under `torchrun --nproc-per-node 2`: the FSDP2 step on 2
+gloo ranks against the single-process step on the same global batch, and checkpoints across world
+sizes. Rank 0 also builds the single-process trainers (no process group: today's trainer) and
+writes every measured difference to the JSON file named on the command line; the test asserts them.
+
+    torchrun --nproc-per-node 2 tests/distributed_step.py MODEL_DIR WORK_DIR OUT.json
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from clawd.train_config import TrainConfig  # noqa: E402
+from clawd.trainer import sharding  # noqa: E402
+from clawd.trainer.step import Trainer  # noqa: E402
+from tests.test_trainer import sample  # noqa: E402
+
+LR = 1e-2  # a step large enough to see: at 1e-5 any one AdamW step leaves the weights alike
+# Adam's first step is lr·g/(|g| + eps): for a gradient entry near eps it is that entry's rounding, amplified
+# (the summation order differs between one rank and two). With eps 1e-8 the weights agreed to 5.8e-6;
+# at 1e-6 the entries that tiny weigh nothing and the comparison is of the steps themselves.
+ADAM_EPS = 1e-6
+
+
+def skewed_batch(mode: str) -> list:
+    """Lengths from 6 to 90 tokens: a token split puts the long one alone on a rank."""
+    hint = mode != "rl"
+    return [sample(11, 90, 40, reward=1.0, temperature=0.7, hint=hint),
+            sample(12, 9, 4, reward=-1.0),
+            sample(13, 14, 6, reward=1.0, temperature=1.3, hint=hint),
+            sample(14, 6, 3, reward=-1.0, mask=[1, 0, 1]),
+            sample(15, 33, 12, reward=0.0, hint=hint),
+            sample(16, 21, 10, reward=1.0)]
+
+
+def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: sharding.full(v).detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def capture_grads(trainer: Trainer, into: dict) -> None:
+    """Record every parameter's whole gradient just before the optimizer step (a collective per
+    parameter in a world: every rank's step calls it in the same order)."""
+    step = trainer.optimizer.step
+
+    def recording(*a, **kw):
+        into.clear()
+        into.update({n: sharding.full(p.grad).detach().cpu().clone() for n, p in trainer.model.named_parameters()
+                     if p.grad is not None})
+        return step(*a, **kw)
+
+    trainer.optimizer.step = recording
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
+
+
+def worst(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a)[:3], sorted(b)[:3])
+    return max(rel(a[k], b[k]) for k in a)
+
+
+def main() -> None:
+    model_dir, work, out_path = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    world = sharding.join(60.0)
+    torch.set_num_threads(1)
+    out: dict = {"world_size": world.size, "modes": {}}
+    # micro_batch_tokens 1: every sample is forwarded alone on both sides, so no padding differs
+    # between the packs of 6 samples and of each rank's share; the second config packs them.
+    for mode in ("rl", "opd", "combine"):
+        for budget in (1, 256):
+            cfg = TrainConfig(lr=LR, micro_batch_tokens=budget, grad_clip=1e6, eps=ADAM_EPS)
+            batch = skewed_batch(mode)
+            grads: dict = {}
+            fsdp = Trainer(model_dir, work / f"{mode}-{budget}-fsdp", cfg, world=world)
+            capture_grads(fsdp, grads)
+            m = fsdp.train_step(batch, mode)
+            fsdp_grads, fsdp_after = dict(grads), full_weights(fsdp)
+            if world.writer:
+                one = Trainer(model_dir, work / f"{mode}-{budget}-one", cfg)
+                capture_grads(one, grads)
+                m1 = one.train_step(batch, mode)
+                out["modes"][f"{mode}/{budget}"] = {
+                    "loss": [m["loss"], m1["loss"]], "grad_norm": [m["grad_norm"], m1["grad_norm"]],
+                    "loss_rel": abs(m["loss"] - m1["loss"]) / abs(m1["loss"]),
+                    "grad_norm_rel": abs(m["grad_norm"] - m1["grad_norm"]) / m1["grad_norm"],
+                    "grad_rel_max": worst(fsdp_grads, grads), "weights_rel_max": worst(fsdp_after, full_weights(one)),
+                    "params_with_grad": len(grads), "tokens": [m["tokens"], m1["tokens"]],
+                    "forward_tokens": [m["forward_tokens"], m1["forward_tokens"]]}
+                del one
+            world.barrier()
+            del fsdp
+
+    # The negative control: FSDP's own default, gradients averaged over ranks on top of the loss's
+    # whole-batch normaliser. The comparison above must see it.
+    cfg = TrainConfig(lr=LR, micro_batch_tokens=256, grad_clip=1e6)
+    control = Trainer(model_dir, work / "control", cfg, world=world)
+    for module in control.scorer.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(float(world.size))
+    capture_grads(control, grads := {})
+    mc = control.train_step(skewed_batch("combine"), "combine")
+    control_grads = dict(grads)
+    if world.writer:
+        ref = out["modes"]["combine/256"]
+        one = Trainer(model_dir, work / "control-one", cfg)
+        capture_grads(one, grads)
+        one.train_step(skewed_batch("combine"), "combine")
+        out["control"] = {"grad_rel_max": worst(control_grads, grads), "grad_norm": [mc["grad_norm"], ref["grad_norm"][1]]}
+        del one
+    world.barrier()
+    del control
+
+    # Checkpoints across world sizes: 2 ranks write, 1 resumes; 1 writes, 2 resume; format 1 migrates.
+    cfg = TrainConfig(lr=LR, micro_batch_tokens=256, grad_clip=1e6)
+    b1, b2 = skewed_batch("combine"), skewed_batch("rl")[::-1]
+    two = Trainer(model_dir, work / "two", cfg, world=world)
+    two.train_step(b1, "combine")
+    two.publish(1)
+    two.checkpoint({"segment": 1})
+    w_two = full_weights(two)
+    two.train_step(b2, "combine")
+    w_two_next = full_weights(two)
+    if world.writer:
+        one = Trainer(model_dir, work / "two", cfg)  # resumes the 2-rank checkpoint alone
+        w_one = full_weights(one)
+        out["reshard_2_to_1"] = {"step": one.step, "version": one.weights_version,
+                                 "journal_position": one.journal_position,
+                                 "weights_equal": all(torch.equal(w_one[k], w_two[k]) for k in w_two),
+                                 "optimizer_steps": sorted({int(s["step"]) for s in one.optimizer.state.values()})}
+        one.train_step(b2, "combine")  # the same next step: the optimizer state came back too
+        out["reshard_2_to_1"]["next_step_rel_max"] = worst(full_weights(one), w_two_next)
+        one.publish(2)
+        one.checkpoint({"segment": 2})
+        out["one_written"] = full_weights(one)["model.norm.weight"].sum().item()
+        _format1(one, work / "format1")
+        del one
+    world.barrier()
+    back = Trainer(model_dir, work / "two", cfg, world=world)  # resumes rank 0's 1-process checkpoint
+    w_back = full_weights(back)
+    migrated = Trainer(model_dir, work / "format1", cfg, world=world)
+    w_migrated = full_weights(migrated)
+    back.train_step(b1, "combine")
+    migrated.train_step(b1, "combine")
+    w_back_next, w_migrated_next = full_weights(back), full_weights(migrated)
+    if world.writer:
+        one = Trainer(model_dir, work / "two", cfg)
+        w_ref = full_weights(one)
+        one.train_step(b1, "combine")
+        w_ref_next = full_weights(one)
+        out["reshard_1_to_2"] = {"step": back.step, "weights_equal": all(torch.equal(w_back[k], w_ref[k]) for k in w_ref),
+                                 "next_step_rel_max": worst(w_back_next, w_ref_next)}
+        out["format1"] = {"step": migrated.step, "weights_equal": all(torch.equal(w_migrated[k], w_ref[k]) for k in w_ref),
+                          "next_step_rel_max": worst(w_migrated_next, w_ref_next)}
+        out_path.write_text(json.dumps(out, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
+    world.barrier()
+
+
+def _format1(trainer: Trainer, state_dir: Path) -> None:
+    """The single-process checkpoint as clawd wrote it before the trainer world (format 1): the model's
+    safetensors, AdamW's state_dict by parameter index, the RNG states, state.json."""
+    import random
+    import numpy as np
+    from safetensors.torch import save_model
+
+    ckpt = state_dir / "checkpoints" / "ckpt-00000001"
+    ckpt.mkdir(parents=True)
+    save_model(trainer.model, str(ckpt / "model.safetensors"))
+    torch.save(trainer.optimizer.state_dict(), ckpt / "optimizer.pt")
+    torch.save({"torch": torch.get_rng_state()}, ckpt / "rng.pt")
+    py, np_state = random.getstate(), np.random.get_state()
+    state = {"format": 1, "step": trainer.step, "version": trainer.weights_version, "newest_version": trainer.version,
+             "skipped_steps": 0, "consecutive_skips": 0, "paused": False, "pause_reason": None,
+             "journal_position": {"segment": 2}, "created": 0.0, "config": {},
+             "python_rng": [py[0], list(py[1]), py[2]], "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    (ckpt / "state.json").write_text(json.dumps(state))
+    (ckpt / "complete").write_text("1\n")
+
+
+if __name__ == "__main__":
+    main()
