@@ -152,6 +152,10 @@ def scale(r: dict) -> list[dict]:
         rows.append(_row("main turns per clawd core-second (fake engine)", daemon["cpu"]["main"]["req_per_clawd_core_s"],
                          "{:.0f}"))
         rows.append(_row("  RSS per live session (kB)", daemon["memory"]["kb_per_session"], "{:.1f}"))
+    if "trainer" in sections:
+        ratios = sections["trainer"]["ratios"]
+        rows.append(_row("trainer: params + AdamW per rank of 2 / one process", max(ratios), "{:.2f}", "0.45-0.55",
+                         sections["trainer"]["pass"]))
     return rows
 
 

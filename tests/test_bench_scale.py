@@ -64,3 +64,9 @@ def test_all_py_shows_each_replica_count_against_its_target():
         ("main turns per clawd core-second (fake engine)", "303", None),
         ("  RSS per live session (kB)", "18.0", None)]
     assert bench_all.scale(result({"2": 1.0}, split=3))[1]["ok"] is False
+
+
+def test_all_py_shows_the_trainer_ranks_share_against_its_target():
+    r = {"sections": {"trainer": {"ratios": [0.5, 0.51], "pass": True}}}
+    assert [(row["figure"], row["shown"], row["target"], row["ok"]) for row in bench_all.scale(r)] == [
+        ("trainer: params + AdamW per rank of 2 / one process", "0.51", "0.45-0.55", True)]
