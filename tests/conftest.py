@@ -3,6 +3,7 @@ import os
 import pytest
 from hypothesis import settings
 
+from clawd import faults
 from clawd.tools.models import build_tiny_model, prepare_default_model
 
 # CI runs a fixed set of examples (the same on every run, so a submission's result never
@@ -31,3 +32,25 @@ def default_model(tmp_path_factory):
     lines: list[str] = []
     dest = prepare_default_model(tmp_path_factory.mktemp("models") / "smollm2", progress=lines.append)
     return dest, lines
+
+
+@pytest.fixture
+def fault_env(monkeypatch):
+    """CLAWD_FAULTS for the trainer child, which inherits the test's environment as it would the daemon's.
+    Passes count per process: `first_child_only` unsets it once the first child is up, so a restarted one
+    runs clean."""
+    faults.reset()
+
+    class Env:
+        def __init__(self):
+            self.spec = ""
+
+        def __call__(self, spec: str) -> None:
+            self.spec = spec
+            monkeypatch.setenv(faults.ENV, spec)
+
+        async def first_child_only(self, trainer) -> None:
+            await trainer.ready_info()
+            monkeypatch.delenv(faults.ENV)
+    yield Env()
+    faults.reset()  # this process read nothing it keeps once the variable is gone

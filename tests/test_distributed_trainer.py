@@ -17,7 +17,7 @@ import pytest
 
 from clawd.trainer.sharding import split_by_tokens
 from tests.test_learner import until
-from tests.test_trainer_writes import fault_env, learning, ledger, put  # noqa: F401 (fault_env: a fixture)
+from tests.test_trainer_writes import learning, ledger, put
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-6

@@ -103,28 +103,6 @@ def test_a_write_failing_midway_leaves_no_temporary_and_the_step_stays_owed(tiny
 
 # --- the learner and the trainer child -----------------------------------------------------------
 
-@pytest.fixture
-def fault_env(monkeypatch):
-    """CLAWD_FAULTS for the trainer child, which inherits the test's environment as it would the daemon's.
-    Passes count per process: `first_child_only` unsets it once the first child is up, so a restarted one
-    runs clean."""
-    faults.reset()
-
-    class Env:
-        def __init__(self):
-            self.spec = ""
-
-        def __call__(self, spec: str) -> None:
-            self.spec = spec
-            monkeypatch.setenv(faults.ENV, spec)
-
-        async def first_child_only(self, trainer) -> None:
-            await trainer.ready_info()
-            monkeypatch.delenv(faults.ENV)
-    yield Env()
-    faults.reset()  # this process read nothing it keeps once the variable is gone
-
-
 @contextlib.asynccontextmanager
 async def learning(tiny_model, tmp_path, *, min_free_bytes=0, **train):
     """A running learner over the real trainer (checkpoint every step; `train`: more [train] keys);
