@@ -45,6 +45,15 @@ def test_shuffle_rewards_is_a_seeded_permutation_of_the_batchs_rewards():
     assert not any(s.has_hint for s in out)
 
 
+def test_shuffle_rewards_does_not_depend_on_the_order_samples_reached_the_batch():
+    b = [dataclasses.replace(s, tokens=[7 - i] + s.tokens[1:]) for i, s in enumerate(batch())]  # s4 sorts first
+    forward = {s.sample_id: s.reward for s in controls.apply("shuffle_rewards", b, random.Random(3))}
+    backward = {s.sample_id: s.reward for s in controls.apply("shuffle_rewards", b[::-1], random.Random(3))}
+    dealt = list(REWARDS[::-1])  # the canonical order: by tokens, s4 first
+    random.Random(3).shuffle(dealt)
+    assert forward == backward == {f"s{4 - k}": r for k, r in enumerate(dealt)}
+
+
 def test_an_unknown_control_is_refused_here_and_in_the_config():
     with pytest.raises(ValueError, match="one of"):
         controls.apply("invert", batch(), random.Random(0))
@@ -68,3 +77,11 @@ def test_a_zero_reward_batch_leaves_the_weights_exactly_as_they_were(tiny_model,
     trainer = Trainer(tiny_model, tmp_path / "real", TrainConfig(lr=1e-3))
     trainer.train_step(b, "combine")
     assert not all(torch.equal(a, p) for a, p in zip(weights, trainer.model.parameters()))
+
+
+def test_the_learner_trains_a_batch_in_an_order_of_its_own():
+    from clawd.learning.learner import canonical
+
+    b = [dataclasses.replace(s, tokens=[9 - i % 3] + s.tokens[1:]) for i, s in enumerate(batch())]
+    assert [s.sample_id for s in canonical(b)] == ["s2", "s1", "s4", "s0", "s3"]  # by tokens, then id
+    assert canonical(b[::-1]) == canonical(b)

@@ -6,7 +6,8 @@ learner train on such a signal (docs/ARCHITECTURE.md §12):
 
 - `shuffle_rewards`: the batch's rewards, permuted across its samples. The reward
   distribution (how many +1, -1, 0) is what the judge gave; which reply got which is
-  chance.
+  the seeded generator's draw over the batch in a canonical order, so the same batch
+  gets the same permutation whatever order its samples arrived in.
 - `zero_rewards`: every reward 0.
 
 Either way the teacher signal is dropped too (`has_hint = False`, which makes the OPD
@@ -29,8 +30,14 @@ def apply(control: str, batch: list[Sample], rng: random.Random) -> list[Sample]
     if control == "none":
         return batch
     if control == "shuffle_rewards":
-        rewards = [s.reward for s in batch]
-        rng.shuffle(rewards)
+        # Dealt in a canonical order (by tokens, then id), not the order samples reached the batch: that
+        # order is a race between concurrent scorings, and which reply got which reward would follow it.
+        order = sorted(range(len(batch)), key=lambda i: (batch[i].tokens, batch[i].sample_id))
+        dealt = [batch[i].reward for i in order]
+        rng.shuffle(dealt)
+        rewards = [0.0] * len(batch)
+        for i, r in zip(order, dealt):
+            rewards[i] = r
     elif control == "zero_rewards":
         rewards = [0.0] * len(batch)
     else:

@@ -71,6 +71,13 @@ class LearnerStats:
     disk_pauses: int = 0    # of those, the ones that paused learning for disk space
 
 
+def canonical(batch: list[Sample]) -> list[Sample]:
+    """The batch in an order of its own (by tokens, then id). The order samples reached the store is a race
+    between concurrent scorings; the trainer's packing (ties by position) and its float sums would follow
+    it, and the same samples would give a step that differs in the last bits."""
+    return sorted(batch, key=lambda s: (s.tokens, s.sample_id))
+
+
 class Publisher:
     """Moves the policy engine onto a published directory (docs/ARCHITECTURE.md §6).
 
@@ -365,7 +372,7 @@ class Learner:
         version = self._next_version()
         batch_id = uuid.uuid4().hex
         try:
-            trained = await self.trainer.train(batch_id, version, controls.apply(self.cfg.control, batch,
+            trained = await self.trainer.train(batch_id, version, controls.apply(self.cfg.control, canonical(batch),
                                                                                   self._control_rng),
                                                timeout=self.cfg.train_timeout)
         except TrainerError as exc:  # no step was kept for the batch (a fatal one restarts the trainer)
