@@ -444,10 +444,11 @@ class Config:
 
     @property
     def reference_engine_needed(self) -> bool:
-        """The frozen reference engine serves the judge and the teacher when they are set to it."""
+        """The frozen reference engine serves the judge and the teacher when they are set to it. Not in LoRA
+        mode: there the reference is the policy engine's base model, asked without an adapter."""
         judge = self.judge.backend == "sglang" and self.judge.engine == "reference"
         teacher = self.scoring.mode != "rl" and self.judge.teacher_engine == "reference"
-        return judge or teacher
+        return (judge or teacher) and not self.train.lora
 
 
 def load_config(path: str | Path) -> Config:

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from clawd.config import Config, JudgeConfig
 from clawd.engine.client import EngineClient
+from clawd.engine.lora import Adapters, adapter_name
 from clawd.engine.replicas import Balanced, Replicas
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.learning.journal import Journal
@@ -44,7 +45,7 @@ from clawd.serving.sessions import SessionTable
 from clawd.tokenizer import ChatTokenizer
 from clawd.trainer.link import TrainerSupervisor, trainer_options
 from clawd.turns import SHUTDOWN, FinishedTurn
-from clawd.weights import checkpointed_samples, restored_weights
+from clawd.weights import checkpointed_samples, is_adapter, restored_weights
 
 log = logging.getLogger("clawd")
 
@@ -99,6 +100,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     engines = _engine_supervisors(cfg, policy)
     # The policy replicas (one unless [engine] replicas/urls say more): a router sends each request to one.
     replicas = Replicas([e for e in engines if e.role == "policy"], policy)
+    # LoRA mode: the replicas serve the base, and the trainer's adapters beside it (clawd.engine.lora).
+    adapters = Adapters(policy) if cfg.train.lora else None
 
     # The durable end of learning opens first: its lock keeps a second clawd off this state directory,
     # and its replay brings back the samples not trained before the last stop.
@@ -131,6 +134,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         # Scoring: a finished turn → judge votes / hint / teacher log-probs → a sample in the store.
         engine_for = {e.role: e.client for e in engines if e.role != "policy"}
         engine_for["policy"] = Balanced(replicas)  # judge and teacher calls go to the least loaded replica
+        if adapters is not None:  # the reference is the base: the policy replicas asked without an adapter
+            engine_for["reference"] = engine_for["policy"]
         judge = _judge(cfg, tokenizer, engine_for)
         if isinstance(judge, OpenAIJudge):
             await judge.start()
@@ -144,7 +149,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         trainer = learner = None
         if cfg.learner.enabled:
             trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
-            publisher = Publisher(replicas, cfg.learner.publish_timeout)  # rolling: one replica at a time
+            publisher = Publisher(replicas, cfg.learner.publish_timeout,  # rolling: one replica at a time
+                                  adapters=adapters)
             learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir, control_seed=cfg.train.seed,
                               pauses=pauses)
             if cfg.learner.control != "none":
@@ -157,7 +163,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                                 max_turns=cfg.sessions.session_max_turns, max_sessions=cfg.sessions.max_sessions,
                                 new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
         to_scoring = TurnHandover(turn_records, scorer, pauses, turns_per_minute)
-        chat = ChatService(cfg, tokenizer, replicas, sessions, to_scoring, policy, spawn=tasks.create_task)
+        chat = ChatService(cfg, tokenizer, replicas, sessions, to_scoring, policy, spawn=tasks.create_task,
+                           adapters=adapters)
 
         # Ops reads the stages through one snapshot and owns none of them.
         status = Status(cfg, policy, pauses, chat, store, scorer, engines, trainer, learner, started=time.time(),
@@ -184,6 +191,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             sweeper = tasks.create_task(_expire_sessions(sessions, to_scoring, cfg.sessions.sweep_interval),
                                         name="session-sweeper")
             disk_watch = tasks.create_task(disk.run(), name="disk-budget")
+            unloader = None if adapters is None else tasks.create_task(
+                adapters.unload_retired(replicas, cfg.learner.publish_timeout), name="adapter-unloader")
             watchdog = None
             if (interval := systemd.watchdog_interval()) is not None:  # a stalled loop stops the pings
                 watchdog = tasks.create_task(systemd.watchdog(lambda: True, interval), name="watchdog")
@@ -219,6 +228,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                     to_scoring(finished)
                 sweeper.cancel()
                 disk_watch.cancel()
+                if unloader is not None:
+                    unloader.cancel()
                 await scorer.close(cfg.server.drain_timeout)  # turns being judged finish or are dropped
                 if learner is not None:
                     await learner.stop(cfg.server.drain_timeout)  # the step in progress, then a checkpoint
@@ -359,7 +370,8 @@ def _restored_policy(state_dir) -> Policy:
         return Policy()
     version, path = restored
     log.info("serving v%d from %s (the trainer's checkpoint)", version, path)
-    return Policy(version=version, weight_version=str(version), weights_dir=str(path))
+    return Policy(version=version, weight_version=str(version), weights_dir=str(path),
+                  adapter=adapter_name(version) if is_adapter(path) else None)
 
 
 def _engine_supervisors(cfg: Config, policy: Policy) -> list[EngineSupervisor]:

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 # SGLang flags clawd writes itself on every launch (clawd.engine.launch): an operator's copy in
 # sglang_args would contradict them or, for the keys, put a secret on the command line.
 CLAWD_FLAGS = frozenset({"--model-path", "--model", "--host", "--port", "--weight-version", "--dtype",
-                         "--context-length", "--api-key", "--admin-api-key", "--incremental-streaming-output"})
+                         "--context-length", "--api-key", "--admin-api-key", "--incremental-streaming-output",
+                         # LoRA serving follows [train] lora_* (TrainConfig.lora_flags)
+                         "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch",
+                         "--lora-paths"})
 _SET = re.compile(r"\d+(,\d+)*")
 
 

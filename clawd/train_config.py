@@ -15,6 +15,11 @@ from clawd.checks import is_int, is_number
 
 
 AGGREGATIONS = ("sample_mean", "token_mean")  # how the loss averages a batch (clawd.trainer.losses.aggregate)
+# Every attention and MLP projection of Llama/Qwen-style models: adapters on the MLP matter most.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# SGLang's adapters per batch: the base (judge, teacher), the new adapter, and one or two older ones that
+# requests started before a publish still use.
+LORA_PER_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -49,10 +54,31 @@ class TrainConfig:
     nnodes: int = 1                      # hosts in the trainer world (the others run clawd-trainer@N)
     rdzv_endpoint: str = ""              # host:port of this host's rendezvous, reachable by the others
     collective_timeout: float = 600.0    # seconds a collective may wait for a rank before the world is torn down
+    # LoRA (docs/ARCHITECTURE.md §15): adapters of this rank on the target modules; 0 = full fine-tune.
+    lora_rank: int = 0
+    lora_alpha: float = 32.0             # the adapter's output is scaled by lora_alpha / lora_rank
+    lora_target_modules: tuple[str, ...] = LORA_TARGETS
+    lora_lr: float = 1e-4                # LoRA's learning rate (lr is the full fine-tune's)
 
     @property
     def ranks_per_node(self) -> int:
         return self.nproc_per_node or max(len(devices.device_set(self.gpus)), 1)
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lora_lr if self.lora else self.lr
+
+    def lora_flags(self) -> tuple[str, ...]:
+        """The engine flags that serve this trainer's adapters (SGLang's names; the CPU engine takes the same);
+        () for a full fine-tune."""
+        if not self.lora:
+            return ()
+        return ("--enable-lora", "--max-lora-rank", str(self.lora_rank),
+                "--lora-target-modules", *self.lora_target_modules, "--max-loras-per-batch", str(LORA_PER_BATCH))
 
     @property
     def world_size(self) -> int:
@@ -99,6 +125,23 @@ class TrainConfig:
         if not (is_int(self.seed) and 0 <= self.seed < 2**32):  # numpy's seed range
             errors["seed"] = "must be an integer in 0..2**32 - 1"
         errors |= self._world_problems()
+        errors |= self._lora_problems()
+        return errors
+
+    def _lora_problems(self) -> dict[str, str]:
+        errors = {}
+        if not (is_int(self.lora_rank) and 0 <= self.lora_rank <= 1024):
+            errors["lora_rank"] = "must be an integer in 0..1024 (0 = full fine-tune)"
+        for name in ("lora_alpha", "lora_lr"):
+            value = getattr(self, name)
+            if not (is_number(value) and math.isfinite(value) and value > 0):
+                errors[name] = "must be a finite number above 0"
+        targets = self.lora_target_modules
+        if not (isinstance(targets, tuple) and targets
+                and all(isinstance(t, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", t) for t in targets)):
+            errors["lora_target_modules"] = "must be a non-empty list of module names such as \"q_proj\""
+        elif len(set(targets)) != len(targets):
+            errors["lora_target_modules"] = "names a module twice"
         return errors
 
     def _world_problems(self) -> dict[str, str]:

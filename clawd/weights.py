@@ -1,6 +1,7 @@
 """The state directory's weights and checkpoints: their layout, and writing a directory durably.
 
-    state_dir/weights/v{version:06d}     published Hugging Face directories (the engine loads them)
+    state_dir/weights/v{version:06d}     published Hugging Face directories (the engine loads them);
+                                         in LoRA mode PEFT adapter directories (adapter_config.json)
     state_dir/checkpoints/ckpt-{n:08d}   trainer checkpoints; `complete` is written last, and
                                          `state.json` says which version its weights are
     state_dir/trainer/steps.jsonl        the trained-steps ledger (`Ledger`, `lineage`)
@@ -52,9 +53,19 @@ def restored_weights(state_dir: Path) -> tuple[int, Path] | None:
         return None
     version = json.loads((complete[-1] / "state.json").read_text())["version"]
     path = version_dir(state_dir, version)
-    if version > 0 and (path / "config.json").is_file():
+    if version > 0 and is_published(path):
         return version, path
     return None
+
+
+def is_published(path: Path) -> bool:
+    """A published version's directory: a model's, or in LoRA mode a PEFT adapter's."""
+    return (Path(path) / "config.json").is_file() or is_adapter(path)
+
+
+def is_adapter(path: Path) -> bool:
+    """A PEFT adapter directory (LoRA mode's published versions)."""
+    return (Path(path) / "adapter_config.json").is_file()
 
 
 def model_dtype(model_dir: Path, configured: str = "auto") -> str:

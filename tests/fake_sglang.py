@@ -7,7 +7,8 @@ It "generates" token ids from a script (`responder(input_ids, sampling_params)`)
 and answers with the exact JSON of /generate (single, batch, n>1, SSE stream,
 prefill scoring with input log-probs), /abort_request, /pause_generation,
 /continue_generation, /update_weights_from_disk, /flush_cache, /model_info,
-/server_info and /health (SGLang 0.5.23's shapes, read from its source:
+/server_info /health and, with `enable_lora=True`, /load_lora_adapter, /unload_lora_adapter, /v1/models
+and /generate's `lora_path` (SGLang 0.5.23's shapes, read from its source:
 docs/ARCHITECTURE.md §10), with its context limits, its API keys (`api_key=`,
 `admin_api_key=`) and, with `max_running_requests`, its waiting queue and
 `waiting_timeout` (SGLANG_REQ_WAITING_TIMEOUT). Faults can be
@@ -24,6 +25,9 @@ Standalone:  python tests/fake_sglang.py --port 0 --tokens 32 --token-delay 0
 Log-prob values are pure functions of (position, id) so tests can compute them:
 input_logprob(pos, tok) for prompt scoring, output_logprob(tok) for sampled
 tokens, deliberately different (prefill log-probs are T=1, decode ones are not).
+A LoRA adapter shifts every log-prob of the items it serves by lora_offset(name),
+so a test can tell which adapter served a row; `lora_used` records (rid, adapter)
+of every /generate item (None: the base model).
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import secrets
 import signal
 import time
 import uuid
-from collections import deque
+import zlib
+from collections import OrderedDict, deque
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -65,6 +70,7 @@ VERSION = "0.5.23"
 # utils/auth.py: always open by path prefix; the control routes that take the admin key.
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 ADMIN_ROUTES = frozenset({"/abort_request", "/pause_generation", "/continue_generation",
+                          "/load_lora_adapter", "/unload_lora_adapter",
                           "/update_weights_from_disk", "/flush_cache"})
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
            "or waiting requests, the operation will not be performed.)\n")
@@ -84,6 +90,28 @@ def input_logprob(pos: int, tok: int) -> float:
 def output_logprob(tok: int) -> float:
     """Decode log-prob of a sampled token."""
     return round(-0.01 * (tok % 89) - 0.002, 6)
+
+
+def lora_offset(name: str | None) -> float:
+    """What adapter `name` adds to every log-prob it serves: 0 for the base, -0.001 .. -0.05 otherwise."""
+    if name is None:
+        return 0.0
+    return -0.001 * (1 + zlib.crc32(name.encode()) % 50)
+
+
+def shifted(lp: float, lora: str | None) -> float:
+    return round(lp + lora_offset(lora), 6)
+
+
+# SGLang's messages (lora/lora_registry.py, lora/lora_manager.py, managers/tokenizer_manager.py).
+LORA_NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+LORA_ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_incompatible(name: str, rank) -> str:
+    return (f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA memory pool "
+            f"configuration. Please ensure that the LoRA adapter's rank is within the configured "
+            f"`--max-lora-rank` and that the target modules are included in `--lora-target-modules`.")
 
 
 def top_logprobs(lp: float, tok: int, k: int, vocab_size: int) -> list[list]:
@@ -121,7 +149,7 @@ class _Item:
     """One sequence being generated. Mutable state, so a plain slotted class."""
     __slots__ = ("rid", "index", "ids", "sp", "max_new", "min_new", "stops", "no_trim",
                  "logprob", "start", "topk", "script", "out", "lps", "tops", "spans", "finish",
-                 "abort", "started", "retractions", "t0", "gen")
+                 "abort", "started", "retractions", "t0", "gen", "lora")
 
     def __init__(self, rid, index, ids, sp, logprob, start, topk, eos_id):
         self.rid, self.index, self.ids, self.sp = rid, index, ids, sp
@@ -143,6 +171,7 @@ class _Item:
         self.retractions = 0
         self.t0 = time.monotonic()
         self.gen: _Gen | None = None
+        self.lora: str | None = None  # the adapter serving it
 
 
 class _Gen:
@@ -252,7 +281,9 @@ class FakeSGLang:
                  vocab_size: int = 4096, context_length: int = 32768,
                  max_total_num_tokens: int | None = None, max_running_requests: int | None = None,
                  waiting_timeout: float | None = None, api_key: str | None = None,
-                 admin_api_key: str | None = None, host: str = "127.0.0.1", port: int = 0):
+                 admin_api_key: str | None = None, enable_lora: bool = False,
+                 max_lora_rank: int | None = None, lora_target_modules: list[str] | None = None,
+                 host: str = "127.0.0.1", port: int = 0):
         self.responder = responder or (lambda ids, sp: default_script(ids, tokens, eos_id))
         self.eos_id = eos_id
         self.token_delay = token_delay
@@ -269,6 +300,14 @@ class FakeSGLang:
         self.max_running_requests = max_running_requests
         self.waiting_timeout = waiting_timeout
         self._keys = (api_key, admin_api_key)
+        self.enable_lora = enable_lora
+        if enable_lora and (max_lora_rank is None or not lora_target_modules):
+            raise ValueError("enable_lora needs max_lora_rank and lora_target_modules (no --lora-paths)")
+        self.max_lora_rank = max_lora_rank
+        targets = lora_target_modules or ()
+        self.lora_targets = set(LORA_ALL_TARGETS if "all" in targets else targets)
+        self.lora_adapters: dict[str, str] = {}  # name -> path, in load order
+        self.lora_used: list[tuple[str, str | None]] = []  # (rid, adapter) of every /generate item
         self.host, self.port = host, port
         # What tests assert on.
         self.requests: list[dict] = []  # /generate bodies, in arrival order
@@ -312,6 +351,9 @@ class FakeSGLang:
         r.add_post("/continue_generation", self._faulty(self._continue))
         r.add_post("/update_weights_from_disk", self._faulty(self._update_weights))
         r.add_route("*", "/flush_cache", self._faulty(self._flush_cache))
+        r.add_post("/load_lora_adapter", self._faulty(self._load_lora))
+        r.add_post("/unload_lora_adapter", self._faulty(self._unload_lora))
+        r.add_get("/v1/models", self._faulty(self._models))
         r.add_get("/health", self._faulty(self._health))
         r.add_get("/health_generate", self._faulty(self._health))
         r.add_get("/ready", self._faulty(self._ready))
@@ -506,8 +548,14 @@ class FakeSGLang:
         if isinstance(rid, list) and len(rid) != count:
             raise ValueError(f"The rid list length ({len(rid)}) must match the batch size "
                              f"({count}).")
+        lora = body.get("lora_path")
+        if not (lora is None or isinstance(lora, str) or isinstance(lora, list)
+                and all(x is None or isinstance(x, str) for x in lora)):
+            raise ContractError("invalid type: expected a string or a list of strings for `lora_path`")
         items = []
         for b, (prompt, sp) in enumerate(zip(prompts, sps)):
+            adapter = _per_item(lora, b, count, "lora_path")
+            self._check_lora(adapter)
             logprob = bool(_per_item(body.get("return_logprob", False), b, count, "return_logprob"))
             start = _per_item(body.get("logprob_start_len", -1), b, count, "logprob_start_len")
             if start is None:
@@ -528,6 +576,7 @@ class FakeSGLang:
                 else:
                     r = f"{rid}_{b}" if batch else rid
                 item = _Item(r, len(items), prompt, sp, logprob, start, topk, self.eos_id)
+                item.lora = adapter
                 # scheduler.py: max_new_tokens, given or not, is cut to the room left
                 item.max_new = min(item.max_new, self.max_req_len - len(prompt) - 1)
                 if refused is not None:
@@ -562,6 +611,7 @@ class FakeSGLang:
         rids = [it.rid for it in items]
         if len(set(rids)) != len(rids) or any(r in self._inflight for r in rids):
             raise ValueError("Duplicate request ID detected")
+        self.lora_used += [(it.rid, it.lora) for it in items]
         for it in items:
             if it.finish is None:  # not refused by the scheduler
                 self._inflight[it.rid] = it
@@ -676,7 +726,7 @@ class FakeSGLang:
         tok = it.script[i] if i < len(it.script) else self.eos_id  # past the script: EOS forever
         it.out.append(tok)
         if it.logprob:
-            lp = output_logprob(tok)
+            lp = shifted(output_logprob(tok), it.lora)
             it.lps.append([lp, tok, None])
             if it.topk:
                 it.tops.append(top_logprobs(lp, tok, it.topk, self.vocab_size))
@@ -731,7 +781,7 @@ class FakeSGLang:
         if it.start < 0:
             return []
         ids, s = it.ids, it.start
-        return [[None if p == s else input_logprob(p, ids[p]), ids[p], None]
+        return [[None if p == s else shifted(input_logprob(p, ids[p]), it.lora), ids[p], None]
                 for p in range(s, len(ids))]
 
     def _input_tops(self, it: _Item) -> list:
@@ -857,6 +907,81 @@ class FakeSGLang:
             message += f" Weight version updated to {self.weight_version}."
         return _json_response({"success": True, "message": message, "num_paused_requests": 0})
 
+    # ---- LoRA (SGLang 0.5.23: entrypoints/http_server.py, lora/lora_registry.py, lora/lora_manager.py)
+
+    def _check_lora(self, name: str | None) -> None:
+        """A /generate item may name a loaded adapter, only with LoRA enabled (ValueError: 400)."""
+        if name is None:
+            return
+        if not self.enable_lora:
+            raise ValueError(LORA_NOT_ENABLED)
+        if name not in self.lora_adapters:
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {name}\n"
+                             f"Loaded adapters: {OrderedDict(self.lora_adapters).keys()}.")
+
+    def _lora_answer(self, error: str | None = None) -> web.Response:
+        return _json_response({"rid": None, "http_worker_ipc": None, "success": error is None,
+                               "error_message": error,
+                               "loaded_adapters": dict(self.lora_adapters) if self.enable_lora else None},
+                              200 if error is None else 400)
+
+    def _lora_problem(self, name: str, path: str) -> str | None:
+        """Why an adapter directory cannot be loaded, read from its adapter_config.json; None if it can."""
+        if name in self.lora_adapters:
+            return f"Failed to load LoRA adapter {name} because it is already loaded"
+        try:
+            with open(f"{path}/adapter_config.json", encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            return f"Failed to load LoRA adapter {name} from {path}: no readable adapter_config.json ({e})"
+        rank, modules = config.get("r"), config.get("target_modules")
+        if not (isinstance(rank, int) and 0 < rank <= self.max_lora_rank and isinstance(modules, list)
+                and set(modules) <= self.lora_targets):
+            return lora_incompatible(name, rank)
+        return None
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        body = await self._control_body(request)
+        if isinstance(body, web.Response):
+            return body
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            return _bad_request("lora_name and lora_path: Field required")
+        if not self.enable_lora:
+            return self._lora_answer(LORA_NOT_ENABLED)
+        problem = self._lora_problem(name, path)
+        if problem is not None:
+            return self._lora_answer(problem)
+        self.lora_adapters[name] = path
+        return self._lora_answer()
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        """Unregister at once (new requests naming it get 400), answer once the items in flight on it end."""
+        body = await self._control_body(request)
+        if isinstance(body, web.Response):
+            return body
+        name = body.get("lora_name")
+        if not (isinstance(name, str) and name):
+            return _bad_request("lora_name: Field required")
+        if not self.enable_lora:
+            return self._lora_answer(LORA_NOT_ENABLED)
+        if name not in self.lora_adapters:
+            return self._lora_answer(f"LoRA with name {name} does not exist. Loaded LoRAs: "
+                                     f"{OrderedDict(self.lora_adapters).keys()}")
+        del self.lora_adapters[name]
+        await self._settled([it for it in self._inflight.values() if it.lora == name])
+        return self._lora_answer()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        """The base's card, then one per loaded adapter with the base as parent."""
+        created = int(time.time())
+        cards = [{"id": self.model_path, "object": "model", "created": created, "owned_by": "sglang",
+                  "root": self.model_path, "parent": None, "max_model_len": self.context_length}]
+        cards += [{"id": name, "object": "model", "created": created, "owned_by": "sglang", "root": path,
+                   "parent": self.model_path, "max_model_len": None}
+                  for name, path in self.lora_adapters.items()]
+        return _json_response({"object": "list", "data": cards})
+
     async def _flush_cache(self, request: web.Request) -> web.Response:
         self.calls.append((request.path, {}))
         if self._busy():
@@ -880,7 +1005,8 @@ class FakeSGLang:
             "incremental_streaming_output": self.incremental,
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.max_req_input_len, "internal_states": [{}],
-            "version": VERSION})
+            "version": VERSION, "enable_lora": self.enable_lora, "max_lora_rank": self.max_lora_rank,
+            "lora_target_modules": sorted(self.lora_targets) or None, "max_loras_per_batch": 8})
 
     async def _model_info(self, request: web.Request) -> web.Response:
         await self._front_end()
@@ -898,7 +1024,8 @@ async def _serve(args: argparse.Namespace) -> None:
     fake = FakeSGLang(tokens=args.tokens, eos_id=args.eos_id, token_delay=args.token_delay,
                       incremental_streaming_output=args.incremental_streaming_output,
                       weight_version=args.weight_version, context_length=args.context_length,
-                      host=args.host, port=args.port)
+                      enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
+                      lora_target_modules=args.lora_target_modules, host=args.host, port=args.port)
     await fake.start()
     print(f"PORT {fake.port}", flush=True)
     stop = asyncio.Event()
@@ -919,6 +1046,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weight-version", default="0")
     p.add_argument("--incremental-streaming-output", action="store_true")
     p.add_argument("--context-length", type=int, default=32768)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--lora-target-modules", nargs="+", default=None)
     asyncio.run(_serve(p.parse_args(argv)))
 
 

@@ -147,3 +147,22 @@ def test_plan_shows_the_trainer_worlds_torchrun_lines_for_every_host(tmp_path):
                          "--monitor-interval": "0.5"}
     for secret in SECRETS:
         assert secret not in done.stdout + done.stderr
+
+
+def test_plan_in_lora_mode_serves_adapters_on_the_policy_engine_and_starts_no_reference(tmp_path):
+    raw = _gpu_config(tmp_path)
+    raw["engine"].pop("reference_gpus")
+    raw["engine"].pop("reference_sglang_args")
+    raw["train"] |= {"lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"]}
+    done = _plan(tmp_path, raw, "--plan", "--json")
+    assert done.returncode == 0, done.stderr
+    processes = {p["role"]: p for p in json.loads(done.stdout)["processes"]}
+    assert list(processes) == ["policy", "trainer"]  # the judge and the teacher use the policy's base
+    argv = processes["policy"]["argv"]
+    lora = argv[argv.index("--enable-lora"):argv.index("--max-loras-per-batch") + 2]
+    assert lora == ["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj",
+                    "--max-loras-per-batch", "4"]
+    assert argv[argv.index("--model-path") + 1] == raw["model"]["path"]  # the base, adapters beside it
+    raw["engine"]["sglang_args"] = ["--max-lora-rank", "8"]
+    refused = _plan(tmp_path, raw, "--check-config")
+    assert refused.returncode != 0 and "must not hold --max-lora-rank" in refused.stderr

@@ -9,6 +9,35 @@ so each checks the other: a behaviour both show is the contract clawd codes to.
 
 The local engine is wired as `python -m clawd.engine.local` wires it (parse_args,
 Engine, build_app), its keys coming from a `--config` file as clawd passes them.
+
+LoRA at run time (§8 below; SGLang 0.5.23, read from entrypoints/http_server.py,
+managers/io_struct.py, managers/tokenizer_manager.py, lora/lora_registry.py,
+lora/lora_manager.py, utils/auth.py, arg_groups/lora_hook.py):
+
+| behaviour                                                                 | where                          |
+|---------------------------------------------------------------------------|--------------------------------|
+| `--enable-lora` without `--lora-paths` needs `--max-lora-rank` and          | arg_groups/lora_hook.py        |
+| `--lora-target-modules` (`all` = every linear layer); `--max-loras-per-batch` |                             |
+| 8 kinds of rows per batch, the base counting as one                       |                                |
+| `/load_lora_adapter {lora_name, lora_path, pinned?}` → 200 `{rid: null,     | managers/io_struct.py          |
+| http_worker_ipc: null, success, error_message, loaded_adapters}`; 400 with |  (LoadLoRAAdapterReqOutput)    |
+| success false on failure; loaded_adapters null when LoRA is off           |                                |
+| a name already loaded: "Failed to load LoRA adapter X because it is already | lora/lora_manager.py         |
+| loaded"; rank over the limit or modules outside the targets: "LoRA adapter |                                |
+| X with rank R is incompatible with the current LoRA memory pool ..."       |                                |
+| `/unload_lora_adapter {lora_name}`: same shape; unregisters at once, frees | managers/tokenizer_manager.py |
+| after the requests in flight on it end; unknown: "LoRA with name X does not | lora/lora_registry.py        |
+| exist. Loaded LoRAs: ..."                                                  |                                |
+| `/generate` `lora_path`: an adapter name, or a list with one per item (null | managers/io_struct.py        |
+| = base); without --enable-lora, 400 "LoRA is not enabled. Please set        | managers/tokenizer_manager.py |
+| `--enable-lora` to enable LoRA."; unknown name, 400 "The following         | lora/lora_registry.py          |
+| requested LoRA adapters are not loaded: X\nLoaded adapters: ..."           |                                |
+| both control routes are ADMIN_OPTIONAL: the admin key, never the API key  | utils/auth.py                  |
+| `/v1/models`: the base card, then one per adapter with parent = the base   | entrypoints/openai/serving_models |
+| loading or unloading leaves `/model_info`'s weight_version alone           | managers/tokenizer_manager.py |
+
+Not reproduced: `--lora-paths` at launch, `--max-loaded-loras` eviction, pinning (accepted,
+ignored), and SGLang's tokenizer re-loading an unloaded name from its old path.
 """
 from __future__ import annotations
 
@@ -27,7 +56,8 @@ from aiohttp import web
 from clawd.engine.local.scheduler import WAITING_TIMEOUT_ENV
 from clawd.engine.local.scheduler import Engine as LocalEngine
 from clawd.engine.local.server import build_app, parse_args
-from tests.fake_sglang import FakeSGLang
+from tests.fake_sglang import FakeSGLang, lora_incompatible, lora_offset
+from tests.test_engine_lora import build_adapter
 
 CONTEXT = 1024  # both servers' context length
 LIMIT = CONTEXT - 6  # max_req_input_len, SGLang's arithmetic (see test_server_info_reports_the_input_limit)
@@ -36,6 +66,8 @@ TIMED_OUT = {"type": "abort", "status_code": 503, "message": "Request waiting ti
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
 KEY, ADMIN_KEY = "k-ordinary-0123456789", "k-admin-9876543210"
+LORA_RANK, LORA_TARGETS = 8, ["q_proj", "v_proj"]
+LORA_OFF = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 
 
 @dataclass
@@ -43,6 +75,7 @@ class Server:
     kind: str  # "fake" | "local"
     url: str
     model_path: str
+    fake: FakeSGLang | None = None  # the fake itself, for what it records
 
 
 @pytest.fixture(params=["fake", "local"])
@@ -55,24 +88,29 @@ def serve(kind, tiny_model, tmp_path):
     """serve(**options) -> async context manager of a Server of this test's kind.
 
     Options: incremental (--incremental-streaming-output), api_key / admin_api_key,
-    max_running (max running requests) and waiting_timeout (SGLANG_REQ_WAITING_TIMEOUT).
+    max_running (max running requests), waiting_timeout (SGLANG_REQ_WAITING_TIMEOUT) and
+    lora (--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj).
     """
     @contextlib.asynccontextmanager
     async def start(incremental=False, api_key=None, admin_api_key=None, max_running=None,
-                    waiting_timeout=None):
+                    waiting_timeout=None, lora=False):
         if kind == "fake":
             # 1 ms a token, so a long request is still running when a control call arrives
             fake = FakeSGLang(tokens=32, token_delay=0.001, context_length=CONTEXT,
                               incremental_streaming_output=incremental, api_key=api_key,
                               admin_api_key=admin_api_key, max_running_requests=max_running,
-                              waiting_timeout=waiting_timeout)
+                              waiting_timeout=waiting_timeout, enable_lora=lora,
+                              max_lora_rank=LORA_RANK if lora else None,
+                              lora_target_modules=LORA_TARGETS if lora else None)
             async with fake:
-                yield Server("fake", fake.url, fake.model_path)
+                yield Server("fake", fake.url, fake.model_path, fake)
             return
         argv = ["--model", str(tiny_model), "--context-length", str(CONTEXT), "--threads", "1",
                 "--max-batch-size", str(max_running or 8)]
         if incremental:
             argv.append("--incremental-streaming-output")
+        if lora:
+            argv += ["--enable-lora", "--max-lora-rank", str(LORA_RANK), "--lora-target-modules", *LORA_TARGETS]
         if api_key or admin_api_key:
             config = tmp_path / "engine.yaml"
             keys = {"api-key": api_key, "admin-api-key": admin_api_key}
@@ -475,3 +513,162 @@ async def test_sampling_params_contract_and_neutral_values(serve, http):
     assert extra[0] == 200 and len(extra[1]["output_ids"]) == 4
     assert plain[0] == spelled[0] == 200
     assert ids_and_logprobs(plain[1]) == ids_and_logprobs(spelled[1])
+
+
+# --------------------------------------------------------------------------
+# 8. LoRA adapters at run time
+
+@pytest.fixture(scope="module")
+def lora_dirs(tiny_model, tmp_path_factory):
+    """PEFT adapter directories on the tiny model: two that fit the servers' limits, one of rank 16
+    (over --max-lora-rank 8), one on down_proj (outside --lora-target-modules)."""
+    root = tmp_path_factory.mktemp("conformance-lora")
+    return {"a": build_adapter(tiny_model, root / "a", 1, LORA_TARGETS),
+            "b": build_adapter(tiny_model, root / "b", 2, ["v_proj"]),
+            "wide": build_adapter(tiny_model, root / "wide", 3, LORA_TARGETS, r=16),
+            "mlp": build_adapter(tiny_model, root / "mlp", 4, ["down_proj"])}
+
+
+def lora_answer(adapters: dict | None, error: str | None = None) -> dict:
+    return {"rid": None, "http_worker_ipc": None, "success": error is None, "error_message": error,
+            "loaded_adapters": adapters}
+
+
+def scoring(lora=None, prompts=(31, 32, 33, 34, 35)) -> dict:
+    """Prefill-only scoring of the prompt(s), input log-probs from position 0, on adapter(s) `lora`."""
+    body = {"input_ids": list(prompts), "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0}}
+    return body if lora is None else {**body, "lora_path": lora}
+
+
+def input_lps(out: dict) -> list[float]:
+    return [e[0] for e in out["meta_info"]["input_token_logprobs"]][1:]
+
+
+async def test_lora_load_unload_and_v1_models(serve, http, lora_dirs):
+    """`/load_lora_adapter` answers {rid, http_worker_ipc, success, error_message, loaded_adapters}:
+    200 on success, 400 with success false when the name is loaded already, the rank is over
+    --max-lora-rank, the modules are outside --lora-target-modules or the directory holds no
+    adapter. `/v1/models` lists the base, then each adapter with the base as parent.
+    `/unload_lora_adapter` answers the same shape; an unknown name is a 400. Neither touches
+    /model_info's weight_version. SGLang 0.5.23: entrypoints/http_server.py, managers/io_struct.py,
+    lora/lora_manager.py, lora/lora_registry.py, entrypoints/openai/serving_models.py."""
+    a, b = str(lora_dirs["a"]), str(lora_dirs["b"])
+    async with serve(lora=True) as server:
+        before = await call(http, server, "/model_info")
+        models0 = await call(http, server, "/v1/models")
+        load = lambda name, path: call(http, server, "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        first = await load("policy-1", a)
+        second = await load("policy-2", b)
+        again = await load("policy-1", b)
+        wide = await load("wide", str(lora_dirs["wide"]))
+        mlp = await load("mlp", str(lora_dirs["mlp"]))
+        missing = await load("gone", str(lora_dirs["a"]) + "-missing")
+        models1 = await call(http, server, "/v1/models")
+        after = await call(http, server, "/model_info")
+        unload = await call(http, server, "/unload_lora_adapter", {"lora_name": "policy-1"})
+        unload_again = await call(http, server, "/unload_lora_adapter", {"lora_name": "policy-1"})
+        models2 = await call(http, server, "/v1/models")
+    both = {"policy-1": a, "policy-2": b}
+    assert first == (200, lora_answer({"policy-1": a}))
+    assert second == (200, lora_answer(both))
+    assert again == (400, lora_answer(both, "Failed to load LoRA adapter policy-1 because it is already loaded"))
+    assert wide == (400, lora_answer(both, lora_incompatible("wide", 16)))
+    assert mlp == (400, lora_answer(both, lora_incompatible("mlp", 4)))
+    assert missing[0] == 400 and missing[1]["success"] is False
+    assert missing[1]["error_message"].startswith("Failed to load LoRA adapter gone from ")
+    base = server.model_path
+    assert models0[0] == 200 and models0[1]["object"] == "list"
+    assert [(c["id"], c["root"], c["parent"]) for c in models0[1]["data"]] == [(base, base, None)]
+    card = models0[1]["data"][0]
+    assert (card["object"], card["owned_by"], card["max_model_len"]) == ("model", "sglang", CONTEXT)
+    assert isinstance(card["created"], int)
+    assert [(c["id"], c["root"], c["parent"]) for c in models1[1]["data"]] == [
+        (base, base, None), ("policy-1", a, base), ("policy-2", b, base)]
+    assert all(set(c) == set(card) and c["object"] == "model" for c in models1[1]["data"])
+    assert before[1]["weight_version"] == after[1]["weight_version"] == "0"
+    assert unload == (200, lora_answer({"policy-2": b}))
+    assert unload_again[0] == 400 and unload_again[1]["success"] is False
+    assert unload_again[1]["error_message"].startswith("LoRA with name policy-1 does not exist. Loaded LoRAs: ")
+    assert [c["id"] for c in models2[1]["data"]] == [base, "policy-2"]
+
+
+async def test_lora_path_routes_each_row_to_its_adapter(serve, http, lora_dirs):
+    """`lora_path` names a loaded adapter, for a single request or per item of a batch (null: the
+    base); a batch may mix base rows and adapter rows, each scored by its own model. An unknown
+    name is a 400 in the ValueError shape. SGLang 0.5.23: managers/io_struct.py (GenerateReqInput.
+    lora_path), managers/tokenizer_manager.py, lora/lora_registry.py (acquire)."""
+    async with serve(lora=True) as server:
+        await call(http, server, "/load_lora_adapter", {"lora_name": "policy-1", "lora_path": str(lora_dirs["a"])})
+        base = await call(http, server, "/generate", scoring())
+        single = await call(http, server, "/generate", scoring("policy-1"))
+        batch = await call(http, server, "/generate", {**scoring([None, "policy-1"], [[31, 32, 33, 34, 35]] * 2),
+                                                       "rid": ["row-base", "row-lora"]})
+        sampled = await call(http, server, "/generate", {**short_body(), "lora_path": "policy-1"})
+        unknown = await call(http, server, "/generate", scoring("nope"))
+        unknown_row = await call(http, server, "/generate", scoring([None, "nope"], [[31, 32]] * 2))
+    assert base[0] == single[0] == batch[0] == sampled[0] == 200
+    near = lambda x, y: len(x) == len(y) and all(abs(p - q) <= 1e-4 for p, q in zip(x, y))
+    assert near(input_lps(batch[1][0]), input_lps(base[1]))
+    assert near(input_lps(batch[1][1]), input_lps(single[1]))
+    assert max(abs(p - q) for p, q in zip(input_lps(single[1]), input_lps(base[1]))) > 1e-4
+    assert len(sampled[1]["output_ids"]) == 4
+    message = "The following requested LoRA adapters are not loaded: nope\n"
+    for status, err in (unknown, unknown_row):
+        assert status == 400 and err["error"]["message"].startswith(message)
+    if server.fake is not None:  # what the fake records: the adapter of every item, and its offset
+        assert ("row-base", None) in server.fake.lora_used and ("row-lora", "policy-1") in server.fake.lora_used
+        offset = lora_offset("policy-1")
+        assert near([x - offset for x in input_lps(single[1])], input_lps(base[1]))
+
+
+async def test_lora_needs_enable_lora(serve, http, lora_dirs):
+    """Without --enable-lora a /generate naming an adapter is a 400 {"error": {"message"}} and
+    loading one a 400 with success false and loaded_adapters null. SGLang 0.5.23:
+    managers/tokenizer_manager.py (load_lora_adapter, the request check)."""
+    async with serve() as server:
+        refused = await call(http, server, "/generate", scoring("policy-1"))
+        load = await call(http, server, "/load_lora_adapter", {"lora_name": "p", "lora_path": str(lora_dirs["a"])})
+        plain = await call(http, server, "/generate", scoring())
+        models = await call(http, server, "/v1/models")
+    assert refused == (400, {"error": {"message": LORA_OFF}})
+    assert load == (400, lora_answer(None, LORA_OFF))
+    assert plain[0] == 200 and [c["id"] for c in models[1]["data"]] == [server.model_path]
+
+
+async def test_lora_control_routes_take_the_admin_key(serve, http, lora_dirs):
+    """With an admin key set, /load_lora_adapter and /unload_lora_adapter need it and refuse the API
+    key; /v1/models takes the API key. SGLang 0.5.23: utils/auth.py (ADMIN_OPTIONAL)."""
+    unauthorized = (401, {"error": "Unauthorized"})
+    load = {"lora_name": "policy-1", "lora_path": str(lora_dirs["a"])}
+    async with serve(api_key=KEY, admin_api_key=ADMIN_KEY, lora=True) as server:
+        for path, body in (("/load_lora_adapter", load), ("/unload_lora_adapter", {"lora_name": "policy-1"})):
+            assert await call(http, server, path, body) == unauthorized
+            assert await call(http, server, path, body, key=KEY) == unauthorized
+            status, out = await call(http, server, path, body, key=ADMIN_KEY)
+            assert (status, out["success"]) == (200, True), out
+        assert await call(http, server, "/v1/models", key=ADMIN_KEY) == unauthorized
+        assert (await call(http, server, "/v1/models", key=KEY))[0] == 200
+
+
+async def test_lora_unload_waits_for_requests_in_flight(serve, http, lora_dirs):
+    """An unload refuses new requests naming the adapter at once but answers only after the request
+    in flight on it has ended (here by an abort). SGLang 0.5.23: managers/tokenizer_manager.py
+    (_unload_lora_adapter_locked: unregister, wait_for_unload, then free)."""
+    async with serve(lora=True) as server:
+        await call(http, server, "/load_lora_adapter", {"lora_name": "policy-1", "lora_path": str(lora_dirs["a"])})
+        async with Stream(http, server, {**long_body("conf-on-lora"), "lora_path": "policy-1"}) as running:
+            await running.next()
+            unload = asyncio.create_task(call(http, server, "/unload_lora_adapter", {"lora_name": "policy-1"}))
+            for _ in range(2000):
+                status, err = await call(http, server, "/generate", scoring("policy-1"))
+                if status == 400:
+                    break
+                await asyncio.sleep(0.001)
+            assert err["error"]["message"].startswith("The following requested LoRA adapters are not loaded")
+            assert not unload.done()
+            await call(http, server, "/abort_request", {"rid": "conf-on-lora"})
+            chunks = await running.rest()
+        status, out = await unload
+    assert chunks[-1]["meta_info"]["finish_reason"] == ABORTED
+    assert (status, out) == (200, lora_answer({}))

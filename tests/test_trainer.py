@@ -20,7 +20,8 @@ from clawd.config import TrainConfig
 from clawd.samples import Sample
 from clawd.trainer import losses
 from clawd.trainer.handler import train_config
-from clawd.trainer.step import Trainer, TrainingPaused, pack
+from clawd.trainer.batches import pack
+from clawd.trainer.step import Trainer, TrainingPaused
 from clawd.weights import restored_weights
 
 REPO = Path(__file__).resolve().parent.parent

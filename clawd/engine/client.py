@@ -363,9 +363,10 @@ class EngineClient:
         await self.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                              "rid": f"clawd-probe-{uuid.uuid4().hex}"}, timeout=timeout)
 
-    async def control(self, path: str, body: dict, timeout: float) -> None:
-        """A control call (pause, update weights, continue): anything but 200 is an EngineError. It keeps its own
-        `timeout`; running past it is recorded as `control_timed_out`, the supervisor's evidence of a hang."""
+    async def control(self, path: str, body: dict, timeout: float) -> dict | None:
+        """A control call (pause, update weights, continue): anything but 200 is an EngineError; the answer's
+        JSON object, or None. It keeps its own `timeout`; running past it is recorded as `control_timed_out`,
+        the supervisor's evidence of a hang."""
         self._controls += 1
         self._control_epoch += 1
         if path == "/pause_generation":  # before sending: a pause that times out may still have happened
@@ -375,6 +376,11 @@ class EngineClient:
             async with resp:
                 if resp.status != 200:
                     raise EngineError(f"{path} answered {resp.status}: {(await resp.text())[:300]}")
+                try:
+                    answer = json.loads(await resp.read())
+                except ValueError:
+                    return None
+                return answer if isinstance(answer, dict) else None
         except (EngineTimeout, asyncio.TimeoutError):
             self.control_timed_out = f"{path} got no answer in {timeout:g}s"
             raise EngineTimeout(self.control_timed_out) from None
@@ -383,6 +389,34 @@ class EngineClient:
             self._control_epoch += 1
             if path == "/continue_generation":  # the publish's window ends whatever the answer
                 self._paused = False
+
+    # ---- LoRA adapters (SGLang 0.5.23: --enable-lora; loading one leaves /model_info's weight_version) ----
+
+    async def load_adapter(self, name: str, path: str, timeout: float) -> None:
+        """Load the adapter directory `path` as `name`; confirmed by the answer's list of loaded adapters."""
+        answer = await self.control("/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout) or {}
+        if answer.get("success") is not True or name not in (answer.get("loaded_adapters") or {}):
+            raise EngineError(f"/load_lora_adapter did not confirm {name}: {str(answer)[:300]}")
+
+    async def unload_adapter(self, name: str, timeout: float) -> None:
+        """Unload `name` (the engine first lets the requests using it end)."""
+        answer = await self.control("/unload_lora_adapter", {"lora_name": name}, timeout) or {}
+        if answer.get("success") is not True:
+            raise EngineError(f"/unload_lora_adapter did not confirm {name}: {str(answer)[:300]}")
+
+    async def loaded_adapters(self) -> set[str]:
+        """The adapters the engine holds: /v1/models' cards that have a parent (the base model)."""
+        try:
+            async with self.session.get(self.url + "/v1/models", headers=self._headers,
+                                        timeout=self._short) as resp:
+                if resp.status != 200:
+                    raise EngineError(f"/v1/models answered {resp.status}: {(await resp.text())[:300]}")
+                cards = (json.loads(await resp.read()) or {}).get("data") or []
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineUnavailable(f"/v1/models: {exc}") from None
+        except asyncio.TimeoutError:
+            raise EngineUnresponsive("engine did not answer /v1/models in time") from None
+        return {c["id"] for c in cards if isinstance(c, dict) and c.get("parent") and isinstance(c.get("id"), str)}
 
     async def abort(self, rid: str) -> None:
         resp = await self._post("/abort_request", {"rid": rid}, self._short, admin=True)

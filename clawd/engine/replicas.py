@@ -98,8 +98,11 @@ class Replicas:
         return self.supervisors[i].client
 
     def version(self, i: int) -> str | None:
-        """The weight version replica i last reported (polls, publishes)."""
-        return (getattr(self.supervisors[i], "info", None) or {}).get("weight_version")
+        """The weight version replica i last reported (polls, publishes; its adapter's in LoRA mode)."""
+        sup = self.supervisors[i]
+        if hasattr(sup, "served_version"):
+            return sup.served_version
+        return (getattr(sup, "info", None) or {}).get("weight_version")
 
     def usable(self, i: int) -> bool:
         sup, counts = self.supervisors[i], self.counts[i]

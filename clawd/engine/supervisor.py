@@ -100,6 +100,7 @@ class EngineSupervisor:
         self.hang_reason: str | None = None  # why, the last time
         self.ready = asyncio.Event()
         self.info: dict = {}
+        self.adapter_version: str | None = None  # LoRA mode: the version whose adapter it was confirmed to hold
         self.input_limit: int | None = None  # prompts of this many tokens or more are refused (max_req_input_len)
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
@@ -114,9 +115,19 @@ class EngineSupervisor:
     def is_ready(self) -> bool:
         return self.state is EngineState.READY
 
+    @property
+    def lora(self) -> bool:
+        """Serving the trainer's adapters beside the base (the policy role in LoRA mode)."""
+        return self.policy is not None and self.cfg.train.lora
+
+    @property
+    def served_version(self) -> str | None:
+        """The version it serves: its adapter's in LoRA mode (the base's weight_version never moves then)."""
+        return self.adapter_version if self.lora else self.info.get("weight_version")
+
     def _weights(self) -> tuple[str, str]:
-        """(model directory, weight_version) to start the engine on."""
-        if self.policy is not None and self.policy.weights_dir is not None:
+        """(model directory, weight_version) to start the engine on: in LoRA mode always the base."""
+        if self.policy is not None and self.policy.weights_dir is not None and not self.lora:
             return self.policy.weights_dir, self.policy.weight_version
         return str(Path(self.cfg.model.path).resolve()), "0"
 
@@ -162,6 +173,7 @@ class EngineSupervisor:
 
     async def _run_child_once(self) -> int | None:
         launch = self._launch()
+        self.adapter_version = None  # a new process holds no adapter until `_align` loads it
         self._set(EngineState.STARTING)
         log.info("starting %s engine%s: %s", self.name,
                  f" on GPU(s) {','.join(map(str, launch.devices))}" if launch.devices else "", " ".join(launch.argv))
@@ -337,7 +349,7 @@ class EngineSupervisor:
         False: a launched engine refused, and `_restart_reason` says why it is to be restarted."""
         if self.policy is None or self.client.publishing:
             return True
-        if not self.needs_realign and not behind(self.info.get("weight_version"), self.policy):
+        if not self.needs_realign and not behind(self.served_version, self.policy):
             return True
         try:
             async with self.swap_lock:
@@ -350,7 +362,7 @@ class EngineSupervisor:
             self._restart_reason = f"could not be realigned onto v{self.policy.weight_version}: {exc}"
             return False
         self.needs_realign = False
-        log.info("%s engine realigned onto weight_version %s", self.name, self.info.get("weight_version"))
+        log.info("%s engine realigned onto weight_version %s", self.name, self.served_version)
         return True
 
     async def _align(self, force: bool = False) -> None:
@@ -360,6 +372,9 @@ class EngineSupervisor:
         if self.policy is None or self.policy.weights_dir is None:
             self.needs_realign = False  # the base model: nothing was published to realign onto
             return
+        if self.lora:
+            await self._align_adapter()
+            return
         if force or self.info.get("weight_version") != self.policy.weight_version:
             log.warning("%s engine serves weight_version %r, not the published %s: loading %s", self.name,
                         self.info.get("weight_version"), self.policy.weight_version, self.policy.weights_dir)
@@ -368,6 +383,16 @@ class EngineSupervisor:
                                        "weight_version": self.policy.weight_version},
                                       self.cfg.learner.publish_timeout)
             self.info = await self.client.model_info()
+
+    async def _align_adapter(self) -> None:
+        """LoRA: load the policy's adapter unless the engine lists it (a restart drops them all)."""
+        name, version = self.policy.adapter, self.policy.weight_version
+        if name is None:
+            return
+        if name not in await self.client.loaded_adapters():
+            log.warning("%s engine does not hold adapter %s: loading %s", self.name, name, self.policy.weights_dir)
+            await self.client.load_adapter(name, self.policy.weights_dir, self.cfg.learner.publish_timeout)
+        self.adapter_version = version
 
     def mark_unreachable(self) -> None:
         """A request found the engine gone before the watcher did."""

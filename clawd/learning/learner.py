@@ -36,6 +36,7 @@ from typing import Callable
 
 from clawd.config import LearnerConfig
 from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
+from clawd.engine.lora import Adapters, adapter_name
 from clawd.engine.replicas import Replicas
 from clawd.served import Policy
 from clawd.learning import controls
@@ -45,7 +46,7 @@ from clawd.pauses import DISK, NON_FINITE, Pauses, describe
 from clawd.samples import Sample
 from clawd.trainer.link import HandlerError, TrainerError, TrainerSupervisor
 from clawd.trainer.wire import Trained
-from clawd.weights import checkpointed_samples, version_dir
+from clawd.weights import checkpointed_samples, is_published, version_dir
 
 log = logging.getLogger("clawd.learner")
 
@@ -87,11 +88,21 @@ class Publisher:
     out of rotation until its supervisor has moved it onto the policy's weights, provided another replica
     confirmed. If none did, the publish fails as a whole and is retried, as with one engine."""
 
-    def __init__(self, engine: EngineClient | Replicas, timeout: float, ready: asyncio.Event | None = None):
+    def __init__(self, engine: EngineClient | Replicas, timeout: float, ready: asyncio.Event | None = None,
+                 adapters: Adapters | None = None):
         self.replicas = engine if isinstance(engine, Replicas) else None
         self.engine = None if isinstance(engine, Replicas) else engine
         self.timeout = timeout
         self.ready = ready  # the engine supervisor's: set while the engine is up and on the published weights
+        self.adapters = adapters  # LoRA mode: a publish loads an adapter beside the base (clawd.engine.lora)
+
+    def adapter_of(self, version: int) -> str | None:
+        """The adapter name version's requests carry; None for full weights."""
+        return None if self.adapters is None else adapter_name(version)
+
+    def retire(self, adapter: str | None) -> None:
+        if self.adapters is not None:
+            self.adapters.retire(adapter, range(len(self.replicas) if self.replicas is not None else 1))
 
     async def publish(self, weights_dir: str, version: int) -> float:
         """Returns the seconds the engine's intake was held (pause to continue; the longest of the replicas')."""
@@ -122,7 +133,10 @@ class Publisher:
                         continue
                     finally:
                         replicas.counts[i].draining = False
-                    sup.info = {**sup.info, "weight_version": str(version)}
+                    if self.adapters is not None:
+                        sup.adapter_version = str(version)
+                    else:
+                        sup.info = {**sup.info, "weight_version": str(version)}
                     done.add(i)
         if not done:
             raise next(iter(failed.values()), None) or EngineUnavailable("no policy replica is ready")
@@ -145,6 +159,9 @@ class Publisher:
 
     async def _swap(self, engine: EngineClient, weights_dir: str, version: int) -> float:
         """One engine onto `weights_dir`; the seconds its intake was held."""
+        if self.adapters is not None:  # beside the old adapter: nothing paused, running requests keep theirs
+            await engine.load_adapter(adapter_name(version), weights_dir, self.timeout)
+            return 0.0
         # Retract parks running requests (they resume on the new weights); nothing is refused. Continue is
         # sent whatever happened, a failed pause included: a pause that failed on our side may have
         # happened on the engine's, and a paused engine holds every chat. (The supervisor also sends it
@@ -247,7 +264,7 @@ class Learner:
             self._unpublished = None
             if ready.weights_version != self.policy.version:
                 path = version_dir(self.state_dir, ready.weights_version)
-                if ready.weights_version > self.policy.version and (path / "config.json").is_file():
+                if ready.weights_version > self.policy.version and is_published(path):
                     self._unpublished = (str(path), ready.weights_version)
                 else:  # older (checkpoint_every > 1) or rotated out: the same weights, a new number
                     version = self._next_version()
@@ -408,7 +425,7 @@ class Learner:
         version = (trained.state or {}).get("weights_version")
         if trained.weights_dir is None and version is not None and version > self.policy.version:
             path = version_dir(self.state_dir, version)
-            if (path / "config.json").is_file():
+            if is_published(path):
                 self._unpublished = (str(path), version)
 
     async def _publish(self, weights_dir: str, version: int) -> bool:
@@ -424,10 +441,13 @@ class Learner:
         self.stats.last_intake_held_seconds = held
         if self.on_publish is not None:
             self.on_publish(self.stats.last_publish_seconds, held)
+        retired = self.policy.adapter
         self.policy.version = version
         self.policy.weight_version = str(version)
         self.policy.weights_dir = weights_dir
+        self.policy.adapter = self.publisher.adapter_of(version)
         self.policy.published_at = time.time()
+        self.publisher.retire(retired)  # unloaded once the requests that carry it are done
         log.info("published v%d in %.2fs, intake held %.3fs (%s)", version, self.stats.last_publish_seconds, held,
                  weights_dir)
         return True

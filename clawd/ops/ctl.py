@@ -2,7 +2,8 @@
 
 Exit status: 0 ok, 1 error (an error reply, bad usage, a malformed reply), 3 clawd is
 not running (no socket file, or nobody listening on it). Kept light: stdlib and
-clawd.config only, so it answers instantly.
+clawd.config only, so it answers instantly; `export-model` alone (offline, clawd.ops.export)
+imports torch, when it runs.
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def call(path: Path, request: dict, timeout: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     prog = "clawctl"
+    if args.cmd == "export-model":
+        return _export_model(args)
     try:
         path = find_socket(args.socket, args.config)
     except ConfigError as exc:
@@ -111,17 +114,36 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
+def _export_model(args) -> int:
+    """Offline: reads the config's state directory, needs no running clawd (clawd.ops.export)."""
+    from clawd.ops.export import ExportError, export_model
+
+    try:
+        config = args.config or os.environ.get("CLAWD_CONFIG") or (
+            SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else Path("etc/clawd.toml"))
+        dest = export_model(load_config(config), args.version, Path(args.dir))
+    except (ConfigError, ExportError, OSError, ValueError) as exc:
+        print(f"clawctl: export-model: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(json.dumps({"version": args.version, "path": str(dest)}) if args.json else f"v{args.version} exported to {dest}")
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="clawctl", description="Control a running clawd.")
     _common(parser, top=True)
-    commands = parser.add_subparsers(dest="cmd", required=True, metavar="{pause,resume,status}",
+    commands = parser.add_subparsers(dest="cmd", required=True, metavar="{pause,resume,status,export-model}",
                                      parser_class=_Parser)
     pause = commands.add_parser("pause", help="stop learning (serving continues)")
     pause.add_argument("--serving", action="store_true", help="also refuse new chat requests (503) until resume")
     pause.add_argument("--reason", help="why, shown by status")
     resume = commands.add_parser("resume", help="resume learning and serving")
     status = commands.add_parser("status", help="a summary of what clawd is doing")
-    for sub in (pause, resume, status):
+    export = commands.add_parser("export-model", help="write a published version as a full Hugging Face model "
+                                 "(LoRA: merged into the base)")
+    export.add_argument("version", type=int, help="the version number, as status shows it")
+    export.add_argument("dir", help="where to write it (must not exist)")
+    for sub in (pause, resume, status, export):
         _common(sub, top=False)
     return parser
 
@@ -209,7 +231,8 @@ def format_status(snapshot: dict, now: float | None = None) -> str:
     section("clawd", ("pid", snapshot.get("pid", "?")), ("up", "?" if uptime is None else human_age(uptime)),
             ("mode", f"{snapshot.get('mode', '?')} (judge {snapshot.get('judge', '?')})"), ("paused", state))
     policy = get("policy")
-    section("policy", ("version", f"{policy.get('version', '?')} (weights {policy.get('weight_version', '?')})"),
+    served = f"adapter {policy['adapter']}" if policy.get("adapter") else f"weights {policy.get('weight_version', '?')}"
+    section("policy", ("version", f"{policy.get('version', '?')} ({served})"),
             ("published", ago(policy.get("published_at"))), ("weights", policy.get("weights") or "base model"))
     q = get("queue")
     section("queue", ("waiting", f"{q.get('waiting', '?')} ({q.get('in_flight', 0)} in flight)"),

@@ -30,6 +30,7 @@ from clawd.config import Config
 from clawd.serving.connections import note_hangup
 from clawd.serving.detokenize import IncrementalDetokenizer
 from clawd.engine.client import NEUTRAL_SAMPLING, Chunk, EngineError, EngineUnavailable
+from clawd.engine.lora import Adapters
 from clawd.engine.replicas import Attempt, Replicas
 from clawd.serving.errors import ApiError, bad_request
 from clawd.serving.parsers import Content, Reasoning, ToolCall, make_parser
@@ -85,8 +86,9 @@ class _SessionLocks:
 class ChatService:
     def __init__(self, cfg: Config, tokenizer: ChatTokenizer, replicas: Replicas, sessions: SessionTable,
                  on_finished: Callable[[FinishedTurn], None], policy: Policy,
-                 spawn: Callable[[Any], Any]):
+                 spawn: Callable[[Any], Any], adapters: Adapters | None = None):
         self.cfg = cfg
+        self.adapters = adapters  # LoRA mode: the policy's adapter, named in each request and counted while used
         self.tok = tokenizer
         self.replicas = replicas
         self.sessions = sessions
@@ -181,10 +183,25 @@ class ChatService:
                            retry_after=2)
         rid = uuid.uuid4().hex
         payload = {"input_ids": prompt_ids, "rid": rid, "sampling_params": params, "return_logprob": True}
-        if not main:
-            self.stats.side_turns += 1
-            return await self._serve(req, request, payload, rid, prompt_ids, None, started, release)
+        # LoRA: the adapter is fixed here, so the reply's version is known whichever replica serves it.
+        served_as = self.policy.weight_version
+        adapter = self.adapters.begin() if self.adapters is not None else None
+        if adapter is not None:
+            payload["lora_path"] = adapter
+        try:
+            if not main:
+                self.stats.side_turns += 1
+                return await self._serve(req, request, payload, rid, prompt_ids, None, started, release,
+                                         served_as if adapter else None)
+            return await self._main_turn(req, request, payload, rid, prompt_ids, principal, temperature, excluded,
+                                         started, release, served_as if adapter else None)
+        finally:
+            if self.adapters is not None:
+                self.adapters.end(adapter)
 
+    async def _main_turn(self, req: ChatRequest, request: web.Request, payload: dict, rid: str,
+                         prompt_ids: list[int], principal: str, temperature: float, excluded: str | None,
+                         started: float, release: Callable[[], None], served_as: str | None) -> web.StreamResponse:
         lock_key = (principal, req.session_id) if req.session_id is not None else None
         if lock_key:
             await self._locks.acquire(lock_key)
@@ -193,15 +210,16 @@ class ChatService:
             self._finish(admission.finished)
             capture = _Capture(admission=admission, principal=principal, temperature=temperature,
                                excluded=excluded, version=self.policy.version, req=req)
-            return await self._serve(req, request, payload, rid, prompt_ids, capture, started, release)
+            return await self._serve(req, request, payload, rid, prompt_ids, capture, started, release, served_as)
         finally:
             if lock_key:
                 self._locks.release(lock_key)
 
     async def _serve(self, req: ChatRequest, request: web.Request, payload: dict, rid: str,
                      prompt_ids: list[int], capture: "_Capture | None", started: float,
-                     release: Callable[[], None]) -> web.StreamResponse:
+                     release: Callable[[], None], served_as: str | None = None) -> web.StreamResponse:
         out = _Output(self, req, rid)
+        out.served_as = served_as
         route = Attempt(self.replicas, sessions=self.sessions.homed(len(self.replicas)))
         if capture:
             route.home = self.sessions.replica_of(capture.admission)
@@ -448,11 +466,15 @@ class _Output:
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
         self.failed = False
+        self.served_as: str | None = None  # LoRA: the version of the adapter the request carried
 
     @property
     def weight_version(self) -> str | None:
         """The weight version of the replica that produced the reply: its own word when it gave one (SGLang's
-        meta_info.weight_version, the last token's), else what that replica last reported."""
+        meta_info.weight_version, the last token's), else what that replica last reported. In LoRA mode the
+        adapter's version, which the request named (the engine's own stays the base's)."""
+        if self.served_as is not None:
+            return self.served_as
         served = self.meta.get("weight_version")
         if served is None and self.route is not None and self.route.replica is not None:
             served = self.replicas.version(self.route.replica)

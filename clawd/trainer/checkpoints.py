@@ -69,12 +69,18 @@ def _write_published(model, model_dir: Path, dest: Path, dtype: str, state_dict:
             config.dtype = dtype
             config.save_pretrained(tmp)
         faults.point("trainer.publish.mid")
-        for src in sorted(model_dir.iterdir()):
-            if (src.is_file() and not src.name.startswith(".") and not (tmp / src.name).exists()
-                    and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json")):
-                shutil.copy2(src, tmp / src.name)
+        copy_model_files(model_dir, tmp)
 
     return atomic_dir(dest, write)
+
+
+def copy_model_files(model_dir: Path, dest: Path) -> None:
+    """The files of model_dir that are not weights (the tokenizer's, chat template, ...) into dest, where
+    dest has no file of that name yet."""
+    for src in sorted(Path(model_dir).iterdir()):
+        if (src.is_file() and not src.name.startswith(".") and not (dest / src.name).exists()
+                and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json")):
+            shutil.copy2(src, dest / src.name)
 
 
 def gathered_state_dict(model, dtype: torch.dtype, world) -> dict[str, torch.Tensor]:
@@ -131,10 +137,11 @@ def publish_bytes(model, model_dir: Path, dtype: str) -> int:
     return tensors + files
 
 
-def checkpoint_bytes(model, optimizer) -> int:
-    """About what `save_checkpoint` writes: the master weights (DCP stores tied ones under each name)
-    and the optimizer's state tensors."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+def checkpoint_bytes(model, optimizer, lora: bool = False) -> int:
+    """About what `save_checkpoint` writes: the master weights (DCP stores tied ones under each name), only
+    the trainable ones with LoRA, and the optimizer's state tensors."""
+    tensors = [p for p in model.parameters() if p.requires_grad] if lora else model.state_dict().values()
+    weights = sum(t.numel() * t.element_size() for t in tensors)
     state = sum(v.numel() * v.element_size() for per in optimizer.state.values() for v in per.values()
                 if isinstance(v, torch.Tensor))
     return weights + state
@@ -165,13 +172,11 @@ def save_checkpoint(checkpoints_dir: Path, model, optimizer, state: dict[str, An
     """A new ckpt-N: the model, the optimizer, every rank's RNG state and `state` (the trainer's
     counters, JSON-serialisable) in state.json; then only the newest CHECKPOINTS_KEPT complete
     ones are kept. In a world every rank calls it; rank 0 names the directory and finishes it."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     np_state, py_state = np.random.get_state(), random.getstate()
     state = {"format": CHECKPOINT_FORMAT, **state, "world_size": 1 if world is None else world.size,
              "python_rng": [py_state[0], list(py_state[1]), py_state[2]],
              "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer, state.get("lora"))
     rank = 0 if world is None else world.rank
 
     def shards(tmp: Path) -> None:  # every rank
@@ -258,22 +263,46 @@ def _rng_state() -> dict:
     return rng
 
 
+def _options(lora: dict | None):
+    """LoRA: the frozen base is the model directory's, so a checkpoint holds only the adapters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=lora is not None, strict=lora is None)
+
+
+def _state_dicts(model, optimizer, lora: dict | None) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts as DCP saves and loads them; with LoRA the model's holds
+    the trainable tensors alone (torch's ignore_frozen_params keeps a tied output layer, frozen as it is)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora))
+    if lora is not None:
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
+    return model_sd, optim_sd
+
+
 def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
     """The newest checkpoint with its `complete` marker, or None."""
     complete = complete_checkpoints(checkpoints_dir)
     return complete[-1] if complete else None
 
 
-def load_checkpoint(path: Path, model, optimizer, device: torch.device, world=None, seed: int = 0) -> dict[str, Any]:
+def load_checkpoint(path: Path, model, optimizer, device: torch.device, world=None, seed: int = 0,
+                    lora: dict | None = None) -> dict[str, Any]:
     """Restore the model, the optimizer and the RNGs from the checkpoint at path, whatever world size
     wrote it; its state.json. RNG states are per rank: they are restored when the world size is the
     writer's, and otherwise every rank is seeded from (seed, step, rank). The step draws no random
-    number (dropout is off, nothing is sampled), so what it computes does not depend on them."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    number (dropout is off, nothing is sampled), so what it computes does not depend on them.
+    `lora`: the trainer's adapter shape (None: a full fine-tune); a checkpoint of another is refused."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     state = json.loads((path / "state.json").read_text())
     if state["format"] not in (1, CHECKPOINT_FORMAT):
         raise ValueError(f"{path}: checkpoint format {state['format']} is not 1 or {CHECKPOINT_FORMAT}")
+    if state.get("lora") != lora:
+        raise ValueError(f"{path} was written by a trainer with LoRA {state.get('lora') or 'off'}, this one has "
+                         f"{lora or 'LoRA off'}: move {path.parent} aside to train from the base model again")
     size, rank = (1, 0) if world is None else (world.size, world.rank)
     if state["format"] == 1:
         model_sd, optim_sd = _format1_state(path, model, optimizer)
@@ -281,11 +310,12 @@ def load_checkpoint(path: Path, model, optimizer, device: torch.device, world=No
                        options=StateDictOptions(full_state_dict=True, strict=False))
         rng_file = path / "rng.pt"
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _state_dicts(model, optimizer, lora)
         box = {"model": model_sd, "optim": optim_sd}
         with _alone_is_meant(world):
             dcp.load(box, checkpoint_id=str(path / "dcp"), no_dist=world is None)
-        set_state_dict(model, optimizer, model_state_dict=box["model"], optim_state_dict=box["optim"])
+        set_state_dict(model, optimizer, model_state_dict=box["model"], optim_state_dict=box["optim"],
+                       options=_options(lora))
         rng_file = path / f"rng-{rank}.pt"
     if state.get("world_size", 1) == size and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)

@@ -4,18 +4,7 @@ Runs in the trainer process only (it imports torch and transformers); `clawd.tra
 calls it with decoded `Sample`s. Plain Python in, plain Python out. Publishing and checkpoints
 are `clawd.trainer.checkpoints`; the settings are `clawd.train_config.TrainConfig`.
 
-Packing. Samples are sorted by length and grouped greedily into micro-batches whose padded size
-(rows × longest input) stays within `micro_batch_tokens` and is at most a quarter padding; rows are right-padded and no attention
-mask is passed. With right padding the causal mask alone keeps every real token from seeing a
-pad (pads come after it), so a row's logits are those of the sample forwarded alone, up to
-float rounding (matmul shapes differ: ~3e-7 on the tiny model's logits with sdpa on CPU). This
-works with sdpa, eager and flash kernels alike, needs no 4-D mask (an [L, L] block-diagonal mask
-costs memory quadratic in the whole pack) and, sorted by length, wastes little padding.
-Logits are computed only at the response positions: the decoder's last hidden states are
-gathered there and only those go through the output layer, so memory scales with response
-tokens, not with prompt tokens × vocabulary. Even those never exist whole: `losses.head_logprobs`
-runs the output layer and the log-softmax a chunk of positions at a time and recomputes a chunk's
-logits in the backward (a [b, R, V] float32 tensor is 0.6 MB a position at Qwen's vocabulary).
+Packing and the micro-batch tensors are `clawd.trainer.batches`.
 
 One step (ppo_epochs = 1): per micro-batch, forward → log-probs at each sample's temperature →
 advantages → `losses.total_loss_terms` with the whole batch's normaliser → backward; then the
@@ -48,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +46,8 @@ import torch
 from clawd import faults
 from clawd.train_config import TrainConfig
 from clawd.samples import MODES, Sample
-from clawd.trainer import checkpoints, losses, sharding
+from clawd.trainer import adapters, checkpoints, losses, sharding
+from clawd.trainer.batches import MicroBatch, micro_batch, pack
 from clawd.trainer.sharding import World
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
 
@@ -72,80 +62,6 @@ class StepFailed(RuntimeError):
     """The step raised after it began changing state: the model is in an unknown state, and the trainer
     process must be restarted from its last checkpoint."""
     fatal = True
-
-
-# --- packing (pure) --------------------------------------------------------------------------
-
-def pack(lengths: list[int], budget: int, max_padding: float = 0.25) -> list[list[int]]:
-    """Group sample indices into micro-batches of similar length: sorted by length (ties by
-    index), each group grown while rows × longest length stays within `budget` and padding stays
-    within `max_padding` of that size (a long sample joining short ones pads every one of them:
-    a skewed batch at a large budget was 57% padding without this bound). A sample longer than
-    the budget goes alone. Deterministic: the same lengths always give the same groups."""
-    groups: list[list[int]] = []
-    real = 0  # tokens of the open group
-    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        n = lengths[i]
-        padded = (len(groups[-1]) + 1) * n if groups else 0  # ascending: i is the longest
-        if groups and padded <= budget and real + n >= (1 - max_padding) * padded:
-            groups[-1].append(i)
-            real += n
-        else:
-            groups.append([i])
-            real = n
-    return groups
-
-
-@dataclass
-class _MicroBatch:
-    """Right-padded tensors for a group of samples; per-token tensors are [b, R] over responses."""
-    rows: list[int]               # indices into the step's sample list
-    input_ids: torch.Tensor       # [b, L]: tokens[:-1], right-padded with 0
-    positions: torch.Tensor       # [b, R]: where in the input the logits score each response token
-    targets: torch.Tensor         # [b, R]: the response ids (0 on padding)
-    mask: torch.Tensor            # [b, R]: loss_mask (0 on padding)
-    temperature: torch.Tensor     # [b]
-    reward: torch.Tensor          # [b]
-    has_hint: torch.Tensor        # [b] bool
-    lp_rollout: torch.Tensor      # [b, R]
-    teacher_lp: torch.Tensor      # [b, R], 0 where there is no hint
-    tokens: int                   # real input tokens (no padding)
-    keep: torch.Tensor            # flat indices into [b, R] of the loss tokens (mask 1), built on the host
-    needs_t1: bool                # a hinted row sampled at T != 1: the OPD term needs log-probs at T = 1
-    old: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)  # (lp_old, lp_old_t1) when ppo_epochs > 1
-
-
-def _micro_batch(samples: list[Sample], rows: list[int], device: torch.device) -> _MicroBatch:
-    group = [samples[i] for i in rows]
-    L = max(len(s.tokens) - 1 for s in group)
-    R = max(s.response_length for s in group)
-    b = len(group)
-    input_ids = torch.zeros(b, L, dtype=torch.long)
-    positions = torch.zeros(b, R, dtype=torch.long)
-    targets = torch.zeros(b, R, dtype=torch.long)
-    mask = torch.zeros(b, R)
-    lp_rollout = torch.zeros(b, R)
-    teacher_lp = torch.zeros(b, R)
-    for r, s in enumerate(group):
-        n, p = s.response_length, len(s.tokens) - s.response_length
-        input_ids[r, :len(s.tokens) - 1] = torch.tensor(s.tokens[:-1])
-        positions[r, :n] = torch.arange(p - 1, p - 1 + n)  # logits at i score token i + 1
-        positions[r, n:] = p - 1                           # padding: any valid position
-        targets[r, :n] = torch.tensor(s.response_ids)
-        mask[r, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        lp_rollout[r, :n] = torch.tensor(s.rollout_logprobs)
-        if s.has_hint:
-            teacher_lp[r, :n] = torch.tensor(s.teacher_logprobs)
-    to = lambda x: x.to(device)
-    return _MicroBatch(
-        rows=rows, input_ids=to(input_ids), positions=to(positions), targets=to(targets), mask=to(mask),
-        temperature=to(torch.tensor([s.temperature for s in group])),
-        reward=to(torch.tensor([s.reward for s in group])),
-        has_hint=to(torch.tensor([s.has_hint for s in group])),
-        lp_rollout=to(lp_rollout), teacher_lp=to(teacher_lp),
-        tokens=sum(len(s.tokens) - 1 for s in group),
-        keep=to(mask.flatten().nonzero()[:, 0]),  # indexing by it later needs no device sync
-        needs_t1=any(s.has_hint and s.temperature != 1 for s in group))
 
 
 # --- the trainer -----------------------------------------------------------------------------
@@ -204,9 +120,14 @@ class Trainer:
             torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device)
 
         def load() -> _Scorer:
-            # sdpa named: with no attention mask it runs the causal flash kernel on CUDA.
-            m = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32,
+            # sdpa named: with no attention mask it runs the causal flash kernel on CUDA. A LoRA base is
+            # frozen: bf16 on CUDA (no float32 master copy to keep), float32 on CPU as the CPU engine serves it.
+            base_dtype = torch.bfloat16 if cfg.lora and cuda else torch.float32
+            m = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=base_dtype,
                                                      attn_implementation="sdpa").eval()  # dropout off
+            if cfg.lora:  # the adapters' random init from the seed: every rank and every run the same
+                torch.manual_seed(cfg.seed)
+                m = adapters.wrap(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
             scorer = _Scorer(m, self._autocast)
             if world is None:
                 return scorer.to(self.device)
@@ -218,10 +139,10 @@ class Trainer:
             if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
                 raise NotImplementedError(f"models with {attr} are not supported by the trainer's logit path")
         self.ref_scorer = None
-        if cfg.kl_loss_coef > 0:  # the frozen initial policy, only for the KL term
+        if cfg.kl_loss_coef > 0 and not cfg.lora:  # the frozen initial policy, only for the KL term (LoRA: the base)
             self.ref_scorer = load().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay, fused=True if cuda else None)
         # The logits' dtype (what autocast gives on CUDA) and positions per output-layer chunk.
         self.compute_dtype = torch.bfloat16 if cuda else None
@@ -246,37 +167,48 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, scorer: _Scorer, mb: _MicroBatch, temperature: float | torch.Tensor, with_t1: bool = False):
+    def _forward(self, scorer: _Scorer, mb: MicroBatch, temperature: float | torch.Tensor, with_t1: bool = False):
         """(log-probs at temperature, entropy, log-probs at T = 1 or None), each [b, R] (`_Scorer`)."""
         return scorer(mb.input_ids, mb.positions, mb.targets, temperature, with_t1, self.head_chunk_tokens,
                       self.compute_dtype)
 
-    def _micro_batches(self, samples: list[Sample], share: bool = False) -> list[_MicroBatch]:
+    def _micro_batches(self, samples: list[Sample], share: bool = False) -> list[MicroBatch]:
         """The batch packed into micro-batches; with `share`, in a world, this rank's share of it
         (`sharding.split_by_tokens`), with empty ones added so that every rank runs as many."""
         lengths = [len(s.tokens) - 1 for s in samples]
         if not share or self.world is None:
-            return [_micro_batch(samples, rows, self.device) for rows in pack(lengths, self.cfg.micro_batch_tokens)]
+            return [micro_batch(samples, rows, self.device) for rows in pack(lengths, self.cfg.micro_batch_tokens)]
         packs = [[[rows[i] for i in g] for g in pack([lengths[j] for j in rows], self.cfg.micro_batch_tokens)]
                  for rows in sharding.split_by_tokens(lengths, self.world.size)]
-        mine = [_micro_batch(samples, rows, self.device) for rows in packs[self.world.rank]]
+        mine = [micro_batch(samples, rows, self.device) for rows in packs[self.world.rank]]
         pad = [sharding.empty_row()]
-        return mine + [_micro_batch(pad, [0], self.device) for _ in range(max(map(len, packs)) - len(mine))]
+        return mine + [micro_batch(pad, [0], self.device) for _ in range(max(map(len, packs)) - len(mine))]
 
     @torch.no_grad()
-    def logprobs(self, samples: list[Sample], temperature: float | None = None) -> list[list[float]]:
-        """Each sample's response-token log-probs under the current weights, through the packed
-        path, at the sample's own temperature (or `temperature`)."""
+    def _reference_forward(self, mb: MicroBatch, temperature) -> torch.Tensor:
+        """Log-probs under the frozen reference: the base with the adapters off (LoRA), else the initial copy."""
+        if self.cfg.lora:
+            with adapters.disabled(self.model):
+                return self._forward(self.scorer, mb, temperature)[0]
+        if self.ref_scorer is None:
+            raise RuntimeError("no reference model: it is loaded only with kl_loss_coef > 0 or in LoRA mode")
+        return self._forward(self.ref_scorer, mb, temperature)[0]
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample], temperature: float | None = None,
+                 reference: bool = False) -> list[list[float]]:
+        """Each sample's response-token log-probs under the current weights (or the reference's), through
+        the packed path, at the sample's own temperature (or `temperature`)."""
         out: list[list[float]] = [[] for _ in samples]
         for mb in self._micro_batches(samples):
             t = mb.temperature if temperature is None else temperature
-            lp = self._forward(self.scorer, mb, t)[0].float().cpu()
+            lp = (self._reference_forward(mb, t) if reference else self._forward(self.scorer, mb, t)[0]).float().cpu()
             for r, i in enumerate(mb.rows):
                 out[i] = lp[r, :samples[i].response_length].tolist()
         return out
 
     @torch.no_grad()
-    def _fix_old(self, mb: _MicroBatch) -> None:
+    def _fix_old(self, mb: MicroBatch) -> None:
         """ppo_epochs > 1: lp_old at T and at 1 from a no-grad pass before any update."""
         lp, _, lp_t1 = self._forward(self.scorer, mb, mb.temperature, with_t1=mb.needs_t1)
         mb.old = (lp, lp if lp_t1 is None else lp_t1)  # at T = 1 they are the same numbers
@@ -317,18 +249,18 @@ class Trainer:
         self.step += 1
         metrics.update(step=self.step, epochs=epoch + 1, samples=len(samples), reward_baseline=baseline,
                        **self._token_counts(mbs),
-                       micro_batches=len(mbs), lr=cfg.lr, skipped_total=self.skipped_steps,
+                       micro_batches=len(mbs), lr=cfg.learning_rate, skipped_total=self.skipped_steps,
                        paused=self.paused, pause_reason=self.pause_reason,
                        seconds=time.monotonic() - t0)
         return metrics
 
-    def _token_counts(self, mbs: list[_MicroBatch]) -> dict[str, int]:
+    def _token_counts(self, mbs: list[MicroBatch]) -> dict[str, int]:
         counts = (sum(mb.tokens for mb in mbs), sum(mb.input_ids.numel() for mb in mbs))
         if self.world is not None:  # every rank's forwards, the empty ones counted as padding
             counts = tuple(map(sum, zip(*self.world.gather(counts))))
         return {"forward_tokens": counts[0], "padded_tokens": counts[1]}
 
-    def _epoch(self, mbs: list[_MicroBatch], mode: str, norm: float, baseline: float = 0.0) -> dict[str, Any]:
+    def _epoch(self, mbs: list[MicroBatch], mode: str, norm: float, baseline: float = 0.0) -> dict[str, Any]:
         """Forward and backward every micro-batch, then one optimizer step (or a skip)."""
         cfg = self.cfg
         kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap)
@@ -351,9 +283,8 @@ class Trainer:
             if not cfg.entropy_coef:
                 ent = ent.detach()  # a metric only: no gradient through it
             lp_ref = None
-            if self.ref_scorer is not None:
-                with torch.no_grad():
-                    lp_ref = self._forward(self.ref_scorer, mb, mb.temperature)[0]
+            if cfg.kl_loss_coef > 0:
+                lp_ref = self._reference_forward(mb, mb.temperature)
             loss, mb_parts = losses.total_loss_terms(
                 lp_new, lp_old, mb.lp_rollout, adv, mb.mask, aggregation=cfg.aggregation, normaliser=norm,
                 lp_ref=lp_ref, kl_coef=cfg.kl_loss_coef, entropy=ent, entropy_coef=cfg.entropy_coef, **kw)
@@ -414,12 +345,16 @@ class Trainer:
             raise ValueError(f"version {version!r} must be an integer above the last one, {self.version}")
         def room() -> None:
             self.weights_dir.mkdir(parents=True, exist_ok=True)
-            check_free(self.weights_dir, checkpoints.publish_bytes(self.model, self.model_dir, self.publish_dtype),
-                       self.min_free_bytes, f"v{version:06d}")
+            size = (adapters.adapter_bytes(self.model, self.publish_dtype) if self.cfg.lora else
+                    checkpoints.publish_bytes(self.model, self.model_dir, self.publish_dtype))
+            check_free(self.weights_dir, size, self.min_free_bytes, f"v{version:06d}")
 
         self._on_writer(room)
-        dest = checkpoints.publish_weights(self.model, self.model_dir, version_dir(self.state_dir, version),
-                                           self.publish_dtype, world=self.world)
+        if self.cfg.lora:  # a PEFT adapter directory: the engine keeps the base and loads it beside
+            dest = adapters.publish(self.model, version_dir(self.state_dir, version), self.publish_dtype, self.world)
+        else:
+            dest = checkpoints.publish_weights(self.model, self.model_dir, version_dir(self.state_dir, version),
+                                               self.publish_dtype, world=self.world)
         self.version = self.weights_version = version
         self.unpublished = False
         self._publishes_since_checkpoint += 1
@@ -446,20 +381,27 @@ class Trainer:
                                f"say they are v{self.weights_version}")
         def room() -> None:
             self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-            check_free(self.checkpoints_dir, checkpoints.checkpoint_bytes(self.model, self.optimizer),
+            check_free(self.checkpoints_dir, checkpoints.checkpoint_bytes(self.model, self.optimizer, self.cfg.lora),
                        self.min_free_bytes, f"checkpoint of step {self.step}")
 
         self._on_writer(room)
         state = {"step": self.step, "version": self.weights_version, "newest_version": self.version,
                  "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                  "paused": self.paused, "pause_reason": self.pause_reason,
-                 "journal_position": journal_position, "created": time.time(), "config": asdict(self.cfg)}
+                 "journal_position": journal_position, "created": time.time(), "config": asdict(self.cfg),
+                 "lora": self._lora_shape}
         dest = checkpoints.save_checkpoint(self.checkpoints_dir, self.model, self.optimizer, state, self.world)
         self.journal_position = journal_position
         self._publishes_since_checkpoint = 0
         self._checkpointed_version = self.weights_version
         self.checkpoint_step = self.step
         return dest
+
+    @property
+    def _lora_shape(self) -> dict | None:
+        """What a checkpoint's adapters must match to be loaded here (None: a full fine-tune's)."""
+        c = self.cfg
+        return {"rank": c.lora_rank, "alpha": c.lora_alpha, "targets": list(c.lora_target_modules)} if c.lora else None
 
     def resume(self) -> Any:
         """Restore the newest complete checkpoint (model, optimizer, counters, RNG states) and
@@ -478,7 +420,7 @@ class Trainer:
             self.paused, self.pause_reason, self.journal_position = False, None, None
         else:
             state = checkpoints.load_checkpoint(path, self.model, self.optimizer, self.device, self.world,
-                                                seed=self.cfg.seed)
+                                                seed=self.cfg.seed, lora=self._lora_shape)
             self.step = state["step"]
             self.skipped_steps = state["skipped_steps"]
             self.consecutive_skips = state["consecutive_skips"]

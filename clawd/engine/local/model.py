@@ -17,7 +17,11 @@ class WeightLoadError(Exception):
 
 
 def _model_kind(model) -> tuple:
-    return type(model), {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    """Class and tensor shapes of the base model. LoRA adapters (adapters.py) live inside the served
+    model's layers while loaded: their tensors are left out and the wrapped weights keep their names."""
+    shapes = {k.replace(".base_layer.", "."): tuple(v.shape) for k, v in model.state_dict().items()
+              if ".lora_" not in k}
+    return type(model), shapes
 
 
 def load_model(path: str, like=None):

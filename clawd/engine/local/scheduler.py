@@ -9,6 +9,8 @@ and join it at a step boundary while there is room (continuous batching).
 Weight updates are applied between batches: a pending update lets the running
 batch drain, and requests arriving meanwhile wait for the new weights. Pauses
 follow SGLang's three modes: abort, retract, in_place (docs/ARCHITECTURE.md §10).
+A request may name a LoRA adapter (adapters.py): rows of different adapters and
+base rows share a batch, up to --max-loras-per-batch kinds of rows.
 As in SGLang, `SGLANG_REQ_WAITING_TIMEOUT` (seconds; unset or <= 0: off) aborts,
 with status 503, a request left waiting for room in the batch that long.
 """
@@ -22,13 +24,14 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 
 from clawd import faults
+from clawd.engine.local.adapters import Adapters
 from clawd.engine.local.model import Batch, WeightLoadError, load_model
 from clawd.engine.local.sampling import pick_token, prompt_logprobs
+from clawd.engine.local.sequences import Cursor, Group, Req
 from clawd.engine.local.wire import GenerateItem, RequestError, SamplingParams, fit_to_context
 
 log = logging.getLogger("clawd.engine.cpu")  # the engine's log namespace, as operators (and bench/swap.py) know it
@@ -39,68 +42,6 @@ ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
 TIMED_OUT = {"type": "abort", "status_code": 503, "message": "Request waiting timeout reached."}
 WAITING_TIMEOUT_ENV = "SGLANG_REQ_WAITING_TIMEOUT"
-
-
-class Group:
-    """The sequences of one HTTP request and the queue its handler reads events from."""
-
-    def __init__(self, stream: bool):
-        self.stream = stream
-        self.reqs: list[Req] = []
-        # (index, tokens so far, final): one per streamed token, and one final per sequence
-        self.events: asyncio.Queue[tuple[int, int, bool]] = asyncio.Queue()
-
-
-class Req:
-    """One sequence: its validated request, its progress, and where to report it."""
-
-    def __init__(self, item: GenerateItem, group: Group, index: int, seed: int):
-        self.item = item
-        self.params = item.params
-        self.rid = item.rid
-        self.prompt = list(item.prompt)
-        self.group, self.index = group, index
-        self.generator = torch.Generator().manual_seed(seed % 2**64)  # any int seed is valid
-        self.t0 = time.perf_counter()
-        self.queued_at = time.monotonic()  # since when it waits for room in the batch
-        self.output_ids: list[int] = []
-        self.output_logprobs: list[float] = []
-        self.input_logprobs: list[float | None] | None = None
-        self.versions: list[dict] = []  # SGLang's weight_versions spans over output indices
-        self.finish: dict | None = None
-        self.started = False  # has been in a batch (an abort is then "Aborted", not "in waiting queue")
-        self.abort_requested = False
-        self.num_retractions = 0
-
-    @property
-    def done(self) -> bool:
-        return self.finish is not None
-
-    @property
-    def wants_input_logprobs(self) -> bool:
-        return self.item.return_logprob and self.item.logprob_start_len >= 0 and self.input_logprobs is None
-
-    def append(self, tok: int, lp: float, version: str) -> None:
-        n = len(self.output_ids)
-        self.output_ids.append(tok)
-        self.output_logprobs.append(lp)
-        if self.versions and self.versions[-1]["version"] == version:
-            self.versions[-1]["end"] = n + 1
-        else:
-            self.versions.append({"version": version, "start": n, "end": n + 1})
-
-    def notify(self, final: bool) -> None:
-        n = len(self.output_ids)
-        if final or (self.group.stream and n % self.params.stream_interval == 0):
-            self.group.events.put_nowait((self.index, n, final))
-
-
-@dataclass
-class Cursor:
-    """What an incremental stream has already sent for one sequence."""
-    n: int = 0
-    text: str = ""
-    sent_input: bool = False
 
 
 # --------------------------------------------------------------------------
@@ -124,6 +65,7 @@ class Engine:
         self._kick = asyncio.Event()  # something changed: new work, abort, pause, update
         self.parked = asyncio.Event()  # the loop is waiting at a step boundary, not computing
         self._seeds = random.Random(args.seed)
+        self.adapters = Adapters(args)  # LoRA: names, in-flight counts, the PEFT wrapper
         timeout = float(os.environ.get(WAITING_TIMEOUT_ENV) or 0)
         self.waiting_timeout = timeout if timeout > 0 else None
 
@@ -174,11 +116,16 @@ class Engine:
             bad = [t for t in it.prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"input_ids hold {bad[0]}, outside the vocabulary [0, {self.vocab_size}).")
+            try:
+                self.adapters.check(it.lora)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
         group = Group(stream)
         for i, (it, refused) in enumerate(checked):
             seed = it.params.sampling_seed
             req = Req(it, group, i, self._seeds.getrandbits(63) if seed is None else seed)
             group.reqs.append(req)
+            self.adapters.acquire(it.lora)  # held until finish(): an unload waits for it
             if refused is not None:
                 req.started = True  # the scheduler saw it: its meta_info has the token counts
                 self.finish(req, refused)
@@ -189,6 +136,8 @@ class Engine:
         return group
 
     def finish(self, req: Req, reason: dict) -> None:
+        if req.finish is None:
+            self.adapters.release(req.item.lora)
         req.finish = reason
         self.live.pop(req.rid, None)
         req.notify(final=True)
@@ -256,7 +205,7 @@ class Engine:
     def _apply_update(self, path: str, version: str | None, fut: asyncio.Future) -> None:
         t0 = time.perf_counter()
         try:
-            model = load_model(path, like=self.model)
+            model = self.adapters.rebase(load_model(path, like=self.model))
         except Exception as exc:  # any failure is the caller's answer; the old weights keep serving
             log.warning("weight update from %s failed: %s", path, exc, exc_info=not isinstance(exc, WeightLoadError))
             result = (400, {"success": False, "num_paused_requests": 0,
@@ -302,7 +251,7 @@ class Engine:
                 await asyncio.sleep(0)
             if self.paused or self.updates or not self.waiting:
                 continue
-            members = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.args.max_batch_size))]
+            members = self.adapters.take(self.waiting, self.args.max_batch_size, [])
             try:
                 await self._run_batch(members)
             except Exception as exc:  # fail these requests, keep serving the next ones
@@ -312,10 +261,11 @@ class Engine:
                         self.finish(req, {"type": "abort", "message": f"Internal error: {exc}",
                                           "status_code": 500, "err_type": "InternalServerError"})
 
-    def _forward(self, ids, mask, pos, cache, keep: int) -> torch.Tensor:
-        with torch.inference_mode():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                             logits_to_keep=keep, **{self._cache_kw: cache})
+    def _forward(self, rows: list[Req], ids, mask, pos, cache, keep: int) -> torch.Tensor:
+        with torch.inference_mode():  # each row with its own adapter (or none)
+            out = self.adapters.forward(self.model, [r.item.lora for r in rows], input_ids=ids,
+                                        attention_mask=mask, position_ids=pos, use_cache=True,
+                                        logits_to_keep=keep, **{self._cache_kw: cache})
         return out.logits.float()
 
     async def _run_batch(self, members: list[Req]) -> None:
@@ -342,15 +292,16 @@ class Engine:
             # Continuous batching, but never past a pending update: the batch drains first.
             if batch.rows and room > 0 and self.waiting and not self.paused and not self.updates \
                     and batch.can_extend():
-                newcomers = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+                newcomers = self.adapters.take(self.waiting, room, batch.rows)
                 members.extend(newcomers)
-                batch.extend(self._prefill(newcomers))
+                if newcomers:
+                    batch.extend(self._prefill(newcomers))
             self._expire_waiting()
             if not batch.rows:
                 return
             tokens = torch.tensor([[r.output_ids[-1]] for r in batch.rows], dtype=torch.long)
             batch.mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], dim=1)
-            last = self._forward(tokens, batch.mask, batch.next_pos, batch.cache, 1)[:, -1]
+            last = self._forward(batch.rows, tokens, batch.mask, batch.next_pos, batch.cache, 1)[:, -1]
             batch.next_pos = batch.next_pos + 1
             self._sample(batch.rows, last)
 
@@ -374,7 +325,7 @@ class Engine:
         keep = max(max(1, len(seq) - r.item.logprob_start_len) if r.wants_input_logprobs else 1
                    for r, seq in zip(rows, seqs))
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, keep)
+        logits = self._forward(rows, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, keep)
         for b, (req, seq) in enumerate(zip(rows, seqs)):
             if req.wants_input_logprobs:
                 start = req.item.logprob_start_len

@@ -7,17 +7,20 @@ shapes, so clawd runs unchanged on either engine (docs/ARCHITECTURE.md §10):
     POST /abort_request             by rid prefix, or abort_all
     POST /update_weights_from_disk  swap in a same-architecture HF directory
     POST /pause_generation, /continue_generation   modes abort | retract | in_place
-    GET  /health, /health_generate, /ready, /model_info, /server_info;  GET|POST /flush_cache
+    POST /load_lora_adapter, /unload_lora_adapter  (with --enable-lora; /generate's lora_path names one)
+    GET  /health, /health_generate, /ready, /model_info, /server_info, /v1/models;  GET|POST /flush_cache
     (and SGLang's deprecated aliases /get_model_info, /get_server_info)
 
 This module is the HTTP side and the process. The package's layers, each using
 only the ones before it: wire (the request schema), sampling (token math),
-model (loading, KV cache), scheduler (requests and the batch loop), auth (API
-keys, the --config file), server.
+model (loading, KV cache), adapters (LoRA with PEFT), sequences (a request's
+state), scheduler (the queue and the batch loop), auth (API keys, the --config
+file), server.
 
     python -m clawd.engine.local --model DIR [--fd N | --host 127.0.0.1 --port P]
         [--weight-version 0] [--seed 0] [--threads N] [--max-batch-size 8]
         [--context-length N] [--incremental-streaming-output] [--config FILE.yaml]
+        [--enable-lora --max-lora-rank R --lora-target-modules M ... | all] [--max-loras-per-batch 8]
 """
 from __future__ import annotations
 
@@ -30,12 +33,14 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import torch
 from aiohttp import web
 
-from clawd.engine.local import auth
-from clawd.engine.local.scheduler import Cursor, Engine, Group
+from clawd.engine.local import adapters, auth
+from clawd.engine.local.scheduler import Engine
+from clawd.engine.local.sequences import Cursor, Group
 from clawd.engine.local.wire import BadBody, ContractError, RequestError, max_req_input_len, parse_generate
 
 log = logging.getLogger("clawd.engine.cpu")  # the engine's log namespace, as operators (and bench/swap.py) know it
@@ -213,6 +218,35 @@ async def handle_continue(request: web.Request, engine: Engine, body: dict) -> w
     return _json({"message": "Generation continued successfully.", "status": "ok"})
 
 
+def _lora_name(body: dict, *keys: str) -> list[str]:
+    values = [body.get(k) for k in keys]
+    if not all(isinstance(v, str) and v for v in values):
+        raise BadBody(" and ".join(keys) + " are required and must be non-empty strings")
+    if body.get("pinned") is not None and not isinstance(body["pinned"], bool):
+        raise BadBody("pinned must be a boolean")  # accepted and ignored: nothing here is ever evicted
+    return values
+
+
+@with_body
+async def handle_load_lora(request: web.Request, engine: Engine, body: dict) -> web.Response:
+    name, path = _lora_name(body, "lora_name", "lora_path")
+    await engine.loaded.wait()
+    try:
+        return _json(await engine.adapters.load(engine.model, name, path))
+    except adapters.AdapterError as exc:
+        return _json(engine.adapters.answer(str(exc)), 400)
+
+
+@with_body
+async def handle_unload_lora(request: web.Request, engine: Engine, body: dict) -> web.Response:
+    (name,) = _lora_name(body, "lora_name")
+    await engine.loaded.wait()
+    try:
+        return _json(await engine.adapters.unload(name))
+    except adapters.AdapterError as exc:
+        return _json(engine.adapters.answer(str(exc)), 400)
+
+
 async def handle_health(request: web.Request) -> web.Response:
     return web.Response(status=200 if request.app[ENGINE].loaded.is_set() else 503)
 
@@ -249,7 +283,21 @@ def server_info(engine: Engine) -> dict:
         "incremental_streaming_output": args.incremental_streaming_output,
         "max_total_num_tokens": context * args.max_batch_size, "max_req_input_len": max_req_input_len(context),
         "internal_states": [{}], "version": SGLANG_VERSION, "engine": "clawd-cpu",
+        "enable_lora": args.enable_lora, "max_lora_rank": args.max_lora_rank,
+        "lora_target_modules": args.lora_target_modules, "max_loras_per_batch": args.max_loras_per_batch,
     }
+
+
+def models(engine: Engine) -> dict:
+    """OpenAI's model list as SGLang fills it: the base, then one card per loaded adapter whose
+    parent is the base (its root the adapter's path, no max_model_len of its own)."""
+    created = int(time.time())
+    card = lambda name, root, parent, length: {"id": name, "object": "model", "created": created,
+                                               "owned_by": "sglang", "root": root, "parent": parent,
+                                               "max_model_len": length}
+    data = [card(engine.model_path, engine.model_path, None, engine.context_len)]
+    data += [card(name, path, engine.model_path, None) for name, path in engine.adapters.registered.items()]
+    return {"object": "list", "data": data}
 
 
 def _loaded(describe):
@@ -276,11 +324,14 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/update_weights_from_disk", handle_update_weights)
     app.router.add_post("/pause_generation", handle_pause)
     app.router.add_post("/continue_generation", handle_continue)
+    app.router.add_post("/load_lora_adapter", handle_load_lora)
+    app.router.add_post("/unload_lora_adapter", handle_unload_lora)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/health_generate", handle_health)
     app.router.add_get("/ready", handle_ready)
     for path, describe in (("/model_info", model_info), ("/get_model_info", model_info),
-                           ("/server_info", server_info), ("/get_server_info", server_info)):
+                           ("/server_info", server_info), ("/get_server_info", server_info),
+                           ("/v1/models", models)):
         app.router.add_get(path, _loaded(describe))
     app.router.add_get("/flush_cache", handle_flush_cache)
     app.router.add_post("/flush_cache", handle_flush_cache)
@@ -351,6 +402,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="stream chunks hold only new tokens (SGLang's flag of the same name)")
     ap.add_argument("--config", default=None, metavar="FILE.yaml",
                     help="flag values, as SGLang's --config; the only way to give api-key and admin-api-key")
+    adapters.add_flags(ap)
     keys = dict.fromkeys(auth.KEY_OPTIONS)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
@@ -364,6 +416,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.api_key, args.admin_api_key = keys["api_key"], keys["admin_api_key"]
     if args.max_batch_size < 1:
         ap.error("--max-batch-size must be at least 1")
+    adapters.check_flags(ap, args)
     return args
 
 

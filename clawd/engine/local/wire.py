@@ -188,6 +188,7 @@ class GenerateItem:
     return_logprob: bool
     logprob_start_len: int
     return_text_in_logprobs: bool
+    lora: str | None = None  # `lora_path`: the name of a loaded LoRA adapter; None = the base model
 
 
 def _per_item(body: dict, key: str, n: int, default, ok, kind: str) -> list:
@@ -260,7 +261,9 @@ def parse_generate(body: dict, tokenize) -> tuple[list[GenerateItem], bool, bool
     with_text = body.get("return_text_in_logprobs", False)
     if not isinstance(stream, bool) or not isinstance(with_text, bool):
         raise ContractError("invalid type for `stream` / `return_text_in_logprobs`: expected a boolean")
-    items = [GenerateItem(tuple(prompts[i]), params[i], rids[i], return_logprob[i], start[i], with_text)
+    # An adapter's name (SGLang's field keeps its old name), one for all items or one per item.
+    loras = _per_item(body, "lora_path", n, None, lambda v: v is None or isinstance(v, str), "a string")
+    items = [GenerateItem(tuple(prompts[i]), params[i], rids[i], return_logprob[i], start[i], with_text, loras[i])
              for i in range(n)]
     return items, is_batch, stream
 
