@@ -36,7 +36,6 @@ starts it on those weights. A swap and a realignment never interleave (`swap_loc
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import enum
 import json
 import logging
@@ -53,15 +52,15 @@ from clawd.engine.client import (NEUTRAL_SAMPLING, EngineClient, EngineError, En
                                  EngineUnresponsive)
 from clawd.engine.launch import engine_launch, keys_file_path, replica_name, write_keys_file
 from clawd.engine.replicas import behind
+from clawd.lifetime import die_with_parent
 
 log = logging.getLogger("clawd.engine")
 
-_PR_SET_PDEATHSIG = 1
 POLL_TIMEOUT_FLOOR = 1.0  # seconds a liveness poll waits at least, however short health_interval is
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+def _die_with_parent() -> None:  # runs in the child between fork and exec: SIGTERM, so the engine stops cleanly
+    die_with_parent(signal.SIGTERM)
 
 
 class EngineState(enum.Enum):

@@ -28,7 +28,6 @@ A spawned process does not inherit the daemon's logging: `main` sets it up at
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -40,8 +39,7 @@ from clawd.config import LOG_FORMAT
 from clawd.samples import Sample
 from clawd.trainer.wire import recv_message, send_message
 from clawd.weights import write_failure_kind
-
-_PR_SET_PDEATHSIG = 1
+from clawd.lifetime import die_with_parent
 
 Factory = Callable[[dict], object]  # options -> handler; a top-level function, so that it pickles by reference
 
@@ -52,7 +50,7 @@ class RetryableError(Exception):
 
 
 def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    die_with_parent()
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:
         os._exit(1)  # the daemon died before the signal was armed

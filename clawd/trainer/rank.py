@@ -13,7 +13,6 @@ names, so a test can kill or hang one rank of a world.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -25,16 +24,16 @@ from clawd import faults
 from clawd.trainer import child
 from clawd.trainer.wire import recv_message, send_message
 from clawd.trainer.world import RELAY_ENV
+from clawd.lifetime import die_with_parent
 
 log = logging.getLogger("clawd.trainer")
-_PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m clawd.trainer.rank", description=__doc__.splitlines()[0])
     parser.add_argument("--collective-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with torchrun
+    die_with_parent()  # dies with torchrun
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops the world in order
     rank = os.environ.get("RANK", "0")
     if (only := os.environ.get("CLAWD_FAULTS_RANKS")) is not None and rank not in only.split(","):

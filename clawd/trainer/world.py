@@ -20,10 +20,8 @@ daemon's supervisor starts a new world from the last checkpoint, sending the bat
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -34,11 +32,11 @@ from pathlib import Path
 
 from clawd.devices import Launch, child_env, device_set
 from clawd.trainer.wire import recv_message, relay_message, send_message
+from clawd.lifetime import die_with_parent
 
 log = logging.getLogger("clawd.trainer")
 
 RELAY_ENV = "CLAWD_TRAINER_RELAY"   # the Unix socket rank 0 connects to
-_PR_SET_PDEATHSIG = 1
 
 
 def world_argv(train, *, node_rank: int = 0, endpoint: str, python: str = sys.executable) -> list[str]:
@@ -80,10 +78,6 @@ def endpoint_of(train) -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _die_with_parent() -> None:  # between fork and exec: torchrun dies with the coordinator
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 def coordinate(conn: Connection, options: dict) -> None:
     """The coordinator's life: torchrun, rank 0's connection, then the relay until shutdown. Exits 1
     (SystemExit) when the world ends on its own or rank 0 goes away."""
@@ -102,7 +96,8 @@ def coordinate(conn: Connection, options: dict) -> None:
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several ranks, without its warning
     argv = world_argv(train, endpoint=endpoint_of(train))
     log.info("trainer world: %d rank(s) on %d host(s): %s", train.world_size, train.nnodes, " ".join(argv))
-    proc = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+    # die_with_parent between fork and exec: torchrun dies with the coordinator.
+    proc = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
     try:
         rank0 = _accept(listener, proc, float(options.get("ready_timeout", 600.0)))
         rank0.send(options)
