@@ -133,9 +133,11 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
 
         # Scoring: a finished turn → judge votes / hint / teacher log-probs → a sample in the store.
         engine_for = {e.role: e.client for e in engines if e.role != "policy"}
-        engine_for["policy"] = Balanced(replicas)  # judge and teacher calls go to the least loaded replica
-        if adapters is not None:  # the reference is the base: the policy replicas asked without an adapter
-            engine_for["reference"] = engine_for["policy"]
+        # Judge and teacher calls go to the least loaded replica; in LoRA mode "policy" carries the policy's
+        # adapter and "reference" is the same replicas asked without one: the frozen base.
+        engine_for["policy"] = Balanced(replicas, adapters)
+        if adapters is not None:
+            engine_for["reference"] = Balanced(replicas)
         judge = _judge(cfg, tokenizer, engine_for)
         if isinstance(judge, OpenAIJudge):
             await judge.start()

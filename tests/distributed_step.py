@@ -158,8 +158,49 @@ def main() -> None:
                                  "next_step_rel_max": worst(w_back_next, w_ref_next)}
         out["format1"] = {"step": migrated.step, "weights_equal": all(torch.equal(w_migrated[k], w_ref[k]) for k in w_ref),
                           "next_step_rel_max": worst(w_migrated_next, w_ref_next)}
+    world.barrier()
+    out["lora"] = _lora(model_dir, work, world)
+    if world.writer:
         out_path.write_text(json.dumps(out, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
     world.barrier()
+
+
+def _lora(model_dir: Path, work: Path, world) -> dict | None:
+    """LoRA in the world (PEFT wraps before fully_shard): the adapters' step against one process's, the
+    adapter each publishes, and the 2-rank checkpoint resumed by one process."""
+    from safetensors.torch import load_file
+
+    cfg = TrainConfig(lora_rank=4, lora_alpha=8.0, lora_lr=LR, micro_batch_tokens=256, grad_clip=1e6, eps=ADAM_EPS,
+                      seed=5)
+    grads: dict = {}
+    two = Trainer(model_dir, work / "lora-two", cfg, world=world)
+    before = full_weights(two)
+    capture_grads(two, grads)
+    m = two.train_step(skewed_batch("combine"), "combine")
+    two_grads, two_after = dict(grads), full_weights(two)
+    two.publish(1)
+    two.checkpoint({"segment": 1})
+    out = None
+    if world.writer:
+        one = Trainer(model_dir, work / "lora-one", cfg)
+        capture_grads(one, grads)
+        m1 = one.train_step(skewed_batch("combine"), "combine")
+        one.publish(1)
+        files = [load_file(w / "weights" / "v000001" / "adapter_model.safetensors") for w in (work / "lora-two",
+                                                                                              work / "lora-one")]
+        resumed = Trainer(model_dir, work / "lora-two", cfg)
+        w_resumed = full_weights(resumed)
+        base = [k for k in before if "lora_" not in k]
+        out = {"loss_rel": abs(m["loss"] - m1["loss"]) / abs(m1["loss"]), "grad_rel_max": worst(two_grads, grads),
+               "weights_rel_max": worst(two_after, full_weights(one)), "params_with_grad": len(grads),
+               "lora_params_with_grad": sum("lora_" in n for n in grads),
+               "base_unchanged": all(torch.equal(before[k], two_after[k]) for k in base),
+               "published_rel_max": worst(files[0], files[1]), "published_tensors": len(files[0]),
+               "resumed_equal": all(torch.equal(w_resumed[k], two_after[k]) for k in two_after),
+               "resumed_step": resumed.step}
+        del one, resumed
+    world.barrier()
+    return out
 
 
 def _format1(trainer: Trainer, state_dir: Path) -> None:

@@ -79,6 +79,18 @@ def test_a_checkpoint_moves_between_world_sizes_and_format_1_still_loads(measure
         assert resumed["next_step_rel_max"] <= TOLERANCE, name
 
 
+def test_lora_adapters_train_publish_and_checkpoint_in_the_world(measured):
+    """PEFT wraps the model before fully_shard: only the adapters get gradients, the same as one process's;
+    the frozen base is untouched; the gathered adapter is the file one process publishes; the 2-rank
+    checkpoint resumes alone."""
+    lora = measured["lora"]
+    assert lora["params_with_grad"] == lora["lora_params_with_grad"] == 28  # A and B on 14 modules, nothing else
+    assert lora["base_unchanged"] and lora["published_tensors"] == 28
+    for key in ("loss_rel", "grad_rel_max", "weights_rel_max", "published_rel_max"):
+        assert lora[key] <= TOLERANCE, key
+    assert lora["resumed_equal"] and lora["resumed_step"] == 1
+
+
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 async def test_a_rank_that_dies_or_hangs_mid_step_is_recovered_with_no_sample_lost(tiny_model, tmp_path, fault_env,
                                                                                    monkeypatch, fault):

@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from clawd.engine.local.adapters import ALL_TARGETS, Adapters
 from clawd.engine.local.scheduler import Engine
-from clawd.engine.local.server import build_app, parse_args
+from clawd.engine.local.server import parse_args
+from tests.local_engine import running
 
 TOL = 1e-5
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19])
@@ -75,23 +75,8 @@ async def serve(tiny_model, *flags: str):
     args = parse_args(["--model", str(tiny_model), "--threads", "1", "--context-length", "512",
                        "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all", *flags])
     engine = Engine(args)
-    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    run, threads = None, torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        engine.load()
-        run = asyncio.create_task(engine.run())
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-            yield engine, Client(http, f"http://127.0.0.1:{runner.addresses[0][1]}")
-    finally:
-        if run is not None:
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
-        engine.shutdown()
-        await runner.cleanup()
-        torch.set_num_threads(threads)
+    async with running(engine) as url, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        yield engine, Client(http, url)
 
 
 class Client:

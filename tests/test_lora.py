@@ -14,9 +14,12 @@ import torch
 from clawd.train_config import TrainConfig
 from clawd.trainer.step import Trainer
 
+from .harness import Daemon
+from .load import load_until_published, publish_windows
 from .test_trainer import REPO, mixed_batch, sample
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_lr=1e-2, seed=3)
+PUBLISHES = 5
 
 
 def adapters_of(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -141,6 +144,133 @@ def test_an_exported_merged_model_gives_the_adapters_logprobs(tiny_model, tmp_pa
     assert again.returncode == 1 and "already exists" in again.stderr
 
 
+
+async def test_the_cpu_engine_serves_the_adapters_logprobs_and_the_base_as_reference(tiny_model, tmp_path):
+    """Exact token capture in LoRA mode: the CPU engine's log-probs for a request carrying a published
+    adapter are the trainer's for the same tokens, and a request carrying none gets the base's, which is
+    the trainer's reference (adapters off)."""
+    import dataclasses
+
+    import aiohttp
+
+    from clawd.engine.local.scheduler import Engine
+    from clawd.engine.local.server import parse_args
+
+    from .local_engine import running
+
+    trainer = Trainer(tiny_model, tmp_path / "state", TrainConfig(**LORA))
+    for batch in batches(2):
+        trainer.train_step(batch, "combine")
+    adapter = trainer.publish(1)
+    args = parse_args(["--model", str(tiny_model), "--threads", "1", *TrainConfig(**LORA).lora_flags()])
+    async with running(Engine(args)) as url, aiohttp.ClientSession() as http:
+        async def post(path: str, body: dict) -> dict:
+            async with http.post(url + path, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+        await post("/load_lora_adapter", {"lora_name": "clawd-v1", "lora_path": str(adapter)})
+        prompt = sample(7, 12, 1).tokens[:11]
+        served = {}
+        for name in ("clawd-v1", None):
+            body = {"input_ids": prompt, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}}
+            if name:
+                body["lora_path"] = name
+            out = await post("/generate", body)
+            served[name] = (out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    for name, (ids, engine_lps) in served.items():
+        s = dataclasses.replace(sample(7, 12, 1), sample_id=f"x{name}", tokens=prompt + ids, response_length=len(ids),
+                                loss_mask=[1] * len(ids), rollout_logprobs=engine_lps, temperature=1.0)
+        (trained,) = trainer.logprobs([s], reference=name is None)
+        assert max(abs(a - b) for a, b in zip(trained, engine_lps)) <= 1e-5, name
+    assert served["clawd-v1"] != served[None]  # the adapter changed what was sampled or its log-probs
+
+
+async def test_a_rolling_adapter_publish_and_the_retired_adapters_unload(tmp_path):
+    """Two fake SGLang replicas: a publish loads the adapter on each (nothing paused), a replica whose load
+    fails is realigned with it once the policy moved; calls on "policy" carry the adapter, on the reference
+    none; a retired adapter is unloaded only once the last request carrying it has ended."""
+    import asyncio
+
+    from clawd.config import config_from_dict
+    from clawd.engine.client import EngineClient
+    from clawd.engine.lora import Adapters
+    from clawd.engine.replicas import Balanced, Replicas
+    from clawd.engine.supervisor import EngineSupervisor
+    from clawd.learning.learner import Publisher
+    from clawd.served import Policy
+
+    from .fake_sglang import FakeSGLang
+
+    targets = list(TrainConfig().lora_target_modules)
+    for v in (1, 2):
+        (tmp_path / f"v{v}").mkdir()
+        (tmp_path / f"v{v}" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4,
+                                                                             "target_modules": targets}))
+    lora = dict(enable_lora=True, max_lora_rank=4, lora_target_modules=targets)
+    async with FakeSGLang(**lora) as a, FakeSGLang(**lora) as b:
+        cfg = config_from_dict({"engine": {"launch": "none", "urls": [a.url, b.url], "health_interval": 0.1},
+                                "train": {"lora_rank": 4}})
+        policy = Policy()
+        sups = [EngineSupervisor(cfg, EngineClient(f.url), "policy", policy, index=i) for i, f in enumerate((a, b))]
+        for sup in sups:
+            await sup.client.start()
+        tasks = [asyncio.create_task(sup.run()) for sup in sups]
+        adapters = Adapters(policy)
+        replicas = Replicas(sups, policy)
+        publisher = Publisher(replicas, 10, adapters=adapters)
+        unloader = asyncio.create_task(adapters.unload_retired(replicas, 10))
+
+        def promote(version: int) -> None:  # what the learner does once a publish returns
+            retired = policy.adapter
+            policy.version, policy.weight_version = version, str(version)
+            policy.weights_dir, policy.adapter = str(tmp_path / f"v{version}"), publisher.adapter_of(version)
+            publisher.retire(retired)
+
+        async def until(check, timeout: float = 5.0) -> None:
+            deadline = asyncio.get_running_loop().time() + timeout
+            while not check():
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.02)
+
+        try:
+            for sup in sups:
+                await asyncio.wait_for(sup.ready.wait(), 10)
+            assert await publisher.publish(str(tmp_path / "v1"), 1) == 0.0  # nothing held
+            promote(1)
+            assert [p for p, _ in a.calls] == [p for p, _ in b.calls] == ["/continue_generation",
+                                                                           "/load_lora_adapter"]
+            assert [s.served_version for s in sups] == ["1", "1"] and a.weight_version == "0"
+            await Balanced(replicas, adapters).generate({"input_ids": [5, 6], "rid": "on-policy",
+                                                         "sampling_params": {"max_new_tokens": 2}})
+            await Balanced(replicas).generate({"input_ids": [5, 6], "rid": "reference",
+                                               "sampling_params": {"max_new_tokens": 2}})
+            used = dict(a.lora_used + b.lora_used)
+            assert (used["on-policy"], used["reference"]) == ("clawd-v1", None)
+
+            held = adapters.begin()  # a chat request still running on clawd-v1
+            b.fail_next(400, {"success": False, "error_message": "disk"}, path="/load_lora_adapter")
+            await publisher.publish(str(tmp_path / "v2"), 2)
+            assert sups[1].needs_realign and not replicas.usable(1) and replicas.usable(0)
+            promote(2)
+            await until(lambda: replicas.usable(1))
+            assert b.lora_adapters.keys() == {"clawd-v1", "clawd-v2"}  # realigned; clawd-v1 still in use
+            await asyncio.sleep(0.2)
+            assert "clawd-v1" in a.lora_adapters and adapters.retired == {"clawd-v1": {0, 1}}
+            adapters.end(held)
+            await until(lambda: not adapters.retired)
+            assert a.lora_adapters.keys() == b.lora_adapters.keys() == {"clawd-v2"} and adapters.unloaded == 2
+        finally:
+            unloader.cancel()
+            for sup in sups:
+                await sup.stop()
+            for t in tasks:
+                t.cancel()
+            for sup in sups:
+                await sup.client.close()
+
+
 # --- the daemon in LoRA mode -------------------------------------------------------------------
 
 async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tiny_model, tmp_path, caplog):
@@ -203,6 +333,9 @@ async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tin
 
     loads = [body for path, body in fake.calls if path == "/load_lora_adapter"]
     assert [b["lora_name"] for b in loads] == ["clawd-v1", "clawd-v2"]
+    restarted = await _restart_serves_the_checkpointed_adapter(cfg, caplog, targets)
+    assert [b["lora_name"] for p, b in restarted.calls if p == "/load_lora_adapter"] == ["clawd-v2"]
+    assert [a for _, a in restarted.lora_used] == ["clawd-v2"]  # the one chat request, on the restored version
     assert all(Path(b["lora_path"], "adapter_config.json").is_file() for b in loads)
     assert not [p for p, _ in fake.calls if p in ("/update_weights_from_disk", "/pause_generation")]
     chat = [(rid, adapter) for rid, adapter in fake.lora_used if not rid.startswith("teacher-")]
@@ -210,6 +343,73 @@ async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tin
     assert [a for _, a in chat[:2]] == [None, None]           # v0: the base
     assert [a for _, a in chat[2:4]] == ["clawd-v1"] * 2      # the second conversation, on v1
     assert fake.lora_used[before:] and teacher and all(a is None for _, a in teacher)  # the base is the reference
+
+
+def test_five_adapter_publishes_under_load_fail_no_request(tiny_model, tmp_path):
+    """LoRA mode on the CPU engine: each publish loads the new adapter beside the old one, nothing is paused,
+    requests already running finish on the adapter they started with, and no request fails. The overlap:
+    served requests were in flight across every publish's window (the learner's line gives its span)."""
+    daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 8},
+                               "engine": {"launch": "local"},
+                               "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
+                               "train": {"lora_rank": 4, "lora_lr": 1e-3}})
+    try:
+        requests, learner = load_until_published(daemon, users=4, publishes=PUBLISHES, timeout=240)
+        engine_url = daemon.get("/debug/process")[1]["replicas"][0]["url"]
+        import urllib.request
+        with urllib.request.urlopen(engine_url + "/v1/models", timeout=10) as resp:
+            held = [c["id"] for c in json.loads(resp.read())["data"] if c.get("parent")]
+    finally:
+        assert daemon.stop() == 0
+    failures = [r["error"] for r in requests if not r["ok"]]
+    ok = len(requests) - len(failures)
+    assert learner["publishes"] >= PUBLISHES and learner["failed_publishes"] == 0
+    assert failures == [] and ok > 2 * PUBLISHES
+    windows = publish_windows(daemon.lines)[:PUBLISHES]
+    assert len(windows) == PUBLISHES and all(w["intake_held_s"] == 0 for w in windows)  # nothing paused
+    during = {w["version"]: [r for r in requests if r["ok"] and r["start"] < w["end"] and r["end"] > w["start"]]
+              for w in windows}
+    print(f"\n{ok} requests served; in flight during each adapter publish: "
+          f"{({v: len(rs) for v, rs in during.items()})}; adapters the engine holds at the end: {held}")
+    assert all(during.values()), {v: len(rs) for v, rs in during.items()}
+    loaded = [line for line in daemon.lines if "LoRA adapter clawd-v" in line and " loaded from " in line]
+    assert len(loaded) >= PUBLISHES and not any("generation paused" in line for line in daemon.lines)
+    versions = sorted({t["policy_version"] for t in daemon.records()})
+    assert versions[0] == 0 and versions[-1] >= PUBLISHES - 1
+    # Retired adapters are unloaded once unused: the engine holds the served one and at most one on its way out.
+    assert 1 <= len(held) <= 2 and any(line for line in daemon.lines if "LoRA adapter clawd-v1 unloaded" in line)
+
+async def _restart_serves_the_checkpointed_adapter(cfg, caplog, targets):
+    """clawd again on the same state, before a fresh engine that holds no adapter: the policy is the checkpoint's
+    version, and its adapter is loaded before the engine counts as ready."""
+    import asyncio
+    import dataclasses
+
+    import openai
+
+    from clawd.daemon import Shutdown, run
+
+    from .fake_sglang import FakeSGLang
+    from .test_daemon import _listening
+
+    caplog.clear()
+    async with FakeSGLang(tokens=6, enable_lora=True, max_lora_rank=4, lora_target_modules=targets) as fake:
+        again = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, url=fake.url),
+                                    learner=dataclasses.replace(cfg.learner, enabled=False))
+        shutdown = Shutdown()
+        running = asyncio.create_task(run(again, shutdown))
+        url = await _listening(caplog, running)
+        for _ in range(300):
+            if await _ready(url):
+                break
+            await asyncio.sleep(0.1)
+        assert (await _get(url, "/ready"))["policy_version"] == 2
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=5)
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello again."}])
+        await client.close()
+        shutdown.request()
+        assert await asyncio.wait_for(running, 60) == 0
+    return fake
 
 
 async def _get(url: str, path: str) -> dict:

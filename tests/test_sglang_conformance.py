@@ -50,13 +50,12 @@ from dataclasses import dataclass
 
 import aiohttp
 import pytest
-import torch
-from aiohttp import web
 
 from clawd.engine.local.scheduler import WAITING_TIMEOUT_ENV
 from clawd.engine.local.scheduler import Engine as LocalEngine
-from clawd.engine.local.server import build_app, parse_args
+from clawd.engine.local.server import parse_args
 from tests.fake_sglang import FakeSGLang, lora_incompatible, lora_offset
+from tests.local_engine import running
 from tests.test_engine_lora import build_adapter
 
 CONTEXT = 1024  # both servers' context length
@@ -126,22 +125,8 @@ def serve(kind, tiny_model, tmp_path):
             os.environ.pop(WAITING_TIMEOUT_ENV, None)
             if saved is not None:
                 os.environ[WAITING_TIMEOUT_ENV] = saved
-        runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        run, threads = None, torch.get_num_threads()
-        torch.set_num_threads(1)  # as clawd runs it (--threads): 2 threads on 2 busy cores are slower
-        try:
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            engine.load()
-            run = asyncio.create_task(engine.run())
-            yield Server("local", f"http://127.0.0.1:{runner.addresses[0][1]}", str(tiny_model))
-        finally:
-            if run is not None:
-                run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
-            engine.shutdown()
-            await runner.cleanup()
-            torch.set_num_threads(threads)
+        async with running(engine) as url:
+            yield Server("local", url, str(tiny_model))
     return start
 
 

@@ -234,12 +234,18 @@ class Balanced:
     the call is still sent (as to a lone engine: a starting one answers once up; the judge's own retries
     and deadlines bound it)."""
 
-    def __init__(self, replicas: Replicas):
+    def __init__(self, replicas: Replicas, adapters=None):
         self.replicas = replicas
+        self.adapters = adapters  # LoRA mode: calls carry the policy's adapter (None: the base, the reference)
 
     async def generate(self, payload: dict, timeout: float | None = None) -> dict:
+        adapter = self.adapters.begin() if self.adapters is not None else None
+        if adapter is not None:
+            payload = {**payload, "lora_path": adapter}
         attempt = Attempt(self.replicas, anywhere=True)
         try:
             return await attempt.run(lambda engine: engine.generate(payload, timeout=timeout))
         finally:
             attempt.end()
+            if self.adapters is not None:
+                self.adapters.end(adapter)
