@@ -21,7 +21,8 @@ Also: peak CUDA memory of the timed steps (torch.cuda.max_memory_allocated), mic
 whether SDPA's flash kernel accepts the trainer's forward, the chunked head against full logits, the
 top kernels of one profiled step, and the publish's and checkpoint's bytes and seconds. Then the trainer
 as a world of one FSDP2 rank under torchrun on the same base (NCCL, bf16 compute over float32 masters:
-bench/trainer_memory.py), its step seconds and peak memory (`fsdp_world`). Each result
+bench/trainer_memory.py), its step seconds and peak memory (`fsdp_world`), and the same world training LoRA
+adapters of rank 16 over the frozen bf16 base, with one adapter published (`lora_world`). Each result
 carries `provenance` (bench/provenance.py: the UTC date, the git commit, "unknown" without one, and
 whether the tree was dirty). Writes $OUT/gpu.json when $OUT is set, else bench/results/gpu-<date>.json.
 Exit status: 0 when measured, 1 when a step failed, 2 without CUDA; the MFU target is reported, not
@@ -334,16 +335,21 @@ def run(args, result: dict) -> None:
             torch.cuda.empty_cache()
         result["fsdp_world"] = fsdp_world(work)
         print(f"  FSDP2 world of 1: {json.dumps(result['fsdp_world'])[:400]}", flush=True)
+        result["lora_world"] = fsdp_world(work, lora_rank=16)
+        print(f"  FSDP2 world of 1, LoRA rank 16: {json.dumps(result['lora_world'])[:600]}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def fsdp_world(work: Path) -> dict:
+def fsdp_world(work: Path, lora_rank: int = 0) -> dict:
     """The trainer as a world of one FSDP2 rank under torchrun on the same base (NCCL on CUDA, bf16
-    compute over float32 master weights): bench/trainer_memory.py's three steps, bytes and peak memory."""
-    out = work / "world.json"
+    compute over float32 master weights): bench/trainer_memory.py's three steps, bytes and peak memory.
+    With lora_rank: LoRA adapters over the frozen bf16 base (FSDP2 groups mixing a bf16 frozen base and
+    float32 adapters), and one adapter published."""
+    out = work / f"world-{lora_rank}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone",
-           str(ROOT / "bench" / "trainer_memory.py"), str(work / "base"), str(work / "world-state"), str(out)]
+           str(ROOT / "bench" / "trainer_memory.py"), str(work / "base"), str(work / f"world-state-{lora_rank}"),
+           str(out), str(lora_rank)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     if run.returncode != 0:
         return {"ok": False, "error": run.stderr[-2000:]}

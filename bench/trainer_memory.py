@@ -1,13 +1,15 @@
 """One trainer's memory per rank after a step: what bench/scale.py's trainer section runs, alone (one
 process, no process group: clawd's trainer at world size 1) or under torchrun (a world of FSDP2 ranks).
 
-    .venv/bin/python bench/trainer_memory.py MODEL_DIR WORK_DIR OUT.json
+    .venv/bin/python bench/trainer_memory.py MODEL_DIR WORK_DIR OUT.json [LORA_RANK]
     .venv/bin/python -m torch.distributed.run --nproc-per-node 2 --standalone bench/trainer_memory.py MODEL_DIR WORK_DIR OUT.json
 
 Each rank reports, after one optimizer step (AdamW's moments exist then), the bytes of its parameters
 and of its optimizer state (local shards in a world) and its peak RSS; rank 0 writes them all to
 OUT.json, with the seconds of its three steps. On CPU (gloo, one torch thread per rank), or on CUDA (NCCL,
-one GPU per rank) where there is one: bench/gpu.py runs it as a world of 1 there.
+one GPU per rank) where there is one: bench/gpu.py runs it as a world of 1 there. With LORA_RANK above 0
+the trainer trains LoRA adapters (the base frozen: bf16 on CUDA, under FSDP2 beside float32 adapters) and
+also publishes one adapter, whose bytes and dtypes are reported.
 """
 from __future__ import annotations
 
@@ -39,10 +41,11 @@ def batch(n: int = 8, length: int = 64, response: int = 16) -> list[Sample]:
 
 def main() -> None:
     model_dir, work, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    lora_rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     torch.set_num_threads(1)
     world = sharding.join(120.0) if "RANK" in os.environ else None
-    trainer = Trainer(model_dir, work, TrainConfig(lr=1e-5, device="cuda" if torch.cuda.is_available() else "cpu"),
-                      world=world)
+    trainer = Trainer(model_dir, work, TrainConfig(lr=1e-5, device="cuda" if torch.cuda.is_available() else "cpu",
+                                                   lora_rank=lora_rank), world=world)
     seconds = []
     for _ in range(3):  # the first step allocates AdamW's moments; the next ones are timed
         t0 = time.monotonic()
@@ -61,8 +64,21 @@ def main() -> None:
     if trainer.device.type == "cuda":
         mine["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(trainer.device)
     ranks = [mine] if world is None else world.gather(mine)
+    report = {"world_size": 1 if world is None else world.size, "lora_rank": lora_rank, "ranks": ranks}
+    if lora_rank:
+        t0 = time.monotonic()
+        published = trainer.publish(1)
+        report["publish"] = {"seconds": time.monotonic() - t0,
+                             "bytes": sum(f.stat().st_size for f in published.iterdir() if f.is_file()),
+                             "files": sorted(f.name for f in published.iterdir())}
+        if world is None or world.writer:
+            from safetensors import safe_open
+            with safe_open(str(published / "adapter_model.safetensors"), "pt") as f:
+                report["publish"]["dtypes"] = sorted({str(f.get_slice(k).get_dtype()) for k in f.keys()})
+        report["base_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters() if not p.requires_grad})
+        report["trainable_dtypes"] = sorted({str(p.dtype) for p in trainer.params})
     if world is None or world.writer:
-        out.write_text(json.dumps({"world_size": 1 if world is None else world.size, "ranks": ranks}))
+        out.write_text(json.dumps(report))
     if world is not None:
         world.barrier()
 
