@@ -39,6 +39,11 @@ class Adapters:
         self.failed_unloads = 0
         self._changed = asyncio.Event()
 
+    def snapshot(self) -> dict:
+        """For status and metrics."""
+        return {"serving": self.policy.adapter, "in_use": dict(self.in_use), "retired": sorted(self.retired),
+                "unloaded": self.unloaded, "failed_unloads": self.failed_unloads}
+
     def begin(self) -> str | None:
         """The adapter a new request carries (None: the base, or a full fine-tune), counted until `end`."""
         name = self.policy.adapter

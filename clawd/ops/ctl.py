@@ -234,6 +234,9 @@ def format_status(snapshot: dict, now: float | None = None) -> str:
     served = f"adapter {policy['adapter']}" if policy.get("adapter") else f"weights {policy.get('weight_version', '?')}"
     section("policy", ("version", f"{policy.get('version', '?')} ({served})"),
             ("published", ago(policy.get("published_at"))), ("weights", policy.get("weights") or "base model"))
+    if adapters := snapshot.get("adapters"):  # LoRA mode
+        lines.append(f"  {'adapters':<20}{len(adapters['retired'])} retired still loaded, {adapters['unloaded']} "
+                     f"unloaded, {adapters['failed_unloads']} failed unloads")
     q = get("queue")
     section("queue", ("waiting", f"{q.get('waiting', '?')} ({q.get('in_flight', 0)} in flight)"),
             ("effective", f"{q.get('effective', '?')} / {q.get('batch_size', '?')} toward the next batch"),

@@ -189,6 +189,13 @@ class SnapshotCollector(Collector):
         yield counter("clawd_engine_retries_total", "Chat calls tried again on another policy replica after "
                       "failing before any byte was sent.", chat.get("retries", 0))
         yield from _replicas(snap.get("replicas") or [])
+        if (adapters := snap.get("adapters")) is not None:  # LoRA mode
+            yield gauge("clawd_adapters_retired", "Retired LoRA adapters still loaded on some replica, waiting for "
+                        "their requests to end.", len(adapters["retired"]))
+            yield counter("clawd_adapter_unloads_total", "Retired LoRA adapters unloaded from a replica.",
+                          adapters["unloaded"])
+            yield counter("clawd_adapter_unload_failures_total", "Unloads of a retired LoRA adapter that failed "
+                          "(retried with backoff).", adapters["failed_unloads"])
         if (trainer := snap["trainer"]) is not None:
             yield counter("clawd_trainer_restarts_total", "Trainer subprocess restarts.", trainer["restarts"])
             yield gauge("clawd_trainer_up", "1 while the trainer subprocess is alive.", trainer["alive"])

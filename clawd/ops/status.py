@@ -125,6 +125,7 @@ class Status:
             # The policy replicas as the router sees them (clawd.engine.replicas).
             "replicas": self.chat.replicas.snapshot(self.chat.sessions.homed(len(self.chat.replicas))),
             "sessions_rehomed": self.chat.replicas.rehomed,
+            "adapters": None if self.chat.adapters is None else self.chat.adapters.snapshot(),
             "trainer": None if trainer is None else {
                 "alive": trainer.alive, "pid": trainer.pid, "restarts": trainer.restarts,
                 "world_size": trainer.ready.world_size if trainer.ready else cfg.train.world_size,
