@@ -116,7 +116,7 @@ def test_the_reference_in_lora_mode_is_the_base_model(tiny_model, tmp_path):
     assert max(abs(x - y) for a, b in zip(want, policy) for x, y in zip(a, b)) > 1e-3  # the adapters did move
 
 
-def test_an_exported_merged_model_gives_the_adapters_logprobs(tiny_model, tmp_path):
+def test_an_exported_merged_model_gives_the_adapters_logprobs(tiny_model, tmp_path, capsys):
     """`clawctl export-model` (offline, from the config's state directory) merges the adapter into the base:
     the merged model, loaded as a plain model, scores as the base with the adapter did."""
     state = tmp_path / "state"
@@ -129,10 +129,15 @@ def test_an_exported_merged_model_gives_the_adapters_logprobs(tiny_model, tmp_pa
 
     config = tmp_path / "clawd.toml"
     config.write_text(f'[model]\npath = "{tiny_model}"\n[state]\ndir = "{state}"\n[train]\nlora_rank = 4\n')
-    run = lambda *args: subprocess.run([sys.executable, str(REPO / "bin" / "clawctl"), "--config", str(config),
-                                        *args], capture_output=True, text=True, timeout=120)
+    def run(*args: str) -> subprocess.CompletedProcess:  # clawctl's main, in this process (torch is loaded here)
+        from clawd.ops.ctl import main
+        code = main(["--config", str(config), *args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
     done = run("export-model", "1", str(tmp_path / "merged"))
     assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"v1 exported to {tmp_path / 'merged'}"
     merged = tmp_path / "merged"
     assert (merged / "config.json").is_file() and (merged / "tokenizer.json").is_file()
     assert not (merged / "adapter_config.json").exists()
@@ -143,6 +148,10 @@ def test_an_exported_merged_model_gives_the_adapters_logprobs(tiny_model, tmp_pa
     assert missing.returncode == 1 and "v7 is not in" in missing.stderr and "kept versions: v1" in missing.stderr
     again = run("export-model", "1", str(merged))
     assert again.returncode == 1 and "already exists" in again.stderr
+    # bin/clawctl itself: the command is there, and a refusal needs no torch.
+    cli = subprocess.run([sys.executable, str(REPO / "bin" / "clawctl"), "--config", str(config), "export-model",
+                          "9", str(tmp_path / "none")], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 1 and "v9 is not in" in cli.stderr
 
 
 
