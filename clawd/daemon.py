@@ -20,7 +20,7 @@ from aiohttp import web
 
 from clawd.config import Config, JudgeConfig
 from clawd.engine.client import EngineClient
-from clawd.engine.lora import Adapters, adapter_name
+from clawd.engine.lora import AdapterUse, adapter_name
 from clawd.engine.replicas import Balanced, Replicas
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.learning.journal import Journal
@@ -101,7 +101,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     # The policy replicas (one unless [engine] replicas/urls say more): a router sends each request to one.
     replicas = Replicas([e for e in engines if e.role == "policy"], policy)
     # LoRA mode: the replicas serve the base, and the trainer's adapters beside it (clawd.engine.lora).
-    adapters = Adapters(policy) if cfg.train.lora else None
+    adapters = AdapterUse(policy) if cfg.train.lora else None
 
     # The durable end of learning opens first: its lock keeps a second clawd off this state directory,
     # and its replay brings back the samples not trained before the last stop.

@@ -205,7 +205,7 @@ async def test_a_rolling_adapter_publish_and_the_retired_adapters_unload(tmp_pat
 
     from clawd.config import config_from_dict
     from clawd.engine.client import EngineClient
-    from clawd.engine.lora import Adapters
+    from clawd.engine.lora import AdapterUse
     from clawd.engine.replicas import Balanced, Replicas
     from clawd.engine.supervisor import EngineSupervisor
     from clawd.learning.learner import Publisher
@@ -227,7 +227,7 @@ async def test_a_rolling_adapter_publish_and_the_retired_adapters_unload(tmp_pat
         for sup in sups:
             await sup.client.start()
         tasks = [asyncio.create_task(sup.run()) for sup in sups]
-        adapters = Adapters(policy)
+        adapters = AdapterUse(policy)
         replicas = Replicas(sups, policy)
         publisher = Publisher(replicas, 10, adapters=adapters)
         unloader = asyncio.create_task(adapters.unload_retired(replicas, 10))

@@ -4,7 +4,7 @@ In LoRA mode (`[train] lora_rank > 0`) every policy engine serves the frozen bas
 trainer's adapters beside it. A publish loads the new version's adapter directory under its own name
 (`adapter_name`) on every replica; once all confirm, the policy names it and new chat requests carry it
 (`/generate`'s `lora_path`), while requests already running finish on the adapter they started with.
-The previous adapter is then retired: `Adapters.unload_retired` unloads it from every replica once no
+The previous adapter is then retired: `AdapterUse.unload_retired` unloads it from every replica once no
 request of clawd's uses it, off the publish path (SGLang's own unload would wait for such requests).
 Judge and teacher requests carry no adapter: the base is the frozen reference.
 """
@@ -28,7 +28,7 @@ def adapter_name(version: int) -> str:
     return f"clawd-v{version}"
 
 
-class Adapters:
+class AdapterUse:
     """Requests in flight per adapter name, and the retired names still loaded on some replica."""
 
     def __init__(self, policy: Policy):

@@ -36,7 +36,7 @@ from typing import Callable
 
 from clawd.config import LearnerConfig
 from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
-from clawd.engine.lora import Adapters, adapter_name
+from clawd.engine.lora import AdapterUse, adapter_name
 from clawd.engine.replicas import Replicas
 from clawd.served import Policy
 from clawd.learning import controls
@@ -89,7 +89,7 @@ class Publisher:
     confirmed. If none did, the publish fails as a whole and is retried, as with one engine."""
 
     def __init__(self, engine: EngineClient | Replicas, timeout: float, ready: asyncio.Event | None = None,
-                 adapters: Adapters | None = None):
+                 adapters: AdapterUse | None = None):
         self.replicas = engine if isinstance(engine, Replicas) else None
         self.engine = None if isinstance(engine, Replicas) else engine
         self.timeout = timeout

@@ -30,7 +30,7 @@ from clawd.config import Config
 from clawd.serving.connections import note_hangup
 from clawd.serving.detokenize import IncrementalDetokenizer
 from clawd.engine.client import NEUTRAL_SAMPLING, Chunk, EngineError, EngineUnavailable
-from clawd.engine.lora import Adapters
+from clawd.engine.lora import AdapterUse
 from clawd.engine.replicas import Attempt, Replicas
 from clawd.serving.errors import ApiError, bad_request
 from clawd.serving.parsers import Content, Reasoning, ToolCall, make_parser
@@ -86,7 +86,7 @@ class _SessionLocks:
 class ChatService:
     def __init__(self, cfg: Config, tokenizer: ChatTokenizer, replicas: Replicas, sessions: SessionTable,
                  on_finished: Callable[[FinishedTurn], None], policy: Policy,
-                 spawn: Callable[[Any], Any], adapters: Adapters | None = None):
+                 spawn: Callable[[Any], Any], adapters: AdapterUse | None = None):
         self.cfg = cfg
         self.adapters = adapters  # LoRA mode: the policy's adapter, named in each request and counted while used
         self.tok = tokenizer
