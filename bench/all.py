@@ -38,9 +38,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-SCRIPTS = ("serve", "pipeline", "trainer", "swap", "learning", "fuzz", "abuse", "crash", "scale")
-OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "learning": "--out",
-            "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out"}
+SCRIPTS = ("serve", "pipeline", "trainer", "swap", "lora", "learning", "fuzz", "abuse", "crash", "scale")
+OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "lora": "--out",
+            "learning": "--out", "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out"}
 # scale.py's full form takes ~4 min on top of serve.py's similar figures; its quick form answers "does it scale".
 ARGS = {"scale": ["--quick"]}
 if str(HERE) not in sys.path:  # run as a script it is already there; imported (by a test) it is not
@@ -84,6 +84,14 @@ def swap(r: dict) -> list[dict]:
             _row(f"intake held per publish, p50 (s, {r['publishes']} publishes)", r["intake_held_s"]["p50"],
                  "{:.3f}"),
             _row("latency overlapping a publish / clear, p50", r["overlap_over_clear_p50"], "{:.2f}x")]
+
+
+def lora(r: dict) -> list[dict]:
+    ratios, target = r["ratios"], r["targets"]["bytes_full_over_lora"]
+    return [_row(f"bytes per publish, full / LoRA rank {r['rank']}", ratios["bytes_full_over_lora"], "{:.1f}x",
+                 f">= {target:g}", ratios["bytes_full_over_lora"] >= target),
+            _row("  engine swap seconds, full / LoRA, p50", ratios["swap_s_full_over_lora"], "{:.1f}x"),
+            _row("  trainer peak RSS, LoRA / full", ratios["peak_rss_lora_over_full"], "{:.2f}")]
 
 
 def learning(r: dict) -> list[dict]:
@@ -159,7 +167,7 @@ def scale(r: dict) -> list[dict]:
     return rows
 
 
-EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "learning": learning,
+EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "lora": lora, "learning": learning,
            "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale}
 
 

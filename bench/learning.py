@@ -32,6 +32,11 @@ tiny one) gives OPD nothing to learn from, which the table shows.
     .venv/bin/python bench/learning.py                  # tiny model, 5 arms × 3 seeds; writes bench/results/learning.json
     .venv/bin/python bench/learning.py --arms rl,shuffled --seeds 1 --steps 5
     .venv/bin/python bench/learning.py --model smollm2 --seeds 1 --out bench/results/learning-smollm2.json
+    .venv/bin/python bench/learning.py --model smollm2 --arms rl --seeds 1 --lora   # writes learning-lora.json
+
+`--lora` trains LoRA adapters instead of the whole model (`[train] lora_rank`, 16 or `--lora-rank N`; the
+default alpha and target modules): the runs then take `--lr` as `lora_lr` (default: its default, 1e-4,
+not the profile's full fine-tune lr), and the JSON records `lora_rank` (0 without it).
 
 Targets: satisfaction after / before > 1 in every judged mode arm (every mode but opd on the tiny
 model, which cannot read the hint), and no change in every control arm (the paired interval of
@@ -57,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clawd import degeneration, paired  # noqa: E402
 from clawd.tools.models import cached_tiny_model  # noqa: E402
+from clawd.train_config import TrainConfig  # noqa: E402
 from clawd.tools.sim.launch import Clawd  # noqa: E402
 from clawd.tools.sim.personas import persona  # noqa: E402
 from clawd.tools.sim.users import Users, rate  # noqa: E402
@@ -95,8 +101,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--teacher", choices=("policy", "reference"), default="policy",
                     help="opd/combine teacher engine (default policy: no second engine)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for clawd's engine and trainer")
-    ap.add_argument("--out", default=str(RESULTS / "learning.json"))
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters ([train] lora_rank), lr as lora_lr")
+    ap.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (default 16; implies --lora)")
+    ap.add_argument("--out", help="default bench/results/learning.json (learning-lora.json with --lora)")
     args = ap.parse_args(argv)
+    if args.lora_rank is not None and args.lora_rank < 1:
+        ap.error("--lora-rank must be at least 1")
+    args.lora_rank = (args.lora_rank or 16) if args.lora or args.lora_rank else 0
+    if args.lora_rank and args.lr is None:
+        args.lr = TrainConfig().lora_lr  # LoRA's own default, not the profile's full fine-tune lr
+    args.out = args.out or str(RESULTS / ("learning-lora.json" if args.lora_rank else "learning.json"))
     profile = PROFILES["tiny" if args.model == "tiny" else "smollm2"]
     for key, value in profile.items():
         if getattr(args, key) is None:
@@ -131,7 +145,7 @@ async def one_run(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) 
         "judge": {"backend": "rules", "teacher_engine": args.teacher},
         "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1, "control": control},
         "train": {"lr": args.lr, "seed": seed, "checkpoint_every": 1000, "keep_versions": 2,
-                  "reward_baseline": args.baseline},
+                  "reward_baseline": args.baseline, **lora_keys(args)},
         "sessions": {"session_idle_timeout": 120.0, "sweep_interval": 2.0},
     }, threads=args.threads)
     users: Users | None = None
@@ -171,6 +185,11 @@ async def one_run(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) 
     return {"points": points, "answers": answers, "exit": code, "errors": users.errors,
             "sessions": len(users.sessions), "ended": users.ended, "scoring": status["scoring"],
             "learner": status["learner"]}
+
+
+def lora_keys(args: argparse.Namespace) -> dict:
+    """[train]'s LoRA keys for a run: the rank, and the lr as LoRA's; none for a full fine-tune."""
+    return {"lora_rank": args.lora_rank, "lora_lr": args.lr} if args.lora_rank else {}
 
 
 async def until_batch_taken(clawd: Clawd, users: Users, driving: asyncio.Task, batch: int, done: int) -> None:
@@ -280,7 +299,8 @@ async def main_async(args: argparse.Namespace) -> int:
     prov = provenance.stamp()
     started = time.monotonic()
     scratch = Path(tempfile.mkdtemp(prefix="clawd-learn-"))  # short paths: the admin socket lives here
-    print(f"learning bench: {args.model_dir.name}, personas {args.personas}, {args.steps} steps of {args.batch} "
+    tuning = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tune"
+    print(f"learning bench: {args.model_dir.name} ({tuning}), personas {args.personas}, {args.steps} steps of {args.batch} "
           f"samples, lr {args.lr:g}, reward baseline {args.baseline}, max_tokens {args.max_tokens}, "
           f"T {args.temperature}, {args.probes} held-out probes/persona, arms {', '.join(args.arm_list)}, "
           f"seeds 1..{args.seeds}, load {os.getloadavg()[0]:.1f}", flush=True)
@@ -304,7 +324,8 @@ async def main_async(args: argparse.Namespace) -> int:
     print(table(results, args.arm_list, args.steps))
     missed = missed_targets(results, args)
     out = {"provenance": prov, "model": str(args.model_dir), "profile": args.model, "personas": args.personas,
-           "steps": args.steps, "batch": args.batch, "lr": args.lr, "reward_baseline": args.baseline,
+           "lora_rank": args.lora_rank, "steps": args.steps, "batch": args.batch, "lr": args.lr,
+           "reward_baseline": args.baseline,
            "max_tokens": args.max_tokens, "temperature": args.temperature, "probes_per_persona": args.probes,
            "seeds": args.seeds, "teacher": args.teacher, "wall_s": round(time.monotonic() - started, 1),
            "cores": os.cpu_count(), "arms": results, "failures": failures,

@@ -21,6 +21,7 @@ The JSON carries `provenance` (bench/provenance.py) and `pass`.
 
     .venv/bin/python bench/swap.py                  # about 25 s on 2 cores; writes bench/results/swap.json
     .venv/bin/python bench/swap.py --publishes 20 --concurrency 8 --threads 0 2>/tmp/clawd.log
+    .venv/bin/python bench/swap.py --lora           # LoRA vs full fine-tune per publish: bench/lora.py, its own flags
 """
 from __future__ import annotations
 
@@ -130,7 +131,13 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--lora" in argv:  # another measurement with its own flags and JSON: bench/lora.py
+        import lora
+        return lora.main([a for a in argv if a != "--lora"])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lora", action="store_true",
+                   help="measure LoRA against the full fine-tune per publish instead (bench/lora.py; see its --help)")
     # 100, not 10: publishes come every ~0.15 s here, so with 10 only ~10 requests overlap none,
     # and the headline ratio swung from 0.9 to 1.35 between runs.
     p.add_argument("--publishes", type=int, default=100, help="stop the load after this many publishes")

@@ -35,11 +35,13 @@ The defaults (rl mode, lr 5e-5, 8 samples a step, 48 tokens a reply at T 0.7, pe
 and `plain`) take about 14 min on 2 cores. With the earlier form-only personas
 (`--personas form:brief,form:plain`) a run took the evaluation set from 38% satisfied to 100% while
 the answers collapsed ("The answer is a planet."): the documented example of a reward hack.
+`--lora` (`make demo DEMO_ARGS=--lora`): LoRA adapters of rank 16 (`--lora-rank N`) at `lora_lr` (--lr, 1e-4).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import random
 import shutil
@@ -50,6 +52,7 @@ from typing import Any
 
 from clawd import degeneration, paired
 from clawd.ops.ctl import NotRunning
+from clawd.train_config import TrainConfig
 from clawd.tools.sim.launch import Clawd
 from clawd.tools.sim.personas import PERSONAS, persona
 from clawd.tools.sim.users import Reply, Users, by_persona, by_version, rate
@@ -72,12 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=("rl", "opd", "combine"), default="rl", help="clawd's scoring mode (default rl)")
     ap.add_argument("--teacher", choices=("policy", "reference"), default="policy",
                     help="teacher engine in opd/combine: 'reference' starts a second engine (default policy)")
-    ap.add_argument("--lr", type=float, default=5e-5, help="learning rate (default 5e-5)")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default 5e-5; with --lora 1e-4)")
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen base ([train] lora_rank)")
+    ap.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (default 16; implies --lora)")
     ap.add_argument("--batch", type=int, default=8, help="effective samples per training step (default 8)")
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per reply (default 48)")
     ap.add_argument("--temperature", type=float, default=0.7, help="the users' sampling temperature (default 0.7)")
-    ap.add_argument("--probes", type=int, default=16,
-                    help="evaluation questions per persona, before and after (default 16)")
+    ap.add_argument("--probes", type=int, default=16, help="evaluation questions per persona, before and after (default 16)")
     ap.add_argument("--tool-share", type=float, default=0.15, help="share of sessions offered a tool (default 0.15)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for clawd's engine and trainer (default 1)")
     ap.add_argument("--idle-timeout", type=float, default=20.0, help="seconds before abandoned sessions close (default 20)")
@@ -85,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-weights", action="store_true",
                     help="keep the published weights and checkpoints (~2.7 GB for SmolLM2); records are always kept")
     args = ap.parse_args(argv)
+    if args.lora_rank is not None and args.lora_rank < 1:
+        ap.error("--lora-rank must be positive")
+    args.lora_rank = (args.lora_rank or 16) if args.lora or args.lora_rank else 0
+    args.lr = (TrainConfig().lora_lr if args.lora_rank else 5e-5) if args.lr is None else args.lr
+    args.tuning = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tune"
     for name in ("minutes", "concurrency", "batch", "max_tokens", "probes", "lr", "idle_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
@@ -110,7 +119,8 @@ def clawd_sections(args: argparse.Namespace, state_dir: Path) -> dict[str, dict[
         "judge": {"backend": "rules", "teacher_engine": args.teacher},
         "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1},
         # Checkpoints of a 135M model and its optimizer cost seconds each: one at the end is plenty.
-        "train": {"lr": args.lr, "seed": args.seed, "checkpoint_every": 1000, "keep_versions": 2},
+        "train": {"lr": args.lr, "seed": args.seed, "checkpoint_every": 1000, "keep_versions": 2,
+                  **({"lora_rank": args.lora_rank, "lora_lr": args.lr} if args.lora_rank else {})},
         "sessions": {"session_idle_timeout": args.idle_timeout, "sweep_interval": 2.0},
         "state": {"dir": str(state_dir)},
     }
@@ -219,8 +229,8 @@ async def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     clawd = Clawd(run_dir, clawd_sections(args, (run_dir / "state").resolve()), threads=args.threads)
     names = ", ".join(f"{p.name} ({p.preference})" for p in args.persona_list)
-    print(f"clawd demo: {Path(args.model).name} on the CPU engine, mode {args.mode}, rules judge, "
-          f"lr {args.lr:g}, batch {args.batch}, max_tokens {args.max_tokens}, {args.concurrency} users, "
+    print(f"clawd demo: {Path(args.model).name} on the CPU engine, {args.tuning}, mode {args.mode}, "
+          f"rules judge, lr {args.lr:g}, batch {args.batch}, max_tokens {args.max_tokens}, {args.concurrency} users, "
           f"seed {args.seed}, budget {args.minutes:g} min\npersonas: {names}", flush=True)
     await clawd.start()
     print(f"{clock(time.monotonic() - started)}  clawd ready at {clawd.url} (log: {clawd.log_path})", flush=True)
@@ -331,7 +341,8 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
                  "after_version": a.version}
                 for b, a in random.Random(args.seed).sample(pairs, min(EXAMPLES, len(pairs)))]
     return {
-        "model": str(args.model), "mode": args.mode, "judge": "rules", "seed": args.seed, "lr": args.lr,
+        "model": str(args.model), "tuning": args.tuning, "lora_rank": args.lora_rank, "mode": args.mode,
+        "judge": "rules", "seed": args.seed, "lr": args.lr,
         "batch": args.batch, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
         "temperature": args.temperature, "probes_per_persona": args.probes,
         "seconds": round(seconds, 1),
@@ -348,10 +359,10 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
                    "samples_trained": learner.get("samples_trained"), "votes": status["scoring"]["votes"],
                    "excluded": status["scoring"]["excluded"], "hints_accepted": status["scoring"]["hints_accepted"]},
         "users": {"sessions": len(users.sessions), "ended": users.ended, "errors": users.errors[:20],
-                  "styles": _count(p.style for p in users.sessions),
+                  "styles": collections.Counter(p.style for p in users.sessions),
                   "tool_sessions": sum(p.tools for p in users.sessions),
                   "streamed_sessions": sum(p.stream for p in users.sessions),
-                  "replies": _count(r.kind for r in users.replies)},
+                  "replies": collections.Counter(r.kind for r in users.replies)},
         "examples": examples,
         "degeneration": _degeneration(users, before, after),
     }
@@ -377,13 +388,6 @@ def _degeneration(users: Users, before: list[Reply], after: list[Reply]) -> dict
     ev_after = degeneration.summarise(r.text for r in after)
     return {"evaluation": {"before": ev_before, "after": ev_after, "flags": degeneration.flags(ev_after, ev_before)},
             "live": {str(v): row for v, row in degeneration.by_version(r.to_json() for r in users.replies).items()}}
-
-
-def _count(items) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
 
 
 def plot(summary: dict[str, Any], path: Path) -> Path | None:
@@ -423,7 +427,7 @@ def plot(summary: dict[str, Any], path: Path) -> Path | None:
     reward_axis.set_ylabel("mean reward")
     handles = left.get_legend_handles_labels()[0] + reward_axis.get_legend_handles_labels()[0]
     left.legend(handles, [h.get_label() for h in handles], loc="lower right", fontsize=8)
-    left.set_title(f"{Path(summary['model']).name}, mode {summary['mode']}, rules judge: marker size = answers")
+    left.set_title(f"{Path(summary['model']).name}, {summary['tuning']}, mode {summary['mode']}, rules judge; dot size: answers")
 
     # Right: the held-out evaluation set, v0 and the last version on the same questions and seeds, with the
     # paired difference's 95% interval (clawd.paired) drawn around the last version's bar.
@@ -447,7 +451,7 @@ def plot(summary: dict[str, Any], path: Path) -> Path | None:
 
 def print_summary(summary: dict[str, Any], out: Path, png: Path | None) -> None:
     sat = summary["satisfaction"]
-    print(f"\nafter {clock(summary['seconds'])}: {summary['daemon']['steps']} training steps, "
+    print(f"\nafter {clock(summary['seconds'])} ({summary['tuning']}): {summary['daemon']['steps']} training steps, "
           f"last version v{sat['last_version']}; {summary['users']['sessions']} sessions "
           f"{summary['users']['ended']}, {len(summary['users']['errors'])} errors")
     print(f"{'persona':12s} {'preference':24s} {'v0':>5s} {'v' + str(sat['after_version']):>6s}   (evaluation set)")
