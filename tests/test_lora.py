@@ -365,10 +365,19 @@ def test_five_adapter_publishes_under_load_fail_no_request(tiny_model, tmp_path)
                                "train": {"lora_rank": 4, "lora_lr": 1e-3}})
     try:
         requests, learner = load_until_published(daemon, users=4, publishes=PUBLISHES, timeout=240)
-        snapshot = daemon.get("/debug/process")[1]
+        # The users have stopped and their requests ended: every retired adapter is unloaded soon after (the
+        # learner may still publish what was already scored, retiring more on the way).
+        import time
         import urllib.request
-        with urllib.request.urlopen(snapshot["replicas"][0]["url"] + "/v1/models", timeout=10) as resp:
-            held = [c["id"] for c in json.loads(resp.read())["data"] if c.get("parent")]
+        deadline = time.monotonic() + 60
+        while True:
+            snapshot = daemon.get("/debug/process")[1]
+            with urllib.request.urlopen(snapshot["replicas"][0]["url"] + "/v1/models", timeout=10) as resp:
+                held = [c["id"] for c in json.loads(resp.read())["data"] if c.get("parent")]
+            if held == [snapshot["adapters"]["serving"]] and not snapshot["adapters"]["retired"]:
+                break
+            assert time.monotonic() < deadline, (held, snapshot["adapters"])
+            time.sleep(0.2)
         with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
     finally:
@@ -382,7 +391,7 @@ def test_five_adapter_publishes_under_load_fail_no_request(tiny_model, tmp_path)
     during = {w["version"]: [r for r in requests if r["ok"] and r["start"] < w["end"] and r["end"] > w["start"]]
               for w in windows}
     print(f"\n{ok} requests served; in flight during each adapter publish: "
-          f"{({v: len(rs) for v, rs in during.items()})}; adapters the engine holds at the end: {held}")
+          f"{({v: len(rs) for v, rs in during.items()})}; adapters the engine holds once idle: {held}")
     assert all(during.values()), {v: len(rs) for v, rs in during.items()}
     loaded = [line for line in daemon.lines if "LoRA adapter clawd-v" in line and " loaded from " in line]
     assert len(loaded) >= PUBLISHES and not any("generation paused" in line for line in daemon.lines)
@@ -390,10 +399,10 @@ def test_five_adapter_publishes_under_load_fail_no_request(tiny_model, tmp_path)
     # versions may serve no finished session before the users stop).
     versions = sorted({t["policy_version"] for t in daemon.records()})
     assert versions[0] == 0 and len(versions) >= 3, versions
-    # Retired adapters are unloaded once unused: the engine holds the served one and at most one on its way out.
-    assert 1 <= len(held) <= 2 and any(line for line in daemon.lines if "LoRA adapter clawd-v1 unloaded" in line)
+    # Retired adapters were unloaded once unused (above: the engine ends up holding the served one alone).
+    assert any(line for line in daemon.lines if "LoRA adapter clawd-v1 unloaded" in line)
     adapters = snapshot["adapters"]  # status and metrics say the same
-    assert adapters["serving"] in held and adapters["unloaded"] >= PUBLISHES - 2 and adapters["failed_unloads"] == 0
+    assert adapters["unloaded"] >= PUBLISHES - 1 and adapters["failed_unloads"] == 0
     scraped = re.search(r"^clawd_adapter_unloads_total (\S+)$", metrics, re.MULTILINE)  # scraped just after
     assert scraped and float(scraped.group(1)) >= adapters["unloaded"], metrics[-2000:]
 
