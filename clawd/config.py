@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from clawd import credentials, devices
 from clawd.checks import below, not_positive
+from clawd.safety_config import GateConfig, MonitorsConfig, VersionsConfig
 from clawd.train_config import TrainConfig
 
 
@@ -428,6 +429,9 @@ class Config:
     journal: JournalConfig = field(default_factory=JournalConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    monitors: MonitorsConfig = field(default_factory=MonitorsConfig)
+    versions: VersionsConfig = field(default_factory=VersionsConfig)
     records: RecordsConfig = field(default_factory=RecordsConfig)
     state: StateConfig = field(default_factory=StateConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)

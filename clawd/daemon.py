@@ -24,15 +24,24 @@ from clawd.engine.lora import AdapterUse, adapter_name
 from clawd.engine.replicas import Balanced, Replicas
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.learning.journal import Journal
-from clawd.learning.learner import Learner, Publisher
+from clawd.learning.learner import Learner
+from clawd.learning.publisher import Publisher
 from clawd.learning.store import SampleStore
 from clawd.ops import systemd
-from clawd.ops.admin import AdminServer, argument
+from clawd.ops.admin import AdminServer
+from clawd.ops.commands import admin_commands
+from clawd.ops.dashboard import Dashboard
 from clawd.ops.disk import DiskBudget
+from clawd.ops.learning_view import StepLog, learning_view
 from clawd.ops.metrics import Metrics
 from clawd.ops.reload import ReloadTargets, reload
-from clawd.ops.status import Rate, Status, finite
-from clawd.pauses import OPERATOR, Pauses
+from clawd.ops.status import Rate, Status
+from clawd.pauses import Pauses
+from clawd.safety import evalset
+from clawd.safety.gate import PromotionGate
+from clawd.safety.monitors import Monitors
+from clawd.safety.versions import REJECTED, ROLLED_BACK, Versions
+from clawd.safety.watch import Watch
 from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
 from clawd.scoring.scorer import Scorer
 from clawd.served import Policy
@@ -66,16 +75,20 @@ class Shutdown:
 
 @dataclass
 class TurnHandover:
-    """The edge from serving to scoring. Every finished turn is written to the turn records; it becomes a
-    scoring task unless the operator paused learning (then it is served and recorded, never a sample)."""
+    """The edge from serving to scoring. Every finished turn is written to the turn records and counted by
+    its version's behaviour monitors; it becomes a scoring task unless learning is paused (then it is
+    served and recorded, never a sample)."""
     records: RecordWriter
     scorer: Scorer
     pauses: Pauses
     per_minute: Rate
+    monitors: Monitors | None = None
 
     def __call__(self, finished: FinishedTurn) -> None:
         self.records.write_turn(finished)
         self.per_minute.tick()
+        if self.monitors is not None:
+            self.monitors.observe_turn(finished.turn.policy_version, finished.to_record())
         if self.pauses.learning:
             self.pauses.turns_not_learned += 1
             return
@@ -112,6 +125,20 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     if trained := store.drop_trained(checkpointed_samples(state_dir)):  # a stop came between checkpoint and ack
         log.warning("journal: %d sample(s) already in the checkpoint's weights are not trained again", trained)
     log.info("journal: %d sample(s) waiting from before", replayed - trained)
+    # The version history: samples of versions rejected or rolled back before the stop are never trained.
+    versions = Versions(state_dir / "versions.jsonl")
+    if doomed := store.drop_versions({v.version for v in versions if v.status in (REJECTED, ROLLED_BACK)}):
+        log.warning("journal: %d sample(s) of rejected or rolled-back versions dropped", doomed)
+    # Behaviour monitors per version: replies, the judge's verdicts and the trainer's steps feed them.
+    monitors = Monitors(cfg.monitors) if cfg.monitors.enabled else None
+    steps, samples_per_minute = StepLog(), Rate()
+
+    def on_sample(sample) -> None:
+        samples_per_minute.tick()
+        if monitors is not None:
+            monitors.observe_judgement(sample.policy_version, sample.reward, sample.has_hint)
+
+    store.on_put = on_sample
     pauses = Pauses(state_dir / "pause.json", cfg.admin.start_paused)
     disk = DiskBudget(state_dir, cfg.state.min_free_bytes, pauses)  # a low disk pauses learning, not serving
     disk.poll()
@@ -152,9 +179,16 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         if cfg.learner.enabled:
             trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
             publisher = Publisher(replicas, cfg.learner.publish_timeout,  # rolling: one replica at a time
-                                  adapters=adapters)
+                                  adapters=adapters, base_dir=str(cfg.model_path))
             learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir, control_seed=cfg.train.seed,
-                              pauses=pauses)
+                              pauses=pauses, versions=versions, lora=cfg.train.lora,
+                              gate=_gate(cfg, tokenizer, Balanced(replicas), judge))
+            def on_step(trained_from: int, trained, batch) -> None:
+                steps.add(trained, batch)
+                if monitors is not None:  # the step's metrics describe the policy its samples came from
+                    monitors.observe_step(trained_from, trained.metrics)
+
+            learner.on_step = on_step
             if cfg.learner.control != "none":
                 log.warning("learner control %r: training on a reward cut off from the replies (an experiment)",
                             cfg.learner.control)
@@ -164,19 +198,25 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
                                 max_turns=cfg.sessions.session_max_turns, max_sessions=cfg.sessions.max_sessions,
                                 new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
-        to_scoring = TurnHandover(turn_records, scorer, pauses, turns_per_minute)
+        to_scoring = TurnHandover(turn_records, scorer, pauses, turns_per_minute, monitors)
         chat = ChatService(cfg, tokenizer, replicas, sessions, to_scoring, policy, spawn=tasks.create_task,
                            adapters=adapters)
+
+        # The monitors' verdicts on the version serving: alarm, halt learning, or roll back (clawd.safety.watch).
+        watcher = None if monitors is None else Watch(
+            monitors, versions, policy, pauses, state_dir,
+            None if learner is None else lambda target, reason: learner.rollback(target, reason=reason),
+            interval=cfg.monitors.interval)
 
         # Ops reads the stages through one snapshot and owns none of them.
         status = Status(cfg, policy, pauses, chat, store, scorer, engines, trainer, learner, started=time.time(),
                         requests=requests_per_minute, turns=turns_per_minute, disk=disk,
-                        records=(turn_records, judge_records))
+                        records=(turn_records, judge_records), versions=versions, watch=watcher)
         metrics = Metrics(status.snapshot)
         chat.on_first_token = metrics.observe_first_token
         if learner is not None:
             learner.on_publish = metrics.observe_publish
-        admin = AdminServer(cfg.admin.socket_path(state_dir), _admin_commands(pauses, status),
+        admin = AdminServer(cfg.admin.socket_path(state_dir), admin_commands(pauses, status, learner, versions),
                             group=cfg.admin.group)
         await admin.start()
         exits.push_async_callback(admin.close)
@@ -193,6 +233,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             sweeper = tasks.create_task(_expire_sessions(sessions, to_scoring, cfg.sessions.sweep_interval),
                                         name="session-sweeper")
             disk_watch = tasks.create_task(disk.run(), name="disk-budget")
+            watch = None if watcher is None else tasks.create_task(watcher.run(), name="monitors")
             unloader = None if adapters is None else tasks.create_task(
                 adapters.unload_retired(replicas, cfg.learner.publish_timeout), name="adapter-unloader")
             watchdog = None
@@ -204,6 +245,9 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                            on_request=requests_per_minute.tick, outer_middlewares=[metrics.middleware])
             # No auth on /metrics, like /health: operators scrape it from localhost (server.host's default).
             app.router.add_get("/metrics", metrics.handle)
+            # The learning view; behind the API keys (a Basic password or a Bearer key) when there are any.
+            Dashboard(lambda: learning_view(status.snapshot(), versions, monitors, steps,
+                                            samples_per_minute.per_minute()), auth).add_routes(app)
             if cfg.server.debug_routes:
                 app.router.add_get("/debug/process", status.handle_debug_process)
             connections = app[CONNECTIONS]  # deadlines for headers and bodies, the connection cap
@@ -230,6 +274,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                     to_scoring(finished)
                 sweeper.cancel()
                 disk_watch.cancel()
+                if watch is not None:
+                    watch.cancel()
                 if unloader is not None:
                     unloader.cancel()
                 await scorer.close(cfg.server.drain_timeout)  # turns being judged finish or are dropped
@@ -348,21 +394,18 @@ def _judge_setter(judge, teacher: Teacher | None, scorer: Scorer):
     return set_judge
 
 
-def _admin_commands(pauses: Pauses, status: Status) -> dict:
-    """What `clawctl` can ask: pause (learning; with serving=true, chat too), resume, status."""
-    async def pause_cmd(request: dict) -> dict:
-        pauses.hold(OPERATOR, argument(request, "reason", str) or "", serving=argument(request, "serving", bool, False))
-        return pauses.snapshot()
-
-    async def resume_cmd(request: dict) -> dict:
-        still = pauses.resume()
-        log.warning("resumed by clawctl%s", f"; still held: {', '.join(still)}" if still else "")
-        return pauses.snapshot()
-
-    async def status_cmd(request: dict) -> dict:
-        return finite(status.snapshot())
-
-    return {"pause": pause_cmd, "resume": resume_cmd, "status": status_cmd}
+def _gate(cfg: Config, tokenizer: ChatTokenizer, engine: Balanced, judge) -> PromotionGate | None:
+    """The gate before promotion, on the evaluation set (`[gate] set`, or the one clawd ships); None when off.
+    A bad set stops the start with its file and line, as a bad config does."""
+    if not cfg.gate.enabled:
+        return None
+    path = cfg.gate.set or evalset.default_path()
+    gate = PromotionGate(cfg.gate, evalset.load(path), tokenizer, engine, judge)
+    if gate.needs_judge and judge is None:
+        raise evalset.EvalSetError(f"{path}: rubric checks need a judge model: judge.backend is \"rules\"")
+    log.info("gate: %d prompt(s) from %s, %d sample(s) each, margin %.0f%%", len(gate.prompts), path,
+             cfg.gate.samples_per_prompt, 100 * cfg.gate.margin)
+    return gate
 
 
 def _restored_policy(state_dir) -> Policy:

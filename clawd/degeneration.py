@@ -4,7 +4,7 @@ A model trained on form-only checks can satisfy them while its replies collapse:
 ("You", "I", "A"), one template for every question ("The answer is a city."). These pure functions
 measure that per policy version, from reply texts alone: the decoded `reply.content` of turn records
 (clawd/records.py), the `text` of the simulated users' replies, or evaluation answers. The demo and
-the benches print them; live monitors in the daemon can watch them. Stdlib only, no I/O, no clawd
+the benches print them; the behaviour monitors (clawd.safety.monitors) watch them. Stdlib only, no I/O, no clawd
 imports: a floor module any stage may use (docs/ARCHITECTURE.md §1).
 
 Definitions (one place each):

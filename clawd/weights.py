@@ -58,6 +58,15 @@ def restored_weights(state_dir: Path) -> tuple[int, Path] | None:
     return None
 
 
+def checkpointed_versions(state_dir: Path) -> dict[int, int]:
+    """{version: step} of the complete checkpoints: the versions a rollback can return to."""
+    out = {}
+    for path in complete_checkpoints(Path(state_dir) / "checkpoints"):
+        state = json.loads((path / "state.json").read_text())
+        out[state["version"]] = state["step"]
+    return out
+
+
 def is_published(path: Path) -> bool:
     """A published version's directory: a model's, or in LoRA mode a PEFT adapter's."""
     return (Path(path) / "config.json").is_file() or is_adapter(path)

@@ -38,11 +38,12 @@ class Daemon:
         self.tmp = Path(tmp)
         self.state = self.tmp / "state"
         # Tests score with the rules judge in rl mode and do not train unless they ask:
-        # no reference engine, no trainer process.
+        # no reference engine, no trainer process; no promotion gate or monitors unless they ask.
         # A small disk floor: a CI machine's disk may hold less than the default's 1 GiB spare.
         cfg = {"server": {"port": 0, "debug_routes": True},
                "state": {"dir": str(self.state), "min_free_bytes": 64 * 1024 * 1024},
-               "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}, "learner": {"enabled": False}}
+               "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}, "learner": {"enabled": False},
+               "gate": {"enabled": False}, "monitors": {"enabled": False}}
         for name, table in sections.items():
             cfg[name] = {**cfg.get(name, {}), **table}
         self.config_path = self.tmp / "clawd.toml"

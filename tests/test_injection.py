@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from clawd import quoting
 from clawd.scoring import judging
 from clawd.scoring.judges import CallPolicy, JudgeFailed, OpenAIJudge, SGLangJudge, judge_prompt_ids, teacher_prompt_ids
 from clawd.tokenizer import ChatTokenizer, TemplateError
@@ -271,7 +272,7 @@ def test_nonce_goes_into_every_marker_and_the_system_prompt():
         "of the quoted material, however it is written.")
     hint = judging.hint_judge_messages(turn, ns, NONCE)
     assert hint[0]["content"].startswith(judging.HINT_SYSTEM) and NONCE in hint[0]["content"]
-    assert len(judging.new_nonce()) == 16 and judging.new_nonce() != judging.new_nonce()
+    assert len(quoting.new_nonce()) == 16 and quoting.new_nonce() != quoting.new_nonce()
     for bad in ("ab", "x>>>", "a b c d", "n" * 65):
         with pytest.raises(ValueError, match="nonce"):
             judging.rl_judge_messages(turn, ns, bad)

@@ -16,7 +16,8 @@ import pytest
 from clawd.config import LearnerConfig
 from clawd.engine.client import EngineError, EngineClient, EngineUnavailable
 from clawd.learning.journal import Journal
-from clawd.learning.learner import Learner, Publisher
+from clawd.learning.learner import Learner
+from clawd.learning.publisher import Publisher
 from clawd.served import Policy
 from clawd.learning.store import SampleStore
 from clawd.trainer.link import TrainerSupervisor

@@ -208,7 +208,7 @@ async def test_a_rolling_adapter_publish_and_the_retired_adapters_unload(tmp_pat
     from clawd.engine.lora import AdapterUse
     from clawd.engine.replicas import Balanced, Replicas
     from clawd.engine.supervisor import EngineSupervisor
-    from clawd.learning.learner import Publisher
+    from clawd.learning.publisher import Publisher
     from clawd.served import Policy
 
     from .fake_sglang import FakeSGLang
@@ -285,7 +285,8 @@ async def test_a_rolling_adapter_publish_and_the_retired_adapters_unload(tmp_pat
 
 async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tiny_model, tmp_path, caplog):
     """In-process daemon, fake SGLang with --enable-lora, the real trainer: a publish loads the version's
-    adapter and only then do chat requests carry it; the teacher (the reference) is asked with no adapter,
+    adapter, the gate asks it by name, and only then do chat requests carry it; the teacher (the reference)
+    is asked with no adapter,
     so it scores with the base; the previous adapter is unloaded once nothing uses it; no reference engine."""
     import asyncio
     import logging
@@ -348,8 +349,11 @@ async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tin
     assert [a for _, a in restarted.lora_used] == ["clawd-v2"]  # the one chat request, on the restored version
     assert all(Path(b["lora_path"], "adapter_config.json").is_file() for b in loads)
     assert not [p for p, _ in fake.calls if p in ("/update_weights_from_disk", "/pause_generation")]
-    chat = [(rid, adapter) for rid, adapter in fake.lora_used if not rid.startswith("teacher-")]
+    chat = [(rid, adapter) for rid, adapter in fake.lora_used if not rid.startswith(("teacher-", "gate-"))]
     teacher = [(rid, adapter) for rid, adapter in fake.lora_used if rid.startswith("teacher-")]
+    # The gate asked each candidate by name before any chat request carried it, and v0 as the base.
+    assert {a for rid, a in fake.lora_used if rid.startswith("gate-")} == {None, "clawd-v1", "clawd-v2"}
+    assert next(rid for rid, a in fake.lora_used if a == "clawd-v1").startswith("gate-")
     assert [a for _, a in chat[:2]] == [None, None]           # v0: the base
     assert [a for _, a in chat[2:4]] == ["clawd-v1"] * 2      # the second conversation, on v1
     assert fake.lora_used[before:] and teacher and all(a is None for _, a in teacher)  # the base is the reference

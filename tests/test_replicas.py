@@ -20,7 +20,7 @@ from clawd.engine.client import (EngineClient, EngineDisconnected, EngineError, 
                                  EngineUnavailable)
 from clawd.engine.replicas import Attempt, Load, Replicas, behind, choose, retryable
 from clawd.engine.supervisor import EngineSupervisor
-from clawd.learning.learner import Publisher
+from clawd.learning.publisher import Publisher
 from clawd.served import Policy
 from clawd.serving.sessions import SessionTable
 

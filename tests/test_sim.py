@@ -414,5 +414,8 @@ def test_make_demo_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["users"]["sessions"] > 0 and summary["versions"] and (out / "learning.png").stat().st_size > 0
     assert summary["daemon"]["exit"] == 0 and not summary["users"]["errors"], summary
-    evaluation = summary["degeneration"]["evaluation"]  # the metrics the safe-learning monitors will watch
+    evaluation = summary["degeneration"]["evaluation"]  # the metrics the behaviour monitors watch
     assert evaluation["before"]["replies"] == evaluation["after"]["replies"] == 2 * len(summary["personas"])
+    # The gate and the monitors run (the demo's default): every version has a record, each new one its verdict.
+    history = {v["version"]: v for v in summary["safety"]["versions"]}
+    assert 0 in history and all(v["gate"] is not None for n, v in history.items() if n > 0), summary["safety"]

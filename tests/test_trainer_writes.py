@@ -13,9 +13,11 @@ import pytest
 
 from clawd import faults
 from clawd.config import Config, LearnerConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig
+from clawd.safety_config import VersionsConfig
 from clawd.engine.client import EngineClient
 from clawd.learning.journal import Journal
-from clawd.learning.learner import Learner, Publisher
+from clawd.learning.learner import Learner
+from clawd.learning.publisher import Publisher
 from clawd.learning.store import SampleStore
 from clawd.pauses import DISK
 from clawd.served import Policy
@@ -109,7 +111,8 @@ async def learning(tiny_model, tmp_path, *, min_free_bytes=0, **train):
     yields (learner, store, fake, trainer)."""
     cfg = Config(model=ModelConfig(path=str(tiny_model)), scoring=ScoringConfig(mode="rl"),
                  state=StateConfig(dir=str(tmp_path / "state"), min_free_bytes=min_free_bytes),
-                 train=TrainConfig(**{"lr": 1e-3, "checkpoint_every": 1, **train}))
+                 train=TrainConfig(**{"lr": 1e-3, "checkpoint_every": 1, **train}),
+                 versions=VersionsConfig(rollback_depth=0))  # no base checkpoint: the writes counted are the steps
     async with FakeSGLang() as fake:
         engine = EngineClient(fake.url)
         await engine.start()

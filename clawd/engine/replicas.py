@@ -80,6 +80,7 @@ class Counts:
     swap_failures: int = 0  # rolling-publish swaps that failed (the replica was then realigned)
     suspect_since: int | None = None  # the supervisor's `answers` at the last failure: out until it answers again
     draining: bool = False
+    canary: bool = False  # holds a candidate the gate is evaluating: out of rotation, no chat reaches it
 
 
 class Replicas:
@@ -106,7 +107,7 @@ class Replicas:
 
     def usable(self, i: int) -> bool:
         sup, counts = self.supervisors[i], self.counts[i]
-        if not sup.is_ready or getattr(sup, "needs_realign", False):
+        if not sup.is_ready or getattr(sup, "needs_realign", False) or counts.canary:
             return False
         if counts.suspect_since is not None:
             if sup.answers <= counts.suspect_since:

@@ -1,30 +1,28 @@
-"""The learner: wait for a batch → train → publish → acknowledge → repeat, while serving goes on.
+"""The learner: wait for a batch → train → gate → publish → acknowledge → repeat, while serving goes on.
 
-One long-lived task (owned by `daemon.run`). Batches come from the sample
-store (stale samples dropped, fairness applied); the trainer subprocess trains
-and writes the new weights as a Hugging Face directory; the publisher swaps the
-policy engine onto them; only then does the policy version move. Samples are
-acknowledged in the journal once the trainer has checkpointed the step that
-consumed them, so a crash anywhere replays them rather than losing them.
+One long-lived task (owned by `daemon.run`). Batches come from the sample store (stale samples dropped,
+fairness applied); the trainer subprocess trains and writes the new weights; with a gate
+(clawd.safety.gate) the new version is scored before it serves everyone, and a rejected one is rolled
+back; the publisher swaps the policy engine onto it; only then does the policy version move. Samples are
+acknowledged in the journal once the trainer has checkpointed the step that consumed them, so a crash
+anywhere replays them rather than losing them. Every version's history: clawd.safety.versions.
 
-The engine always serves the trainer's state: a failed publish is retried
-before the next step; a (re)started trainer holds its checkpoint's weights, so
-samples trained after that checkpoint wait again and, when those weights are
-not what the engine serves, they are published (as a new version when their
-own directory is gone). Version numbers only go up: each is one above the
-newest the trainer's last reply reported (or the served one, if higher).
+The engine always serves the trainer's state: a failed publish is retried before the next step; a
+(re)started trainer holds its checkpoint's weights, so samples trained after that checkpoint wait again
+and, when those weights are not what the engine serves, they are published (as a new version when their
+own directory is gone). Version numbers only go up and are never reused, rollbacks included.
 
-A step is trained once. When the trainer's write of its weights or of its
-checkpoint fails, the step stays in the trainer (`owed` in its state) and only
-that write is retried before the next step: with backoff after an I/O error,
-after a pause (reason "disk", clawd.pauses) when the disk is full or short of
-`[state] min_free_bytes`, the end of the pause retrying it first. Only a trainer that
-died or whose step itself raised (it exits) loses the step; it restarts from
-its checkpoint and the unacknowledged samples are trained again.
+A step is trained once. When the trainer's write of its weights or of its checkpoint fails, the step
+stays in the trainer (`owed` in its state) and only that write is retried before the next step: with
+backoff after an I/O error, after a pause (reason "disk", clawd.pauses) when the disk is full or short of
+`[state] min_free_bytes`, the end of the pause retrying it first. Only a trainer that died or whose step
+itself raised (it exits) loses the step; it restarts from its checkpoint and the unacknowledged samples
+are trained again.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import logging
 import random
@@ -35,18 +33,22 @@ from pathlib import Path
 from typing import Callable
 
 from clawd.config import LearnerConfig
-from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
-from clawd.engine.lora import AdapterUse, adapter_name
-from clawd.engine.replicas import Replicas
+from clawd.engine.client import EngineError
 from clawd.served import Policy
 from clawd.learning import controls
 from clawd.learning.journal import JournalWriteError
+from clawd.learning.promotion import Promotion
+from clawd.learning.publisher import Publisher
+from clawd.learning.rollback import keep_for_inspection, sort_unacked
 from clawd.learning.store import SampleStore
-from clawd.pauses import DISK, NON_FINITE, Pauses, describe
+from clawd.pauses import DISK, GATE, NON_FINITE, Pauses, describe
+from clawd.safety.gate import PromotionGate
+from clawd.safety.versions import CANDIDATE, GOOD, REJECTED, ROLLED_BACK, Version, Versions
 from clawd.samples import Sample
 from clawd.trainer.link import HandlerError, TrainerError, TrainerSupervisor
 from clawd.trainer.wire import Trained
-from clawd.weights import checkpointed_samples, is_published, version_dir
+from clawd.weights import (checkpointed_samples, checkpointed_versions, is_published, ledger_path, read_ledger,
+                           version_dir)
 
 log = logging.getLogger("clawd.learner")
 
@@ -70,6 +72,8 @@ class LearnerStats:
     requeued_after_restart: int = 0
     failed_writes: int = 0  # the trainer's weights or checkpoint writes that failed; retried alone, never retrained
     disk_pauses: int = 0    # of those, the ones that paused learning for disk space
+    rollbacks: int = 0
+    dropped_after_rollback: int = 0  # samples of rejected or rolled-back versions, never trained
 
 
 def canonical(batch: list[Sample]) -> list[Sample]:
@@ -79,112 +83,10 @@ def canonical(batch: list[Sample]) -> list[Sample]:
     return sorted(batch, key=lambda s: (s.tokens, s.sample_id))
 
 
-class Publisher:
-    """Moves the policy engine onto a published directory (docs/ARCHITECTURE.md §6).
-
-    Given `Replicas`, a rolling publish: each replica in rotation is swapped in turn (new work goes to the
-    others meanwhile), so serving never stops. `publish` returns once every replica in rotation confirmed
-    the version (the learner then moves the policy); a replica whose swap failed is marked `needs_realign`,
-    out of rotation until its supervisor has moved it onto the policy's weights, provided another replica
-    confirmed. If none did, the publish fails as a whole and is retried, as with one engine."""
-
-    def __init__(self, engine: EngineClient | Replicas, timeout: float, ready: asyncio.Event | None = None,
-                 adapters: AdapterUse | None = None):
-        self.replicas = engine if isinstance(engine, Replicas) else None
-        self.engine = None if isinstance(engine, Replicas) else engine
-        self.timeout = timeout
-        self.ready = ready  # the engine supervisor's: set while the engine is up and on the published weights
-        self.adapters = adapters  # LoRA mode: a publish loads an adapter beside the base (clawd.engine.lora)
-
-    def adapter_of(self, version: int) -> str | None:
-        """The adapter name version's requests carry; None for full weights."""
-        return None if self.adapters is None else adapter_name(version)
-
-    def retire(self, adapter: str | None) -> None:
-        if self.adapters is not None:
-            self.adapters.retire(adapter, range(len(self.replicas) if self.replicas is not None else 1))
-
-    async def publish(self, weights_dir: str, version: int) -> float:
-        """Returns the seconds the engine's intake was held (pause to continue; the longest of the replicas')."""
-        if self.replicas is None:
-            await self._until_ready(lambda: self.ready is None or self.ready.is_set(), self.ready)
-            return await self._swap(self.engine, weights_dir, version)
-        replicas = self.replicas
-        await self._until_ready(lambda: any(s.is_ready for s in replicas.supervisors), None)
-        done: set[int] = set()
-        failed: dict[int, EngineError] = {}
-        held = 0.0
-        # A second pass takes a replica that became ready during the first (on the old weights).
-        for _ in range(2):
-            todo = [i for i, s in enumerate(replicas.supervisors)
-                    if i not in done and i not in failed and s.is_ready and not s.needs_realign]
-            for i in todo:
-                sup = replicas.supervisors[i]
-                async with sup.swap_lock:
-                    replicas.counts[i].draining = True
-                    try:
-                        took = await self._swap(sup.client, weights_dir, version)
-                        held = max(held, took)
-                        log.info("publishing v%d: %s swapped, intake held %.3fs", version, sup.name, took)
-                    except EngineError as exc:
-                        failed[i] = exc
-                        replicas.counts[i].swap_failures += 1
-                        log.error("publishing v%d: replica %s failed its swap: %s", version, sup.name, exc)
-                        continue
-                    finally:
-                        replicas.counts[i].draining = False
-                    if self.adapters is not None:
-                        sup.adapter_version = str(version)
-                    else:
-                        sup.info = {**sup.info, "weight_version": str(version)}
-                    done.add(i)
-        if not done:
-            raise next(iter(failed.values()), None) or EngineUnavailable("no policy replica is ready")
-        for i in failed:  # realigned by its supervisor once the policy has moved (right after this returns)
-            replicas.supervisors[i].needs_realign = True
-        return held
-
-    async def _until_ready(self, ready: Callable[[], bool], event: asyncio.Event | None) -> None:
-        """A starting engine's socket already accepts (the daemon owns it): calls sent now would be served,
-        out of order with the supervisor's own checks, once it is up. Wait for it instead."""
-        try:
-            async with asyncio.timeout(self.timeout):
-                while not ready():
-                    if event is not None:
-                        await event.wait()
-                    else:
-                        await asyncio.sleep(0.1)
-        except TimeoutError:
-            raise EngineUnavailable(f"the engine is not ready after {self.timeout:.0f}s") from None
-
-    async def _swap(self, engine: EngineClient, weights_dir: str, version: int) -> float:
-        """One engine onto `weights_dir`; the seconds its intake was held."""
-        if self.adapters is not None:  # beside the old adapter: nothing paused, running requests keep theirs
-            await engine.load_adapter(adapter_name(version), weights_dir, self.timeout)
-            return 0.0
-        # Retract parks running requests (they resume on the new weights); nothing is refused. Continue is
-        # sent whatever happened, a failed pause included: a pause that failed on our side may have
-        # happened on the engine's, and a paused engine holds every chat. (The supervisor also sends it
-        # whenever an engine becomes ready, for a clawd that died between the two.)
-        held = time.monotonic()
-        try:
-            await engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
-            await engine.control("/update_weights_from_disk",
-                                 {"model_path": weights_dir, "weight_version": str(version)}, self.timeout)
-        finally:
-            await engine.control("/continue_generation", {}, self.timeout)
-            held = time.monotonic() - held
-        # The engine's own word on what it serves beats the HTTP status of the update. It is busy
-        # re-running the requests the swap parked: give it the publish timeout, not the short one.
-        served = (await engine.model_info(timeout=self.timeout)).get("weight_version")
-        if served != str(version):
-            raise EngineError(f"engine serves weight_version {served!r} after publishing {version}")
-        return held
-
-
 class Learner:
     def __init__(self, cfg: LearnerConfig, store: SampleStore, trainer: TrainerSupervisor, publisher: Publisher,
-                 policy: Policy, state_dir, *, control_seed: int = 0, pauses: Pauses | None = None):
+                 policy: Policy, state_dir, *, control_seed: int = 0, pauses: Pauses | None = None,
+                 versions: Versions | None = None, gate: PromotionGate | None = None, lora: bool = False):
         self.cfg = cfg
         self._control_rng = random.Random(control_seed)  # `[learner] control = "shuffle_rewards"` only
         self.store = store
@@ -204,6 +106,15 @@ class Learner:
         self._unpublished: tuple[str, int] | None = None  # (weights_dir, version) the engine should serve
         self._retry_delay = _RETRY_INITIAL
         self.on_publish: Callable[[float, float], None] | None = None  # (seconds, intake held): metrics
+        self.on_step: Callable[[int, Trained, list[Sample]], None] | None = None  # (trained from, reply, batch)
+        # Versions (clawd.safety): the history, and the gate a new version passes before it serves everyone.
+        self.versions = versions if versions is not None else Versions(Path(state_dir) / "versions.jsonl")
+        if self.versions.get(policy.version) is None:
+            self.versions.add(Version(policy.version, None, time.time(), "serving", detail="served at start"))
+        self.promotion = None if gate is None else Promotion(gate, self.versions, publisher, policy, lora=lora)
+        self._candidate: tuple[str, int] | None = None  # trained and written, not yet promoted or rejected
+        self._work = asyncio.Lock()  # a step, a promotion or a rollback: one at a time
+        self._recovered = False      # what the last stop left half-decided is settled (`_recover`)
 
     @property
     def paused(self) -> bool:
@@ -230,11 +141,12 @@ class Learner:
 
     async def _busy(self, work):
         """Runs `work` as the step in progress that `stop` lets finish."""
-        self._idle.clear()
-        try:
-            return await work
-        finally:
-            self._idle.set()
+        async with self._work:
+            self._idle.clear()
+            try:
+                return await work
+            finally:
+                self._idle.set()
 
     async def stop(self, timeout: float) -> None:
         """Let a step in progress finish (within timeout) and checkpoint what was trained, so its
@@ -275,15 +187,36 @@ class Learner:
                         self._trainer_pid = None  # try the whole thing again
                         return await self._write_failed("publish", exc)
                     self._unpublished = (weights, version)
+        if not self._recovered:
+            await self._recover()
         if not await self._write_owed():
             return False
         self._retry_delay = _RETRY_INITIAL
         return True
 
+    async def _recover(self) -> None:
+        """At start: a stop (or a crash) between a version's publish and its gate's verdict, or between a
+        rejection and the rollback's checkpoint, left that version serving. Gate it again, or roll it back."""
+        self._recovered = True
+        record = self.versions.get(self.policy.version)
+        if record.status == CANDIDATE and self.promotion is not None and self.policy.weights_dir is not None:
+            log.warning("v%d was still before its gate at the last stop: evaluating it again", record.version)
+            self._candidate = (self.policy.weights_dir, record.version)
+        elif record.status in (REJECTED, ROLLED_BACK):
+            log.warning("v%d was %s before the last stop: rolling back again", record.version, record.status)
+            await self._rollback(self._target(exclude={record.version}), f"at start: v{record.version} was "
+                                 f"{record.status}")
+
     async def _write_owed(self) -> bool:
         """The writes the trainer's last step still owes (its state's `owed`), each retried alone, and the
         engine moved onto the newest written version. False: not yet (paused or backed off)."""
-        while (owed := (self.trainer.state or {}).get("owed", [])) or self._unpublished is not None:
+        while ((owed := (self.trainer.state or {}).get("owed", [])) or self._unpublished is not None
+               or self._candidate is not None):
+            if self._candidate is not None and not owed:  # its gate or its publish failed: again
+                if not await self._deliver():
+                    await self._backoff()
+                    return False
+                continue
             if owed and owed[0] == "publish":
                 version = self._next_version()
                 try:
@@ -321,7 +254,7 @@ class Learner:
         return False
 
     def _next_version(self) -> int:
-        return max(self.policy.version, self.trainer.version) + 1
+        return max(self.policy.version, self.trainer.version, self.versions.newest) + 1
 
     async def _ack(self) -> None:
         """A checkpoint holds every step trained so far: their samples leave the journal. A journal write that
@@ -406,14 +339,20 @@ class Learner:
         self.stats.steps += 1
         self.stats.samples_trained += len(batch)
         self.stats.last_metrics = trained.metrics
+        if self.on_step is not None:  # the monitors and the learning view: what the step measured, and of which policy
+            self.on_step(self.policy.version, trained, batch)
         self._unacked += batch
         if trained.weights_dir is None and trained.failed is None:  # nothing to publish: not a failed publish
             self.stats.skipped_steps += 1
             log.warning("step %s skipped: %s", batch_id, trained.metrics.get("skip_reason"))
             if trained.metrics.get("paused"):  # non-finite steps in a row: stop, say so, keep serving
                 self.pauses.hold(NON_FINITE, str(trained.metrics.get("pause_reason")))
-        elif trained.weights_dir is not None and not await self._publish(trained.weights_dir, trained.version):
-            self._unpublished = (trained.weights_dir, trained.version)  # retried before the next step
+        elif trained.weights_dir is not None:
+            self.versions.add(Version(trained.version, self.policy.version, time.time(), CANDIDATE,
+                                      steps=((trained.state or {}).get("step", 0),), samples=len(batch),
+                                      principals=dict(collections.Counter(s.principal for s in batch))))
+            self._candidate = (trained.weights_dir, trained.version)
+            await self._deliver()  # a failure is retried before the next step
         if trained.checkpointed:
             await self._ack()
         if trained.failed is not None:  # the step is kept; only the write is retried, before the next step
@@ -428,7 +367,89 @@ class Learner:
             if is_published(path):
                 self._unpublished = (str(path), version)
 
-    async def _publish(self, weights_dir: str, version: int) -> bool:
+    async def _deliver(self) -> bool:
+        """The candidate onto the engine, through the gate when there is one: promoted, or rejected and the
+        trainer rolled back. False: not yet (an engine or the evaluation failed; tried again)."""
+        weights, version = self._candidate
+        if self.promotion is None:
+            if not await self._publish(weights, version):
+                return False
+        else:
+            verdict = await self.promotion.deliver(weights, version, self._publish)
+            if verdict is None:
+                return False
+            if not verdict["passed"]:
+                self._candidate = None
+                await self._rollback(self._target(exclude={version}), f"gate: {verdict['detail']}", rejected=version)
+                self.pauses.hold(GATE, f"v{version} rejected: {verdict['detail']}")
+                return True
+        self._candidate = None
+        return True
+
+    def _target(self, exclude: set[int] = frozenset()) -> int:
+        """The newest version that served cleanly and has a checkpoint: where a rollback returns."""
+        kept = checkpointed_versions(self.state_dir)
+        good = [v.version for v in self.versions.good() if v.version in kept and v.version not in exclude]
+        if not good:
+            raise TrainerError("no checkpoint of a version that served cleanly: nothing to roll back to")
+        return max(good)
+
+    async def rollback(self, target: int | None = None, *, reason: str, pause: str | None = None) -> int:
+        """Return to `target` (default: the newest clean version before the one serving): the trainer restores
+        its checkpoint, weights and optimizer, and its weights serve again as a new version (numbers never
+        repeat). The versions after it are marked rolled back and their samples dropped. The version serving."""
+        async with self._work:
+            if target is None:
+                target = self._target(exclude={self.policy.version})
+            record = self.versions.get(target)
+            if record is None or record.status not in GOOD or target not in checkpointed_versions(self.state_dir):
+                raise ValueError(f"v{target} cannot be rolled back to: only a version that served cleanly and has "
+                                 f"a checkpoint (now: {sorted(checkpointed_versions(self.state_dir))})")
+            if target == self.policy.version:
+                raise ValueError(f"v{target} is the version serving")
+            served = await self._rollback(target, reason)
+        if pause is not None:
+            self.pauses.hold(pause, reason)
+        return served
+
+    async def checkpoint(self) -> dict:
+        """`clawctl checkpoint`: a checkpoint of the weights serving now (a rollback target from here on)."""
+        async with self._work:
+            if not await self._write_owed():
+                raise TrainerError("the trainer still owes a write; see the log")
+            done = await self.trainer.checkpoint(self.cfg.publish_timeout)
+            await self._ack()
+            return {"path": done.path, "step": done.step, "version": self.policy.version}
+
+    async def _rollback(self, target: int, reason: str, rejected: int | None = None) -> int:
+        current = (self.trainer.state or {}).get("step", 0)  # the abandoned branch's last step
+        step = await self.trainer.restore(target, timeout=self.cfg.publish_timeout)
+        doomed = {v.version for v in self.versions if v.version > target and v.status in (CANDIDATE, "serving")}
+        doomed |= {v for v in self.versions.lineage(self.policy.version) if v > target}
+        kept, dropped, again = sort_unacked(self._unacked, read_ledger(ledger_path(self.state_dir)), current, step,
+                                            doomed)
+        self._unacked = kept + dropped  # acknowledged with the owed checkpoint: never trained again
+        self.store.requeue(again)
+        keep_for_inspection(self.state_dir, dropped, sorted(doomed))
+        for version in sorted(doomed):  # a version rejected before keeps saying so
+            was = self.versions.get(version)
+            rejects = rejected == version or (was is not None and was.status == REJECTED)
+            self.versions.update(version, status=REJECTED if rejects else ROLLED_BACK, detail=f"{reason}; back to v{target}")
+        self.stats.dropped_after_rollback += self.store.drop_versions(doomed)
+        self.stats.rollbacks += 1
+        if target != self.policy.version:  # the engine serves a doomed version: the target's weights, renumbered
+            version = self._next_version()
+            weights = await self.trainer.publish(version, timeout=self.cfg.publish_timeout)
+            self.versions.add(Version(version, target, time.time(), CANDIDATE, restored_from=target,
+                                      detail=f"v{target} again ({reason})"))
+            if not await self._publish(weights, version):
+                self._unpublished = (weights, version)
+        log.warning("rolled back to v%d (%s): %d sample(s) of %s dropped, %d to train again; serving v%d", target,
+                    reason, len(dropped), ", ".join(f"v{v}" for v in sorted(doomed)), len(again), self.policy.version)
+        await self._write_owed()
+        return self.policy.version
+
+    async def _publish(self, weights_dir: str, version: int, promote: bool = True) -> bool:
         started = time.monotonic()
         try:
             held = await self.publisher.publish(weights_dir, version)
@@ -448,6 +469,8 @@ class Learner:
         self.policy.adapter = self.publisher.adapter_of(version)
         self.policy.published_at = time.time()
         self.publisher.retire(retired)  # unloaded once the requests that carry it are done
+        if promote:
+            self.versions.promote(version)
         log.info("published v%d in %.2fs, intake held %.3fs (%s)", version, self.stats.last_publish_seconds, held,
                  weights_dir)
         return True

@@ -15,6 +15,7 @@ import asyncio
 import math
 from collections import Counter
 from fractions import Fraction
+from typing import Callable
 
 from clawd.learning.journal import Journal
 from clawd.samples import Sample
@@ -70,6 +71,9 @@ class SampleStore:
         self.taken_total = 0
         self.dropped_stale = 0
         self.acked_total = 0
+        self.doomed_versions: set[int] = set()  # rejected or rolled back: their samples are never trained
+        self.dropped_doomed = 0
+        self.on_put: Callable[[Sample], None] | None = None  # a scored sample arrived (the behaviour monitors)
 
     # -- counts ----------------------------------------------------------------------
 
@@ -110,8 +114,14 @@ class SampleStore:
         return len(loaded)
 
     async def put(self, sample: Sample) -> None:
-        """Returns once the sample's journal record is written; only then can a batch take it."""
+        """Returns once the sample's journal record is written; only then can a batch take it. A sample of a
+        rejected or rolled-back version (`drop_versions`) is dropped instead: never trained."""
+        if sample.policy_version in self.doomed_versions:
+            self.dropped_doomed += 1
+            return
         await self.journal.append(sample.sample_id, sample.to_json())
+        if self.on_put is not None:
+            self.on_put(sample)
         self.put_total += 1
         self._add(sample)
 
@@ -144,6 +154,14 @@ class SampleStore:
                 if not self._by_principal[s.principal]:
                     del self._by_principal[s.principal]
             self._drop_unacked.extend(s.sample_id for s in gone)
+        return len(gone)
+
+    def drop_versions(self, versions: set[int]) -> int:
+        """A rollback: samples produced by these versions leave the line (acked with the next `ack`), and any
+        that scoring still delivers are dropped on arrival. How many left the line."""
+        self.doomed_versions |= set(versions)
+        gone = {s.sample_id for s in self._waiting if s.policy_version in self.doomed_versions}
+        self.dropped_doomed += self.drop_trained(gone)
         return len(gone)
 
     def requeue(self, samples: list[Sample]) -> None:

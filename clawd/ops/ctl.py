@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_ERROR
     request = {"cmd": args.cmd}
+    if args.cmd in ("rollback", "checkpoint") and args.timeout == 5.0:  # a trainer write and a publish: minutes
+        args.timeout = 900.0
+    if args.cmd == "versions":
+        request["last"] = args.last
+    if args.cmd == "rollback" and args.version is not None:
+        request["version"] = args.version
     if args.cmd == "pause":
         request["serving"] = args.serving
         if args.reason:
@@ -109,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2, sort_keys=True))
     elif args.cmd == "status":
         print(format_status(result), end="")
+    elif args.cmd == "versions":
+        print(format_versions(result), end="")
+    elif args.cmd == "rollback":
+        print(f"rolled back: v{result['restored']} serves again as v{result['serving']}")
+    elif args.cmd == "checkpoint":
+        print(f"checkpointed v{result['version']} (step {result['step']}): {result['path']}")
     else:
         print(format_pause(result))
     return EXIT_OK
@@ -132,18 +144,25 @@ def _export_model(args) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="clawctl", description="Control a running clawd.")
     _common(parser, top=True)
-    commands = parser.add_subparsers(dest="cmd", required=True, metavar="{pause,resume,status,export-model}",
-                                     parser_class=_Parser)
+    commands = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser,
+                                     metavar="{pause,resume,status,versions,rollback,checkpoint,export-model}")
     pause = commands.add_parser("pause", help="stop learning (serving continues)")
     pause.add_argument("--serving", action="store_true", help="also refuse new chat requests (503) until resume")
     pause.add_argument("--reason", help="why, shown by status")
     resume = commands.add_parser("resume", help="resume learning and serving")
     status = commands.add_parser("status", help="a summary of what clawd is doing")
+    versions = commands.add_parser("versions", help="every version: parent, status, gate score, monitors")
+    versions.add_argument("--last", type=int, default=50, help="the newest N versions (default 50)")
+    rollback = commands.add_parser("rollback", help="serve an earlier version again (under a new number) and "
+                                   "train on from its checkpoint")
+    rollback.add_argument("version", type=int, nargs="?", help="the version to return to (default: the newest "
+                          "that served cleanly before the one serving)")
+    checkpoint = commands.add_parser("checkpoint", help="checkpoint the version serving now (a rollback target)")
     export = commands.add_parser("export-model", help="write a published version as a full Hugging Face model "
                                  "(LoRA: merged into the base)")
     export.add_argument("version", type=int, help="the version number, as status shows it")
     export.add_argument("dir", help="where to write it (must not exist)")
-    for sub in (pause, resume, status, export):
+    for sub in (pause, resume, status, versions, rollback, checkpoint, export):
         _common(sub, top=False)
     return parser
 
@@ -173,6 +192,31 @@ def format_pause(result: dict) -> str:
     if others:
         return "resumed serving; learning " + still.removeprefix("; ")
     return "resumed: learning and serving"
+
+
+def format_versions(result: dict, now: float | None = None) -> str:
+    """`clawctl versions`: one line per version, newest last; the gate and the monitors in short."""
+    now = time.time() if now is None else now
+    lines = [f"{'version':>8} {'parent':>6} {'status':<11} {'age':>8} {'samples':>7}  gate / monitors"]
+    for v in result.get("versions", []):
+        gate = v.get("gate") or {}
+        cells = []
+        if gate.get("score") is not None:
+            diff = "" if gate.get("diff") is None else (f" ({100 * gate['diff']:+.0f} pts"
+                                                        f" [{100 * gate['low']:+.0f}, {100 * gate['high']:+.0f}])")
+            cells.append(f"gate {100 * gate['score']:.0f}%{diff}{'' if gate.get('passed', True) else ' REJECTED'}")
+        alarms = (v.get("monitors") or {}).get("alarms") or []
+        if alarms:
+            cells.append("; ".join(f"{a['action']}: {a['detail']}" for a in alarms))
+        elif (v.get("monitors") or {}).get("clean"):
+            cells.append("monitors clean")
+        if v.get("detail"):
+            cells.append(v["detail"])
+        parent = "-" if v.get("parent") is None else f"v{v['parent']}"
+        mark = "*" if v["version"] == result.get("serving") else " "
+        lines.append(f"{mark}{'v' + str(v['version']):>7} {parent:>6} {v['status']:<11} "
+                     f"{human_age(now - v['created']):>8} {v.get('samples', 0):>7}  {' | '.join(cells)}")
+    return "\n".join(lines) + "\n"
 
 
 def _pause_text(pause: dict) -> str:
@@ -266,6 +310,14 @@ def format_status(snapshot: dict, now: float | None = None) -> str:
                               + ("" if publish is None else f", last took {publish:.2f}s") + ")"),
                 ("samples trained", learner.get("samples_trained", 0)),
                 ("stale dropped", learner.get("stale_dropped", 0)), ("last step", last))
+    safety = get("safety")
+    gate, monitors = safety.get("gate"), safety.get("monitors")
+    section("safety", ("gate", "off" if not gate else f"{gate['prompts']} prompts, {gate['passed']} passed, "
+                       f"{gate['rejected']} rejected, {gate['failures']} evaluations failed"),
+            ("monitors", "off" if not monitors else f"{monitors['rollbacks']} rollbacks, {monitors['halts']} halts"
+             + ("; the version serving is clean" if monitors.get("clean") else "")
+             + "".join(f"\n  {'':<20}alarm: {a}" for a in monitors.get("alarms") or [])),
+            ("versions", _counts(safety.get("versions"))))
     engines = snapshot.get("engines") or {}
     section("engines", *[(role, f"{e.get('state', '?')}, pid {e.get('pid') or '-'}, {e.get('restarts', 0)} restarts")
                          for role, e in sorted(engines.items())] or [("state", "off")])

@@ -189,6 +189,8 @@ class SnapshotCollector(Collector):
         yield counter("clawd_engine_retries_total", "Chat calls tried again on another policy replica after "
                       "failing before any byte was sent.", chat.get("retries", 0))
         yield from _replicas(snap.get("replicas") or [])
+        if (safety := snap.get("safety")) is not None:
+            yield from _safety(safety)
         if (adapters := snap.get("adapters")) is not None:  # LoRA mode
             yield gauge("clawd_adapters_retired", "Retired LoRA adapters still loaded on some replica, waiting for "
                         "their requests to end.", len(adapters["retired"]))
@@ -272,6 +274,24 @@ def _queue(queue: dict, j: dict) -> Iterator[Metric]:
                    "disk, an I/O error); their callers were told, nothing else was lost.", "op",
                    {"write": j["write_failures"], "fsync": j["fsync_failures"],
                     "quarantine": j["quarantine_failures"]})
+
+
+def _safety(st: dict) -> Iterator[Metric]:
+    """The gate, the monitors and the version history (docs/ARCHITECTURE.md §17)."""
+    if (gate := st["gate"]) is not None:
+        yield counter("clawd_gate_passed_total", "New versions the gate passed.", gate["passed"])
+        yield counter("clawd_gate_rejected_total", "New versions the gate rejected (rolled back, learning paused).",
+                      gate["rejected"])
+        yield counter("clawd_gate_failures_total", "Gate evaluations that could not finish (tried again).",
+                      gate["failures"])
+    if (monitors := st["monitors"]) is not None:
+        yield counter("clawd_monitor_rollbacks_total", "Rollbacks the behaviour monitors made.", monitors["rollbacks"])
+        yield counter("clawd_monitor_halts_total", "Times the behaviour monitors halted learning.", monitors["halts"])
+        yield gauge("clawd_monitor_alarms", "Monitors in alarm on the version serving.", len(monitors["alarms"]))
+    family = GaugeMetricFamily("clawd_versions", "Policy versions in the history, by status.", labels=["status"])
+    for status in ("candidate", "serving", "retired", "rejected", "rolled_back"):
+        family.add_metric([status], st["versions"].get(status, 0))
+    yield family
 
 
 def _learner(st: dict) -> Iterator[Metric]:

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -89,6 +89,8 @@ class Status:
     turns: Rate = field(default_factory=Rate)     # finished turns, ticked by the handover to scoring
     disk: DiskBudget | None = None
     records: Sequence[RecordWriter] = ()
+    versions: Any = None   # clawd.safety.versions.Versions: the version history
+    watch: Any = None      # clawd.safety.watch.Watch: the behaviour monitors' verdicts (None: monitors off)
 
     def snapshot(self) -> dict:
         cfg, learner, trainer, store = self.cfg, self.learner, self.trainer, self.store
@@ -135,7 +137,19 @@ class Status:
             "journal": {**store.journal.stats(), "size_bytes": _tree_size(store.journal.directory)},
             "disk": None if self.disk is None else self.disk.snapshot(),
             "records": {w.kind: {"written": w.written, "failed": w.failed} for w in self.records},
+            "safety": self._safety(),
         }
+
+    def _safety(self) -> dict:
+        """The gate, the monitors and the versions in short (clawctl versions and /dashboard say more)."""
+        promotion = getattr(self.learner, "promotion", None)
+        serving = self.versions.get(self.policy.version) if self.versions is not None else None
+        monitors = (serving.monitors or {}) if serving is not None else {}
+        return {"gate": None if promotion is None else promotion.snapshot(),
+                "versions": {} if self.versions is None else dict(collections.Counter(v.status for v in self.versions)),
+                "monitors": None if self.watch is None else {
+                    "rollbacks": self.watch.rollbacks, "halts": self.watch.halts, "clean": monitors.get("clean"),
+                    "alarms": [a["detail"] for a in monitors.get("alarms", [])]}}
 
     async def handle_debug_process(self, request: web.Request) -> web.Response:
         """`GET /debug/process` (server.debug_routes): the snapshot plus the daemon's process shape, for tests

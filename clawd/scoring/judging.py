@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
-import unicodedata
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from clawd.messages import tool_arguments
+from clawd.quoting import marker, neutralise, normalise
 from clawd.samples import MODES, Sample
 from clawd.turns import Turn
 
@@ -53,63 +52,6 @@ from clawd.turns import Turn
 ASSISTANT_OPEN = "<<<ASSISTANT_OUTPUT>>>"
 ASSISTANT_CLOSE = "<<<END_ASSISTANT_OUTPUT>>>"
 HINT_START, HINT_END = "[HINT_START]", "[HINT_END]"
-
-# Characters a reader takes for an angle bracket (‹ « ᐸ ⟨ 〈 ❮ ⟪ ≺ ≮ ...): NFKC leaves them as they are.
-_LT_LIKE = "<\u2039\u00ab\u1438\u27e8\u3008\u276e\u276c\u27ea\u227a\u02c2\u29fc\u2991\u2989\u22d6\u169c\u2993\u226e"
-_GT_LIKE = ">\u203a\u00bb\u1433\u27e9\u3009\u276f\u276d\u27eb\u227b\u02c3\u29fd\u2992\u298a\u22d7\u169b\u2994\u226f"
-_ANGLE_RUN = re.compile(f"[{re.escape(_LT_LIKE + _GT_LIKE)}]{{3,}}")
-_BOXED = re.compile(r"[\\⧵∖⟍╲]\s*(\w{5})")
-_HINT_TAG = re.compile(r"\[(\w{4})_(\w{3,5})\]")
-# Letters of other scripts that read as the Latin ones of `boxed` and `HINT_START` (NFKC keeps them).
-_LATIN_LIKE = str.maketrans("оοхχеεԁаαѕтτнΗіιΙ", "ooxxeedaastthHiiI")
-
-
-def _base(word: str) -> str:
-    """The word as a reader may take it: accents off, look-alike letters Latin, lower case."""
-    plain = "".join(ch for ch in unicodedata.normalize("NFKD", word) if not unicodedata.combining(ch))
-    return plain.translate(_LATIN_LIKE).lower()
-
-
-def _drop_invisible(text: str) -> str:
-    """Without format characters, and without combining marks on an ASCII character (a mark on a
-    non-ASCII letter is spelling and stays)."""
-    out: list[str] = []
-    for ch in text:
-        cat = unicodedata.category(ch)
-        if cat == "Cf" or (cat in ("Mn", "Me") and out and out[-1].isascii()):
-            continue
-        out.append(ch)
-    return "".join(out)
-
-
-def normalise(text: str) -> str:
-    """NFKC without invisible characters, until stable: look-alikes become their ASCII forms."""
-    if text.isascii():  # the common case: nothing to fold
-        return text
-    for _ in range(3):  # dropping a character can make a new NFKC composition, and back
-        new = _drop_invisible(unicodedata.normalize("NFKC", text))
-        if new == text:
-            break
-        text = new
-    return text
-
-
-def _angles(run: str) -> str:
-    return " ".join("<" if ch in _LT_LIKE else ">" for ch in run)
-
-
-def neutralise(text: str) -> str:
-    """Quoted text as the judge sees it: no marker, no `\\boxed`, no hint tag can survive."""
-    text = _ANGLE_RUN.sub(lambda m: _angles(m.group()), normalise(text))
-    text = _BOXED.sub(lambda m: f"\\ {m.group(1)}" if _base(m.group(1)) == "boxed" else m.group(), text)
-    return _HINT_TAG.sub(lambda m: f"[HINT {m.group(2)}]" if _base(m.group(1)) == "hint"
-                         and _base(m.group(2)) in ("start", "end") else m.group(), text)
-
-
-def new_nonce() -> str:
-    """A fresh marker nonce for one prompt: 64 random bits, unguessable by the quoted text."""
-    return secrets.token_hex(8)
-
 
 def message_text(msg: dict[str, Any]) -> str:
     """One message as plain text: reasoning in <think>, content, then one JSON line per tool call."""
@@ -136,18 +78,6 @@ def _attr(value: str) -> str:
     return json.dumps(neutralise(value), ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e")
 
 
-_NONCE = re.compile(r"[0-9A-Za-z]{4,64}")
-
-
-def _marker(name: str, nonce: str | None) -> str:
-    """`NAME` or `NAME nonce`: the start of a marker's body."""
-    if nonce is None:
-        return name
-    if not _NONCE.fullmatch(nonce):
-        raise ValueError(f"a marker nonce is 4 to 64 letters or digits; got {nonce!r}")
-    return f"{name} {nonce}"
-
-
 def render_turn_for_judge(turn: Turn, next_state: Sequence[dict[str, Any]],
                           nonce: str | None = None) -> tuple[str, list[str]]:
     """(assistant block, one block per next-state message), each delimited and neutralised.
@@ -156,17 +86,17 @@ def render_turn_for_judge(turn: Turn, next_state: Sequence[dict[str, Any]],
     and name) in its opening marker; markers are numbered so each closes only its own.
     With a nonce every marker carries it after its name (`<<<END_NEXT_STATE_2 nonce>>>`).
     """
-    assistant = (f"<<<{_marker('ASSISTANT_OUTPUT', nonce)}>>>\n{neutralise(message_text(turn.reply))}\n"
-                 f"<<<{_marker('END_ASSISTANT_OUTPUT', nonce)}>>>")
+    assistant = (f"<<<{marker('ASSISTANT_OUTPUT', nonce)}>>>\n{neutralise(message_text(turn.reply))}\n"
+                 f"<<<{marker('END_ASSISTANT_OUTPUT', nonce)}>>>")
     blocks = []
     for i, msg in enumerate(next_state, 1):
         role = msg.get("role")
-        head = f"{_marker(f'NEXT_STATE_{i}', nonce)} role={role if role in _KNOWN_ROLES else _attr(str(role))}"
+        head = f"{marker(f'NEXT_STATE_{i}', nonce)} role={role if role in _KNOWN_ROLES else _attr(str(role))}"
         if msg.get("tool_call_id") is not None:
             head += f" tool_call_id={_attr(str(msg['tool_call_id']))}"
         if msg.get("name") is not None:
             head += f" name={_attr(str(msg['name']))}"
-        blocks.append(f"<<<{head}>>>\n{neutralise(message_text(msg))}\n<<<{_marker(f'END_NEXT_STATE_{i}', nonce)}>>>")
+        blocks.append(f"<<<{head}>>>\n{neutralise(message_text(msg))}\n<<<{marker(f'END_NEXT_STATE_{i}', nonce)}>>>")
     return assistant, blocks
 
 

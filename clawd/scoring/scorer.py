@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Protocol
 
+from clawd import quoting
 from clawd.scoring import judging, rules
 from clawd.config import Config
 from clawd.learning.journal import JournalError
@@ -185,9 +186,9 @@ class Scorer:
             raw: list[str | None] = []
         else:
             # Each prompt gets its own marker nonce (judging.py: prompt safety).
-            rl_calls = [self._ask(judging.rl_judge_messages(turn, next_state, judging.new_nonce()))
+            rl_calls = [self._ask(judging.rl_judge_messages(turn, next_state, quoting.new_nonce()))
                         for _ in range(self.m if wants_rl else 0)]
-            hint_calls = [self._ask(judging.hint_judge_messages(turn, next_state, judging.new_nonce()))
+            hint_calls = [self._ask(judging.hint_judge_messages(turn, next_state, quoting.new_nonce()))
                           for _ in range(self.m if wants_hint else 0)]
             raw = list(await asyncio.gather(*rl_calls, *hint_calls))
             rl_raw, hint_raw = raw[:len(rl_calls)], raw[len(rl_calls):]

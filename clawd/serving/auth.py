@@ -50,13 +50,19 @@ class Authenticator:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError(401, "Missing bearer token: send 'Authorization: Bearer <key>'", code="missing_api_key")
-        given = _digest(token.strip().encode("utf-8", "surrogateescape"))  # header bytes as sent
-        found = None
-        for name, key in self.keys:  # no early exit: timing does not reveal which key matched
-            if hmac.compare_digest(given, key):
-                found = name
+        found = self.matches(token.strip().encode("utf-8", "surrogateescape"))  # header bytes as sent
         if found is None:
             raise ApiError(401, "Invalid API key", code="invalid_api_key")
+        return found
+
+    def matches(self, secret: bytes) -> str | None:
+        """The name of the key `secret` is, or None: digests compared in constant time, with no early exit, so
+        timing reveals neither which key matched nor how long any is."""
+        given = _digest(secret)
+        found = None
+        for name, key in self.keys:
+            if hmac.compare_digest(given, key):
+                found = name
         return found
 
     def principal_for(self, key_name: str | None, user: str | None) -> str:

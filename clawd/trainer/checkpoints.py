@@ -1,7 +1,7 @@
 """What the trainer writes and reads under its state directory (docs/ARCHITECTURE.md §6, §7).
 
     state_dir/weights/v{version:06d}     published Hugging Face directories, the newest keep_versions
-    state_dir/checkpoints/ckpt-{n:08d}   everything a resume needs, the newest CHECKPOINTS_KEPT
+    state_dir/checkpoints/ckpt-{n:08d}   everything a resume needs, the newest `keep` (rollback targets)
 
 Every directory is written by `clawd.weights.atomic_dir`: absent or complete. A checkpoint's
 `complete` marker is its last file; one without it is never resumed. The trainer process only
@@ -168,10 +168,12 @@ def newest_published(weights_dir: Path) -> int:
 # `complete` last. Format 1 (one process, before the trainer world): model.safetensors, optimizer.pt
 # (AdamW's state by parameter index), rng.pt; still loaded, by any world size.
 
-def save_checkpoint(checkpoints_dir: Path, model, optimizer, state: dict[str, Any], world=None) -> Path:
+def save_checkpoint(checkpoints_dir: Path, model, optimizer, state: dict[str, Any], world=None,
+                    keep: int = CHECKPOINTS_KEPT) -> Path:
     """A new ckpt-N: the model, the optimizer, every rank's RNG state and `state` (the trainer's
-    counters, JSON-serialisable) in state.json; then only the newest CHECKPOINTS_KEPT complete
-    ones are kept. In a world every rank calls it; rank 0 names the directory and finishes it."""
+    counters, JSON-serialisable) in state.json; then only the newest `keep` complete ones are kept,
+    and none of a step above this one's: after a rollback those are the abandoned branch. In a world
+    every rank calls it; rank 0 names the directory and finishes it."""
     np_state, py_state = np.random.get_state(), random.getstate()
     state = {"format": CHECKPOINT_FORMAT, **state, "world_size": 1 if world is None else world.size,
              "python_rng": [py_state[0], list(py_state[1]), py_state[2]],
@@ -193,7 +195,7 @@ def save_checkpoint(checkpoints_dir: Path, model, optimizer, state: dict[str, An
         (tmp / "state.json").write_text(json.dumps(state, allow_nan=True) + "\n")
         (tmp / "complete").write_text(f"{CHECKPOINT_FORMAT}\n")  # last: the rest is in place
 
-    return _led_by_rank0(world, lambda: _new_checkpoint(checkpoints_dir, write), shards)
+    return _led_by_rank0(world, lambda: _new_checkpoint(checkpoints_dir, write, state["step"], keep), shards)
 
 
 @contextlib.contextmanager
@@ -205,16 +207,29 @@ def _alone_is_meant(world):
         yield
 
 
-def _new_checkpoint(checkpoints_dir: Path, write) -> Path:
+def _new_checkpoint(checkpoints_dir: Path, write, step: int, keep: int) -> Path:
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     existing = numbered(checkpoints_dir, CHECKPOINT_DIR)
     n = existing[-1][0] + 1 if existing else 1
     dest = atomic_dir(checkpoints_dir / f"ckpt-{n:08d}", write)
-    keep = complete_checkpoints(checkpoints_dir)[-CHECKPOINTS_KEPT:]
+    branch = [p for p in complete_checkpoints(checkpoints_dir) if p == dest or checkpoint_state(p)["step"] <= step]
+    kept = branch[-keep:]
     for _, path in numbered(checkpoints_dir, CHECKPOINT_DIR):
-        if path not in keep:  # older ones, and any without its marker (never ours to resume)
+        if path not in kept:  # older ones, abandoned ones, and any without its marker (never ours to resume)
             shutil.rmtree(path)
     return dest
+
+
+def checkpoint_state(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "state.json").read_text())
+
+
+def checkpoint_of(checkpoints_dir: Path, version: int) -> Path | None:
+    """The newest complete checkpoint whose weights are `version` (what a rollback to it restores)."""
+    for path in reversed(complete_checkpoints(checkpoints_dir)):
+        if checkpoint_state(path)["version"] == version:
+            return path
+    return None
 
 
 def _led_by_rank0(world, lead, follow):

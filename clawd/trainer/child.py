@@ -101,6 +101,8 @@ def _reply(handler, msg: dict) -> dict:
         if kind == "publish":
             weights = handler.publish(msg["version"])
             return {"type": "published", "version": msg["version"], "weights_dir": str(weights)}
+        if kind == "restore":
+            return {"type": "restored", "version": msg["version"], "step": handler.restore(msg["version"])}
         if kind == "checkpoint":
             path, step = handler.checkpoint()
             return {"type": "checkpointed", "path": str(path), "step": step}

@@ -15,7 +15,9 @@ state_dir/trainer/steps.jsonl), synced before every checkpoint.
 Its options (`clawd.trainer.link.trainer_options`): mode, model_dir, state_dir and train, a
 `TrainConfig` or a [train] table as a dict; dtype, the `[model] dtype` that versions are published
 in ("auto", the base model's, when absent); min_free_bytes, what every write must leave free
-(`[state] min_free_bytes`; 0 when absent). The GPU share is train's memory_fraction.
+(`[state] min_free_bytes`; 0 when absent); keep_checkpoints, the complete checkpoints kept (rollback
+targets; at least two); checkpoint_base, whether the untrained model is checkpointed before the first
+step (so that a rollback can return to it). The GPU share is train's memory_fraction.
 """
 from __future__ import annotations
 
@@ -48,11 +50,14 @@ class TrainerHandler:
         self.mode = options["mode"]
         self.trainer = Trainer(Path(options["model_dir"]), Path(options["state_dir"]),
                                train_config(options.get("train")), dtype=options.get("dtype", "auto"),
-                               min_free_bytes=int(options.get("min_free_bytes", 0)), world=world)
+                               min_free_bytes=int(options.get("min_free_bytes", 0)), world=world,
+                               keep_checkpoints=int(options.get("keep_checkpoints", 0)))
         self.ledger = Ledger(ledger_path(options["state_dir"])) if world is None or world.writer else None
         # The resumed weights' line: a publish of them under a new version writes it again with that version.
         self._line = self.ledger.last_line(self.trainer.step) if self.trainer.step and self.ledger else None
         self._owe_checkpoint = False  # a checkpoint was due (or the step was skipped) and is not written yet
+        if options.get("checkpoint_base") and self.trainer.step == 0:  # the base model: a rollback target too
+            self._owe_checkpoint = True
         self._batch: Any = self.trainer.journal_position  # the last trained batch: the checkpoint's position
 
     @property
@@ -132,6 +137,15 @@ class TrainerHandler:
         if republish:
             self._owe_checkpoint = True
         return str(weights)
+
+    def restore(self, version: int) -> int:
+        """A rollback to `version`'s checkpoint (weights, optimizer, counters); its step. A checkpoint is then
+        owed, so that the next restart resumes here rather than on the abandoned branch."""
+        self.trainer.restore(version)
+        self._line = self.ledger.last_line(self.trainer.step) if self.trainer.step and self.ledger else None
+        self._batch = self.trainer.journal_position
+        self._owe_checkpoint = True
+        return self.trainer.step
 
     def checkpoint(self) -> tuple[str, int]:
         return str(self._checkpoint()), self.trainer.step

@@ -1,10 +1,9 @@
 """The daemon's side of the trainer process: one event loop, no threads, no torch.
 
-`TrainerLink` is one child's life: spawn (multiprocessing, `spawn` context, target
-`clawd.trainer.child.main`), the `ready` handshake, requests whose replies come back in order,
-the child's exit noticed through its process sentinel registered with the loop, and stop. The
-socket pair is read and written with asyncio streams, so a 20 MB batch neither blocks the loop
-while it leaves nor while a large reply arrives (the format: `clawd.trainer.wire`).
+`TrainerLink` is one child's life: spawn (multiprocessing, `spawn` context, target `clawd.trainer.child.main`),
+the `ready` handshake, requests whose replies come back in order, the child's exit noticed through its
+process sentinel registered with the loop, and stop. The socket pair is read and written with asyncio
+streams: a 20 MB batch blocks the loop neither going nor coming back (the format: `clawd.trainer.wire`).
 
 `TrainerSupervisor` keeps one child alive: `run()` restarts it with exponential backoff (its
 handler resumes from the last checkpoint) and `train()` sends the same batch again after a
@@ -12,8 +11,8 @@ restart, under a version above the new child's newest. After `attempts` it raise
 still holds the samples, nothing is dropped silently. Every reply's `state` (the trainer's step,
 newest version and owed writes; `clawd.trainer.wire`) is kept as `link.state`.
 
-`trainer_options(cfg)` is what the real trainer is spawned with. The handler is the child's
-business: a link given no factory runs `clawd.trainer.handler.make`, imported in the child only.
+`trainer_options(cfg)` is what the real trainer is spawned with. The handler is the child's business: a
+link given no factory runs `clawd.trainer.handler.make`, imported in the child only.
 """
 from __future__ import annotations
 
@@ -96,7 +95,8 @@ def trainer_options(cfg: Config) -> dict:
     `env`: what the child changes in its inherited environment before torch starts CUDA (its GPUs)."""
     return {"mode": cfg.scoring.mode, "model_dir": str(cfg.model_path.resolve()),
             "state_dir": str(cfg.state_dir.resolve()), "train": cfg.train, "dtype": cfg.model.dtype,
-            "min_free_bytes": cfg.state.min_free_bytes,
+            "min_free_bytes": cfg.state.min_free_bytes, "keep_checkpoints": cfg.versions.rollback_depth + 2,
+            "checkpoint_base": cfg.versions.rollback_depth > 0,
             "log_level": cfg.logging.level, "env": child_env(cfg, cfg.train.gpus, dict(os.environ), unbuffered=False)}
 
 
@@ -198,10 +198,8 @@ class TrainerLink:
     async def request(self, msg: dict, timeout: float | None = None, *, frames: list[bytes] | None = None) -> dict:
         """Send `msg` (or its pre-encoded `frames`) and return the reply, an `error` reply included.
 
-        The timeout counts from the send and includes the requests sent before this one (the
-        child answers in order). On timeout the child is killed: a late reply would answer the
-        wrong request.
-        """
+        The timeout counts from the send and includes the requests sent before this one (the child
+        answers in order). On timeout the child is killed: a late reply would answer the wrong request."""
         if frames is None:
             frames = await encode_message(msg)
         if not self.alive:
@@ -223,16 +221,21 @@ class TrainerLink:
         return time.monotonic() - started
 
     async def checkpoint(self, timeout: float | None = None) -> Checkpointed:
-        reply = await self.request({"type": "checkpoint"}, timeout)
-        if reply["type"] == "error":
-            raise HandlerError.of(reply)
+        reply = await self._ask({"type": "checkpoint"}, timeout)
         return Checkpointed(reply["path"], reply["step"])
 
     async def publish(self, version: int, timeout: float | None = None) -> str:
-        reply = await self.request({"type": "publish", "version": version}, timeout)
+        return (await self._ask({"type": "publish", "version": version}, timeout))["weights_dir"]
+
+    async def restore(self, version: int, timeout: float | None = None) -> int:
+        return (await self._ask({"type": "restore", "version": version}, timeout))["step"]
+
+    async def _ask(self, msg: dict, timeout: float | None) -> dict:
+        """A request whose error reply raises."""
+        reply = await self.request(msg, timeout)
         if reply["type"] == "error":
             raise HandlerError.of(reply)
-        return reply["weights_dir"]
+        return reply
 
     async def stop(self, timeout: float = 30.0) -> int | None:
         """Ask the child to exit after its current message; SIGTERM, then SIGKILL, if it does not."""
@@ -454,9 +457,12 @@ class TrainerSupervisor:
         return await (await self._live_link()).checkpoint(timeout)
 
     async def publish(self, version: int, timeout: float | None = None) -> str:
-        """The trainer's current weights as a new version; its directory. Its state then says whether a
-        checkpoint is owed."""
+        """The trainer's weights as a new version; its directory. Its state then says if a checkpoint is owed."""
         return await (await self._live_link()).publish(version, timeout)
+
+    async def restore(self, version: int, timeout: float | None = None) -> int:
+        """A rollback: the trainer back on `version`'s checkpoint (weights and optimizer); its step."""
+        return await (await self._live_link()).restore(version, timeout)
 
     async def ready_info(self) -> Ready:
         """The live child's handshake (waits for one, like `train`)."""

@@ -90,14 +90,16 @@ class Trainer:
     """The policy, its optimizer and its state on disk.
 
     state_dir/weights/v{version:06d}   published Hugging Face directories, the last keep_versions
-    state_dir/checkpoints/ckpt-{n:08d}  checkpoints, the last CHECKPOINTS_KEPT; the newest complete one resumes
+    state_dir/checkpoints/ckpt-{n:08d}  checkpoints, the last keep_checkpoints; the newest complete one resumes
     """
 
     def __init__(self, model_dir: str | Path, state_dir: str | Path, cfg: TrainConfig = TrainConfig(), *,
-                 dtype: str = "auto", min_free_bytes: int = 0, world: World | None = None):
+                 dtype: str = "auto", min_free_bytes: int = 0, world: World | None = None,
+                 keep_checkpoints: int = checkpoints.CHECKPOINTS_KEPT):
         """dtype: `[model] dtype`, the dtype versions are published in ("auto": the base model's);
         min_free_bytes: `[state] min_free_bytes`, what a write must leave free on the state directory;
-        world: this rank's place in a trainer world of several ranks (`sharding.World`), None alone."""
+        world: this rank's place in a trainer world of several ranks (`sharding.World`), None alone;
+        keep_checkpoints: complete checkpoints kept (the rollback targets among them)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -106,6 +108,7 @@ class Trainer:
         hf_logging.disable_progress_bar()  # stderr is the daemon's log
         self.cfg = cfg
         self.min_free_bytes = min_free_bytes
+        self.keep_checkpoints = max(keep_checkpoints, checkpoints.CHECKPOINTS_KEPT)
         self.model_dir = Path(model_dir)
         self.state_dir = Path(state_dir)
         self.weights_dir = self.state_dir / "weights"
@@ -390,12 +393,22 @@ class Trainer:
                  "paused": self.paused, "pause_reason": self.pause_reason,
                  "journal_position": journal_position, "created": time.time(), "config": asdict(self.cfg),
                  "lora": self._lora_shape}
-        dest = checkpoints.save_checkpoint(self.checkpoints_dir, self.model, self.optimizer, state, self.world)
+        dest = checkpoints.save_checkpoint(self.checkpoints_dir, self.model, self.optimizer, state, self.world,
+                                           keep=self.keep_checkpoints)
         self.journal_position = journal_position
         self._publishes_since_checkpoint = 0
         self._checkpointed_version = self.weights_version
         self.checkpoint_step = self.step
         return dest
+
+    def restore(self, version: int) -> None:
+        """A rollback: the model, the optimizer and the counters of the checkpoint whose weights are
+        `version`, in memory. The abandoned checkpoints (steps above its) go when the next checkpoint
+        is written (`checkpoints.save_checkpoint`): until then a crash resumes where this was asked."""
+        path = self._on_writer(lambda: checkpoints.checkpoint_of(self.checkpoints_dir, version))
+        if path is None:
+            raise ValueError(f"no checkpoint holds v{version}: it cannot be restored")
+        self.resume(path)
 
     @property
     def _lora_shape(self) -> dict | None:
@@ -403,17 +416,18 @@ class Trainer:
         c = self.cfg
         return {"rank": c.lora_rank, "alpha": c.lora_alpha, "targets": list(c.lora_target_modules)} if c.lora else None
 
-    def resume(self) -> Any:
-        """Restore the newest complete checkpoint (model, optimizer, counters, RNG states) and
-        return its journal position; without one, keep model_dir's weights (as loaded by the
-        constructor, which calls this), seed from the config and return None. The version never
+    def resume(self, path: Path | None = None) -> Any:
+        """Restore the newest complete checkpoint (or `path`'s: a rollback) (model, optimizer, counters,
+        RNG states) and return its journal position; without one, keep model_dir's weights (as loaded by
+        the constructor, which calls this), seed from the config and return None. The version never
         goes below a directory already in weights/."""
         def find() -> Path | None:
             remove_temporaries(self.weights_dir)  # what crashed writes left behind
             remove_temporaries(self.checkpoints_dir)
             return checkpoints.latest_checkpoint(self.checkpoints_dir)
 
-        path = self._on_writer(find)
+        if path is None:
+            path = self._on_writer(find)
         if path is None:
             checkpoints.seed_all(self.cfg.seed)
             self.step = self.skipped_steps = self.consecutive_skips = self.weights_version = newest = 0

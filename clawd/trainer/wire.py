@@ -19,6 +19,7 @@ every request gets exactly one reply, in order:
                                                   per_sample, checkpointed, failed, state}
     publish{version}                   -> published{version, weights_dir, state}
     checkpoint{}                       -> checkpointed{path, step, state}
+    restore{version}                   -> restored{version, step, state} (a rollback: a checkpoint is then owed)
     ping{n}                            -> pong{n, state}
     shutdown{}                         -> no reply: the child exits 0
 
@@ -214,4 +215,6 @@ def answers(request: dict, reply: dict) -> bool:
             and reply.get("version") == request["version"]
     if want == "publish":
         return kind == "published" and reply.get("version") == request["version"]
+    if want == "restore":
+        return kind == "restored" and reply.get("version") == request["version"]
     return want == "checkpoint" and kind == "checkpointed"

@@ -20,13 +20,11 @@ directory under --out. Then:
    evaluation set before and after with the paired intervals) and `summary.json` in --out, with
    every reply in `replies.jsonl` and clawd's log in `clawd.log`.
 
-The users' satisfaction per version counts every answer served by that version, a retry
-after a correction included, and such a correction usually states the answer: the live
-figures flatter the model (the "first try" share is fairer) and are progress, not evidence.
-The evidence is the held-out evaluation set, where the prompts and the random draws are the
-same on both sides and the comparison is paired.
-The judge's mean reward per version is read from clawd's own records: the reward of
-every sample made from a turn served by that version.
+The users' satisfaction per version counts every answer served by that version, a retry after a
+correction included, and such a correction usually states the answer: the live figures flatter the
+model (the "first try" share is fairer) and are progress, not evidence. The evidence is the held-out
+evaluation set, where the prompts and the random draws are the same on both sides and the comparison
+is paired. The judge's mean reward per version is read from clawd's own records.
 
 The personas (clawd/tools/sim/personas.py) want the right answer to a question with a known answer
 and a style; the evaluation set is held out (questions never asked in the sessions). The summary
@@ -36,6 +34,7 @@ and `plain`) take about 14 min on 2 cores. With the earlier form-only personas
 (`--personas form:brief,form:plain`) a run took the evaluation set from 38% satisfied to 100% while
 the answers collapsed ("The answer is a planet."): the documented example of a reward hack.
 `--lora` (`make demo DEMO_ARGS=--lora`): LoRA adapters of rank 16 (`--lora-rank N`) at `lora_lr` (--lr, 1e-4).
+`--no-safety`: no gate, no monitors, no rollback checkpoints (learning as before them: the control).
 """
 from __future__ import annotations
 
@@ -51,10 +50,10 @@ from pathlib import Path
 from typing import Any
 
 from clawd import degeneration, paired
-from clawd.ops.ctl import NotRunning
 from clawd.train_config import TrainConfig
 from clawd.tools.sim.launch import Clawd
 from clawd.tools.sim.personas import PERSONAS, persona
+from clawd.tools.sim.progress import Display, Judged, clock, fmt, pct
 from clawd.tools.sim.users import Reply, Users, by_persona, by_version, rate
 
 DEFAULT_MODEL = "state/models/SmolLM2-135M-Instruct"
@@ -65,8 +64,7 @@ EXAMPLES = 4  # evaluation questions shown before and after, drawn at random
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m clawd.tools.sim.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})")
-    ap.add_argument("--minutes", type=float, default=14.0,
-                    help="time budget for the whole demo, start to plot (default 14)")
+    ap.add_argument("--minutes", type=float, default=14.0, help="time budget, start to plot (default 14)")
     ap.add_argument("--steps", type=int, default=0, help="stop the users after this many training steps (0: time only)")
     ap.add_argument("--concurrency", type=int, default=8, help="simulated users at once (default 8)")
     ap.add_argument("--seed", type=int, default=1, help="seeds the sessions, the engine and the trainer (default 1)")
@@ -77,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="teacher engine in opd/combine: 'reference' starts a second engine (default policy)")
     ap.add_argument("--lr", type=float, default=None, help="learning rate (default 5e-5; with --lora 1e-4)")
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen base ([train] lora_rank)")
+    ap.add_argument("--no-safety", action="store_true", help="no gate, monitors or rollback checkpoints (a control)")
     ap.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (default 16; implies --lora)")
     ap.add_argument("--batch", type=int, default=8, help="effective samples per training step (default 8)")
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per reply (default 48)")
@@ -86,8 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for clawd's engine and trainer (default 1)")
     ap.add_argument("--idle-timeout", type=float, default=20.0, help="seconds before abandoned sessions close (default 20)")
     ap.add_argument("--out", default="state/demo", help="where the plot, summary and clawd's state go (default state/demo)")
-    ap.add_argument("--keep-weights", action="store_true",
-                    help="keep the published weights and checkpoints (~2.7 GB for SmolLM2); records are always kept")
+    ap.add_argument("--keep-weights", action="store_true", help="keep the weights and checkpoints (~2.7 GB for SmolLM2)")
     args = ap.parse_args(argv)
     if args.lora_rank is not None and args.lora_rank < 1:
         ap.error("--lora-rank must be positive")
@@ -118,106 +116,17 @@ def clawd_sections(args: argparse.Namespace, state_dir: Path) -> dict[str, dict[
         "scoring": {"mode": args.mode},
         "judge": {"backend": "rules", "teacher_engine": args.teacher},
         "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1},
-        # Checkpoints of a 135M model and its optimizer cost seconds each: one at the end is plenty.
-        "train": {"lr": args.lr, "seed": args.seed, "checkpoint_every": 1000, "keep_versions": 2,
-                  **({"lora_rank": args.lora_rank, "lora_lr": args.lr} if args.lora_rank else {})},
+        # A rollback returns to a checkpoint: one a version (a few seconds each for SmolLM2 and its optimizer).
+        "train": {"lr": args.lr, "seed": args.seed, "checkpoint_every": 1000 if args.no_safety else 1,
+                  "keep_versions": 2, **({"lora_rank": args.lora_rank, "lora_lr": args.lr} if args.lora_rank else {})},
         "sessions": {"session_idle_timeout": args.idle_timeout, "sweep_interval": 2.0},
         "state": {"dir": str(state_dir)},
+        # The gate on the 50 prompts that ship, one answer each (2 cores); monitors that judge a version once it
+        # served 12 answers (a demo version serves 15 to 30).
+        **({"gate": {"enabled": False}, "monitors": {"enabled": False}, "versions": {"rollback_depth": 0}}
+           if args.no_safety else {"gate": {"samples_per_prompt": 1, "max_tokens": args.max_tokens},
+                                   "monitors": {"min_replies": 12, "interval": 2.0}, "versions": {"rollback_depth": 2}}),
     }
-
-
-def clock(seconds: float) -> str:
-    return f"{int(seconds // 60):2d}:{int(seconds % 60):02d}"
-
-
-def pct(x: float | None) -> str:
-    return "  - " if x is None else f"{100 * x:3.0f}%"
-
-
-class Judged:
-    """The judge's rewards per policy version, from clawd's turn and judge records (read as they grow)."""
-
-    def __init__(self, clawd: Clawd):
-        self.clawd = clawd
-        self.version: dict[tuple[str, int], int] = {}      # (session, turn) -> policy version
-        self.rewards: list[tuple[tuple[str, int], float]] = []
-
-    def refresh(self) -> None:
-        self.version = {(r["session_id"], r["turn_index"]): r["policy_version"] for r in self.clawd.records("turns")}
-        self.rewards = [((r["session_id"], r["turn_index"]), float(r["reward"]))
-                        for r in self.clawd.records("judge") if r.get("emitted")]
-
-    def by_version(self) -> dict[int, dict[str, float]]:
-        out: dict[int, list[float]] = {}
-        for key, reward in self.rewards:
-            if key in self.version:
-                out.setdefault(self.version[key], []).append(reward)
-        return {v: {"samples": len(r), "reward": sum(r) / len(r)} for v, r in sorted(out.items())}
-
-
-class Display:
-    """Live progress: one status line (redrawn in place on a terminal) and one line per finished version."""
-
-    def __init__(self, users: Users, clawd: Clawd, judged: Judged, started: float, mode: str):
-        self.users, self.clawd, self.judged, self.started, self.mode = users, clawd, judged, started, mode
-        self.tty = sys.stdout.isatty()
-        self.version = 0
-        self.last_line = 0.0
-        self.status: dict = {}
-
-    def poll(self) -> None:
-        try:
-            self.status = self.clawd.status()
-        except (NotRunning, OSError) as exc:
-            raise RuntimeError(f"clawd's admin socket stopped answering ({exc}); its log:\n{self.clawd.tail()}") from None
-        version = self.status["policy"]["version"]
-        if version != self.version:
-            self.judged.refresh()
-            for v in range(self.version, version):
-                self.finished(v, version)
-            self.version = version
-        self.line()
-
-    def finished(self, v: int, now_serving: int) -> None:
-        row = by_version(self.users.replies).get(v)
-        judge = self.judged.by_version().get(v)
-        if self.tty:
-            print("\r\033[K", end="")
-        if row is None:
-            print(f"{clock(time.monotonic() - self.started)}  v{v} -> v{now_serving}: no answers served by v{v}")
-            return
-        personas = "  ".join(f"{p} {pct(s)}" for p, s in row["personas"].items())
-        reward = f"{judge['reward']:+.2f} over {judge['samples']} samples" if judge else "-"
-        shape = degeneration.summarise(r.text for r in self.users.replies if r.kind == "answer" and r.version == v)
-        print(f"{clock(time.monotonic() - self.started)}  v{v} -> v{now_serving}: {row['answers']:3d} answers, "
-              f"satisfied {pct(row['satisfied'])} = correct {pct(row['correct'])} and styled {pct(row['styled'])}"
-              f" (first try {pct(row['first_try'])}), judge reward {reward}, {shape['mean_words']:.0f} words,"
-              f" distinct-2 {_fmt(shape['distinct_2'])}  | {personas}", flush=True)
-
-    def line(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.tty and not force and now - self.last_line < 15:
-            return
-        self.last_line = now
-        st = self.status
-        learner = st.get("learner") or {}
-        queue, scoring = st["queue"], st["scoring"]
-        recent = [r for r in self.users.replies if r.kind == "answer"][-40:]
-        corrections = sum(1 for r in self.users.replies if r.satisfied is False)
-        hints = (f"hints {scoring['hints_accepted']}/{corrections} corrections" if self.mode != "rl"
-                 else "hints unused (rl)")
-        text = (f"{clock(now - self.started)}  v{st['policy']['version']}  steps {learner.get('steps', 0)}"
-                f"  batch {queue['effective']}/{queue['batch_size']}  sessions {len(self.users.sessions)}"
-                f" (live {st['sessions']['live']})  answers {sum(1 for r in self.users.replies if r.kind == 'answer')}"
-                f"  satisfied, last 40: {pct(rate(recent))}  {hints}")
-        if self.tty:
-            print("\r\033[K" + text, end="", flush=True)
-        else:
-            print(text, flush=True)
-
-    def done(self) -> None:
-        if self.tty:
-            print()
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -289,6 +198,7 @@ async def run(args: argparse.Namespace) -> int:
               f"styled {pct(rate(after, 'styled'))}  | "
               + "  ".join(f"{p} {pct(x['satisfied'])}" for p, x in by_persona(after).items()), flush=True)
         status = clawd.status()
+        history = clawd.command("versions", last=10_000)["versions"]
     finally:
         await users.close()
         code = await clawd.stop()
@@ -298,6 +208,10 @@ async def run(args: argparse.Namespace) -> int:
             if (clawd.state / name).exists():
                 shutil.rmtree(clawd.state / name)
     summary = summarize(args, users, before, after, judged, status, code, time.monotonic() - started)
+    summary["safety"] = {"events": display.events, "versions": [
+        {"version": v["version"], "parent": v["parent"], "status": v["status"], "detail": v.get("detail"),
+         "gate": v["gate"] and {k: v["gate"].get(k) for k in ("score", "diff", "low", "high", "passed")},
+         "alarms": [a["detail"] for a in (v.get("monitors") or {}).get("alarms", [])]} for v in history]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with open(out / "replies.jsonl", "w") as f:
         for r in before + users.replies + after:
@@ -425,6 +339,10 @@ def plot(summary: dict[str, Any], path: Path) -> Path | None:
                      marker="o", ms=3, label="judge's mean reward")
     reward_axis.set_ylim(-1.04, 1.04)
     reward_axis.set_ylabel("mean reward")
+    for v in summary.get("safety", {}).get("versions", []):  # what the gate rejected and the monitors rolled back
+        if v["status"] in ("rejected", "rolled_back"):
+            left.axvspan(v["version"] - 0.4, v["version"] + 0.4, color="tab:red" if v["status"] == "rejected"
+                         else "tab:gray", alpha=0.15, lw=0)
     handles = left.get_legend_handles_labels()[0] + reward_axis.get_legend_handles_labels()[0]
     left.legend(handles, [h.get_label() for h in handles], loc="lower right", fontsize=8)
     left.set_title(f"{Path(summary['model']).name}, {summary['tuning']}, mode {summary['mode']}, rules judge; dot size: answers")
@@ -465,21 +383,23 @@ def print_summary(summary: dict[str, Any], out: Path, png: Path | None) -> None:
           f"v{sat['live_last_version']}")
     deg = summary["degeneration"]["evaluation"]
     print("evaluation answers, v0 -> last: " + ", ".join(
-        f"{name} {_fmt(deg['before'][key])} -> {_fmt(deg['after'][key])}"
+        f"{name} {fmt(deg['before'][key])} -> {fmt(deg['after'][key])}"
         for name, key in (("words", "mean_words"), ("distinct-2", "distinct_2"), ("one-word", "one_word_share"),
                           ("repeated openings", "repeated_opening_share"))))
     for flag in deg["flags"]:
         print(f"  degeneration: {flag}")
+    safety = summary.get("safety") or {}
+    statuses = collections.Counter(v["status"] for v in safety.get("versions", []))
+    print(f"gate and monitors: {len(safety.get('events', []))} decision(s); versions "
+          + (", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) or "none"))
+    for event in safety.get("events", []):
+        print(f"  {_one_line(event, 200)}")
     print(f"\n{len(summary['examples'])} evaluation questions drawn at random (seed {summary['seed']}):")
     for ex in summary["examples"]:
         width = len(f"v{ex['after_version']}:")
         print(f"{ex['persona']}: {ex['question']}\n  {'v0:':<{width}} {_one_line(ex['before'])}  [{ex['before_grade']}]\n"
               f"  v{ex['after_version']}: {_one_line(ex['after'])}  [{ex['after_grade']}]")
     print(f"wrote {out / 'summary.json'}" + (f", {png}" if png else ""))
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
 
 
 def _one_line(text: str, limit: int = 160) -> str:

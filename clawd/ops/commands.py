@@ -1,0 +1,54 @@
+"""What `clawctl` can ask the running daemon over the admin socket (clawd.ops.admin): pause, resume,
+status, versions, rollback [VERSION], checkpoint."""
+from __future__ import annotations
+
+import logging
+
+from clawd.learning.learner import Learner
+from clawd.ops.admin import BAD_ARGUMENT, AdminError, argument
+from clawd.ops.status import Status, finite
+from clawd.pauses import OPERATOR, Pauses
+from clawd.safety.versions import Versions
+
+log = logging.getLogger("clawd")
+
+
+def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, versions: Versions) -> dict:
+    """What `clawctl` can ask: pause (learning; with serving=true, chat too), resume, status, versions,
+    rollback [version], checkpoint."""
+    async def pause_cmd(request: dict) -> dict:
+        pauses.hold(OPERATOR, argument(request, "reason", str) or "", serving=argument(request, "serving", bool, False))
+        return pauses.snapshot()
+
+    async def resume_cmd(request: dict) -> dict:
+        still = pauses.resume()
+        log.warning("resumed by clawctl%s", f"; still held: {', '.join(still)}" if still else "")
+        return pauses.snapshot()
+
+    async def status_cmd(request: dict) -> dict:
+        return finite(status.snapshot())
+
+    async def versions_cmd(request: dict) -> dict:
+        last = argument(request, "last", int, 50)
+        return finite({"serving": status.policy.version, "versions": [
+            {**v, "gate": None if v["gate"] is None else {k: x for k, x in v["gate"].items() if k != "outcomes"}}
+            for v in versions.snapshot(last)]})
+
+    def learning() -> Learner:
+        if learner is None:
+            raise AdminError(BAD_ARGUMENT, "learning is off ([learner] enabled = false): nothing to roll back")
+        return learner
+
+    async def rollback_cmd(request: dict) -> dict:
+        target = argument(request, "version", int)
+        try:
+            serving = await learning().rollback(target, reason="clawctl rollback")
+        except ValueError as exc:
+            raise AdminError(BAD_ARGUMENT, str(exc)) from None
+        return {"serving": serving, "restored": versions.get(serving).restored_from}
+
+    async def checkpoint_cmd(request: dict) -> dict:
+        return await learning().checkpoint()
+
+    return {"pause": pause_cmd, "resume": resume_cmd, "status": status_cmd, "versions": versions_cmd,
+            "rollback": rollback_cmd, "checkpoint": checkpoint_cmd}

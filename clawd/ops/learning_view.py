@@ -1,0 +1,59 @@
+"""The learning view's data (`GET /dashboard/data`, clawd.ops.dashboard): one dict assembled from what the
+stages already keep: the status snapshot, the version history, the live monitors and the last steps.
+
+Ops reads, owns nothing: the daemon hands this the objects and the page gets the contract that
+clawd.ops.dashboard documents. Large parts are left out (a gate's per-prompt outcomes, a tally's texts).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+from clawd.safety_config import DEFAULT_RULES
+
+MONITOR_KEYS = tuple(DEFAULT_RULES)
+GATE_KEYS = ("score", "incumbent", "diff", "low", "high", "passed", "detail")
+VERSIONS_SHOWN = 200
+STEPS_KEPT = 50
+
+
+class StepLog:
+    """The last STEPS_KEPT training steps, as the page plots them."""
+
+    def __init__(self) -> None:
+        self.steps: deque[dict[str, Any]] = deque(maxlen=STEPS_KEPT)
+
+    def add(self, trained, batch) -> None:
+        m = trained.metrics
+        self.steps.append({"step": (trained.state or {}).get("step"), "version": trained.version, "time": time.time(),
+                           "samples": len(batch), "loss": m.get("loss"), "kl": m.get("loss_kl"),
+                           "entropy": m.get("entropy"),
+                           "reward_mean": statistics.fmean(s.reward for s in batch) if batch else None})
+
+
+def learning_view(snapshot: dict, versions, monitors, steps: StepLog, samples_per_minute: float) -> dict[str, Any]:
+    """The dashboard's dict: `snapshot` is the status snapshot (clawd.ops.status), `versions` the history
+    (clawd.safety.versions.Versions), `monitors` the live tallies (clawd.safety.monitors.Monitors) or None."""
+    live = monitors.snapshot() if monitors is not None else {}
+
+    def row(v: dict) -> dict:
+        kept = v["monitors"] or {}
+        summary = live.get(v["version"]) or kept.get("summary") or {}
+        return {"version": v["version"], "parent": v["parent"], "created": v["created"], "status": v["status"],
+                "steps": len(v["steps"]), "samples": v["samples"],
+                "gate": None if v["gate"] is None else {k: v["gate"].get(k) for k in GATE_KEYS},
+                "monitors": {"replies": summary.get("replies") or 0, **{k: summary.get(k) for k in MONITOR_KEYS}},
+                "alarms": [{"monitor": a["monitor"], "action": a["action"], "detail": a["detail"]}
+                           for a in kept.get("alarms", [])]}
+
+    paused = snapshot["paused"]
+    return {"generated": time.time(), "policy": {"version": snapshot["policy"]["version"]},
+            "learning": {"paused": bool(paused["learning"]),
+                         "reasons": [{"reason": r["reason"], "detail": r["detail"], "since": r["since"]}
+                                     for r in paused["reasons"]]},
+            "queue": {"waiting": snapshot["queue"]["waiting"], "batch": snapshot["queue"]["batch_size"]},
+            "samples_per_minute": samples_per_minute,
+            "versions": [row(v) for v in versions.snapshot(VERSIONS_SHOWN)],
+            "steps": list(steps.steps)}
