@@ -400,7 +400,8 @@ def _gate(cfg: Config, tokenizer: ChatTokenizer, engine: Balanced, judge) -> Pro
     if not cfg.gate.enabled:
         return None
     path = cfg.gate.set or evalset.default_path()
-    gate = PromotionGate(cfg.gate, evalset.load(path), tokenizer, engine, judge)
+    prompts = evalset.load(path)
+    gate = PromotionGate(cfg.gate, prompts[:cfg.gate.prompts or len(prompts)], tokenizer, engine, judge)
     if gate.needs_judge and judge is None:
         raise evalset.EvalSetError(f"{path}: rubric checks need a judge model: judge.backend is \"rules\"")
     log.info("gate: %d prompt(s) from %s, %d sample(s) each, margin %.0f%%", len(gate.prompts), path,

@@ -26,6 +26,7 @@ class GateConfig:
     """Each new version is scored on an evaluation set before it serves everyone (clawd.safety.gate)."""
     enabled: bool = True
     set: str = ""                  # JSONL evaluation set; "" = the one that ships with clawd
+    prompts: int = 0               # the set's first N prompts only (0: all): each costs k answers a version
     samples_per_prompt: int = 2    # k seeded samples per prompt, the same seeds for every version
     max_tokens: int = 64
     temperature: float = 0.7
@@ -37,6 +38,8 @@ class GateConfig:
 
     def check(self) -> dict[str, str]:
         errors: dict[str, str] = {}
+        if not (is_int(self.prompts) and self.prompts >= 0):
+            errors["prompts"] = "must be an integer, 0 (all) or more"
         for name in ("samples_per_prompt", "max_tokens", "concurrency"):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 errors[name] = "must be an integer, at least 1"

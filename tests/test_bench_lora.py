@@ -76,8 +76,8 @@ def model_dir(tmp_path) -> Path:
 
 def test_learning_lora_passes_the_rank_and_lora_lr_to_train(model_dir):
     args = learning.parse_args(["--model", str(model_dir), "--lora"])
-    assert (args.lora_rank, args.lr) == (16, 1e-4)  # LoRA's lr default, not the profile's 5e-5
-    assert learning.lora_keys(args) == {"lora_rank": 16, "lora_lr": 1e-4}
+    assert (args.lora_rank, args.lr) == (16, 5e-4)  # ten times the profile's full fine-tune 5e-5
+    assert learning.lora_keys(args) == {"lora_rank": 16, "lora_lr": 5e-4}
     assert args.out.endswith("learning-lora.json")
     args = learning.parse_args(["--model", str(model_dir), "--lora-rank", "8", "--lr", "3e-4", "--out", "x.json"])
     assert (args.lora_rank, args.lr, args.out) == (8, 3e-4, "x.json")
@@ -92,7 +92,7 @@ def test_learning_lora_passes_the_rank_and_lora_lr_to_train(model_dir):
 def test_demo_lora_sets_the_train_section_and_names_it(model_dir):
     args = demo.parse_args(["--model", str(model_dir), "--lora"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
-    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (16, 1e-4, "LoRA rank 16")
+    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (16, 5e-4, "LoRA rank 16")
     args = demo.parse_args(["--model", str(model_dir), "--lora-rank", "4", "--lr", "2e-4"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
     assert (train["lora_rank"], train["lora_lr"], args.tuning) == (4, 2e-4, "LoRA rank 4")

@@ -181,7 +181,7 @@ async def test_a_version_trained_on_adversarial_rewards_is_rejected_on_its_canar
 
 # --- where the candidate is held: LoRA adapter, canary replica, or promoted first ----------------------
 
-class Publisher:
+class Staging:
     """The learner's publisher as Promotion uses it: records the calls."""
     base_dir = "/base"
 
@@ -224,7 +224,7 @@ def promotion(tmp_path, *, lora: bool, answers: dict, canary: bool = False):
             return {"output_ids": [answers[payload.get("lora_path")]]}
 
     engine = ByAdapter()
-    publisher = Publisher(engine if canary else None)
+    publisher = Staging(engine if canary else None)
     publisher.lora = lora
     gate = PromotionGate(GateConfig(samples_per_prompt=1), PROMPTS, Words(), engine)
     published = []

@@ -434,7 +434,8 @@ class Learner:
         for version in sorted(doomed):  # a version rejected before keeps saying so
             was = self.versions.get(version)
             rejects = rejected == version or (was is not None and was.status == REJECTED)
-            self.versions.update(version, status=REJECTED if rejects else ROLLED_BACK, detail=f"{reason}; back to v{target}")
+            self.versions.update(version, status=REJECTED if rejects else ROLLED_BACK,
+                                 detail=f"{reason}; back to v{target}")
         self.stats.dropped_after_rollback += self.store.drop_versions(doomed)
         self.stats.rollbacks += 1
         if target != self.policy.version:  # the engine serves a doomed version: the target's weights, renumbered

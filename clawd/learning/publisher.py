@@ -39,8 +39,8 @@ class Publisher:
         self.base_dir = base_dir  # the base model's directory: what v0 is, for a canary going back to it
 
     def adapter_of(self, version: int) -> str | None:
-        """The adapter name version's requests carry; None for full weights."""
-        return None if self.adapters is None else adapter_name(version)
+        """The adapter name version's requests carry; None for full weights, and for v0 (the base itself)."""
+        return None if self.adapters is None or version == 0 else adapter_name(version)
 
     def retire(self, adapter: str | None) -> None:
         if self.adapters is not None:

@@ -33,7 +33,7 @@ The defaults (rl mode, lr 5e-5, 8 samples a step, 48 tokens a reply at T 0.7, pe
 and `plain`) take about 14 min on 2 cores. With the earlier form-only personas
 (`--personas form:brief,form:plain`) a run took the evaluation set from 38% satisfied to 100% while
 the answers collapsed ("The answer is a planet."): the documented example of a reward hack.
-`--lora` (`make demo DEMO_ARGS=--lora`): LoRA adapters of rank 16 (`--lora-rank N`) at `lora_lr` (--lr, 1e-4).
+`--lora` (`make demo DEMO_ARGS=--lora`): LoRA adapters of rank 16 (`--lora-rank N`) at lr 5e-4 (--lr).
 `--no-safety`: no gate, no monitors, no rollback checkpoints (learning as before them: the control).
 """
 from __future__ import annotations
@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 from clawd import degeneration, paired
-from clawd.train_config import TrainConfig
 from clawd.tools.sim.launch import Clawd
 from clawd.tools.sim.personas import PERSONAS, persona
 from clawd.tools.sim.progress import Display, Judged, clock, fmt, pct
@@ -73,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=("rl", "opd", "combine"), default="rl", help="clawd's scoring mode (default rl)")
     ap.add_argument("--teacher", choices=("policy", "reference"), default="policy",
                     help="teacher engine in opd/combine: 'reference' starts a second engine (default policy)")
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (default 5e-5; with --lora 1e-4)")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default 5e-5; with --lora 5e-4)")
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen base ([train] lora_rank)")
     ap.add_argument("--no-safety", action="store_true", help="no gate, monitors or rollback checkpoints (a control)")
     ap.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (default 16; implies --lora)")
@@ -90,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.lora_rank is not None and args.lora_rank < 1:
         ap.error("--lora-rank must be positive")
     args.lora_rank = (args.lora_rank or 16) if args.lora or args.lora_rank else 0
-    args.lr = (TrainConfig().lora_lr if args.lora_rank else 5e-5) if args.lr is None else args.lr
+    # LoRA at ten times the full fine-tune's rate: at twice it, SmolLM2's adapters learnt nothing in 26 steps.
+    args.lr = (5e-4 if args.lora_rank else 5e-5) if args.lr is None else args.lr
     args.tuning = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tune"
     for name in ("minutes", "concurrency", "batch", "max_tokens", "probes", "lr", "idle_timeout"):
         if getattr(args, name) <= 0:
@@ -121,10 +121,10 @@ def clawd_sections(args: argparse.Namespace, state_dir: Path) -> dict[str, dict[
                   "keep_versions": 2, **({"lora_rank": args.lora_rank, "lora_lr": args.lr} if args.lora_rank else {})},
         "sessions": {"session_idle_timeout": args.idle_timeout, "sweep_interval": 2.0},
         "state": {"dir": str(state_dir)},
-        # The gate on the 50 prompts that ship, one answer each (2 cores); monitors that judge a version once it
-        # served 12 answers (a demo version serves 15 to 30).
+        # The gate on 16 of the prompts that ship, one short answer each (all 50 take minutes a version on 2 cores,
+        # beside the users); monitors that judge a version once it served 12 answers (a demo version serves 15-30).
         **({"gate": {"enabled": False}, "monitors": {"enabled": False}, "versions": {"rollback_depth": 0}}
-           if args.no_safety else {"gate": {"samples_per_prompt": 1, "max_tokens": args.max_tokens},
+           if args.no_safety else {"gate": {"prompts": 16, "samples_per_prompt": 1, "max_tokens": 32},
                                    "monitors": {"min_replies": 12, "interval": 2.0}, "versions": {"rollback_depth": 2}}),
     }
 
