@@ -312,12 +312,13 @@ def format_status(snapshot: dict, now: float | None = None) -> str:
                 ("stale dropped", learner.get("stale_dropped", 0)), ("last step", last))
     safety = get("safety")
     gate, monitors = safety.get("gate"), safety.get("monitors")
-    section("safety", ("gate", "off" if not gate else f"{gate['prompts']} prompts, {gate['passed']} passed, "
-                       f"{gate['rejected']} rejected, {gate['failures']} evaluations failed"),
-            ("monitors", "off" if not monitors else f"{monitors['rollbacks']} rollbacks, {monitors['halts']} halts"
-             + ("; the version serving is clean" if monitors.get("clean") else "")
-             + "".join(f"\n  {'':<20}alarm: {a}" for a in monitors.get("alarms") or [])),
-            ("versions", _counts(safety.get("versions"))))
+    if safety:  # a snapshot of an earlier release has none
+        section("safety", ("gate", "off" if not gate else f"{gate['prompts']} prompts, {gate['passed']} passed, "
+                           f"{gate['rejected']} rejected, {gate['failures']} evaluations failed"),
+                ("monitors", "off" if not monitors else f"{monitors['rollbacks']} rollbacks, {monitors['halts']} halts"
+                 + ("; the version serving is clean" if monitors.get("clean") else "")
+                 + "".join(f"\n  {'':<20}alarm: {a}" for a in monitors.get("alarms") or [])),
+                ("versions", _counts(safety.get("versions"))))
     engines = snapshot.get("engines") or {}
     section("engines", *[(role, f"{e.get('state', '?')}, pid {e.get('pid') or '-'}, {e.get('restarts', 0)} restarts")
                          for role, e in sorted(engines.items())] or [("state", "off")])
