@@ -33,7 +33,7 @@ def require_chromium() -> Path:
                "(make test does it as root)")
     if os.environ.get("CI") == "true":
         pytest.fail(message + "; CI runs the browser tests")
-    pytest.skip(message)
+    pytest.skip(reason=message)
 
 
 async def chromium(url: str, *args: str, timeout: float = 30.0) -> str:
