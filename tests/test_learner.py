@@ -220,3 +220,24 @@ async def test_a_negative_control_changes_only_what_the_trainer_is_handed(tmp_pa
         assert call["rewards"] == [0.0] * 8
     else:
         assert sorted(call["rewards"]) == sorted(rewards) and call["rewards"] != rewards
+
+
+async def test_a_rollback_asked_during_a_step_keeps_that_steps_version_from_ever_serving(tmp_path):
+    # The monitors ask for a rollback of v2 (serving) while the next step trains: that step's version
+    # descends from v2 and is doomed; it must not be promoted first (it would serve everyone until the
+    # rollback's own publish).
+    async with learning(tmp_path, script={"3": "slow"}) as (learner, store, fake, trainer):
+        await put(store, 0, 2)
+        await until(lambda: learner.policy.version == 1)
+        ckpt = tmp_path / "state" / "checkpoints" / "ckpt-00000001"  # v1 is a rollback target
+        ckpt.mkdir(parents=True)
+        (ckpt / "state.json").write_text(json.dumps({"step": 1, "version": 1}))
+        (ckpt / "complete").write_text("")
+        await put(store, 2, 2, version=1)
+        await until(lambda: learner.policy.version == 2)
+        await put(store, 4, 2, version=2)
+        await until(lambda: len(calls(tmp_path)) == 3)  # step 3 (v3) is training
+        assert await learner.rollback(1, reason="monitor: test") == 4
+        assert [u["weight_version"] for u in fake.weight_updates] == ["1", "2", "4"]  # v3 never reached the engine
+        assert [learner.versions.get(v).status for v in (2, 3)] == ["rolled_back", "rolled_back"]
+        assert learner.versions.get(4).restored_from == 1

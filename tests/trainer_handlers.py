@@ -48,6 +48,7 @@ class Scripted:
         call = len(calls(self.dir)) + 1
         with open(self.dir / "calls.jsonl", "a") as f:
             f.write(json.dumps({"call": call, "batch_id": batch_id, "pid": os.getpid(), "n": len(samples),
+                                "version": version,
                                 "rewards": [x.reward for x in samples], "hints": [x.has_hint for x in samples],
                                 "t": time.time()}) + "\n")
         action = self.script.get(str(call))
@@ -55,6 +56,8 @@ class Scripted:
             os._exit(3)
         if action == "hang":
             time.sleep(3600)
+        if action == "slow":  # a step long enough for something to happen meanwhile
+            time.sleep(1.5)
         if action == "raise":
             raise ValueError("scripted failure")
         if action == "retryable":
@@ -69,6 +72,12 @@ class Scripted:
         self.version = self.weights_version = version
         self.checkpoint()
         return str(self.dir / f"v{version}")
+
+    def restore(self, version: int) -> int:
+        """A rollback: the step that made `version` (its calls.jsonl line) becomes the current one."""
+        self.step = next((c["call"] for c in calls(self.dir) if c.get("version") == version), 0)
+        self.version = self.weights_version = version
+        return self.step
 
     def checkpoint(self) -> tuple[str, int]:
         path = self.dir / "checkpoint.json"

@@ -100,6 +100,7 @@ class Learner:
         self.pauses = pauses if pauses is not None else Pauses(Path(state_dir) / "pause.json")
         self._stopping = False
         self._idle = asyncio.Event()  # no step in progress
+        self._rollback_waiting = 0  # rollbacks asked for and not yet begun: no new version is delivered
         self._idle.set()
         self._unacked: list[Sample] = []  # trained, not yet covered by a checkpoint
         self._trainer_pid: int | None = None  # the child whose state _unacked is in
@@ -141,12 +142,15 @@ class Learner:
 
     async def _busy(self, work):
         """Runs `work` as the step in progress that `stop` lets finish."""
-        async with self._work:
-            self._idle.clear()
-            try:
-                return await work
-            finally:
-                self._idle.set()
+        try:
+            async with self._work:
+                self._idle.clear()
+                try:
+                    return await work
+                finally:
+                    self._idle.set()
+        finally:
+            work.close()  # cancelled while waiting for the lock (a rollback held it): never started
 
     async def stop(self, timeout: float) -> None:
         """Let a step in progress finish (within timeout) and checkpoint what was trained, so its
@@ -371,6 +375,10 @@ class Learner:
         """The candidate onto the engine, through the gate when there is one: promoted, or rejected and the
         trainer rolled back. False: not yet (an engine or the evaluation failed; tried again)."""
         weights, version = self._candidate
+        if self._rollback_waiting:  # asked while this version trained: it is doomed, and never serves
+            log.warning("v%d is not delivered: a rollback is waiting", version)
+            self._candidate = None
+            return True
         if self.promotion is None:
             if not await self._publish(weights, version):
                 return False
@@ -398,19 +406,27 @@ class Learner:
         """Return to `target` (default: the newest clean version before the one serving): the trainer restores
         its checkpoint, weights and optimizer, and its weights serve again as a new version (numbers never
         repeat). The versions after it are marked rolled back and their samples dropped. The version serving."""
-        async with self._work:
-            if target is None:
-                target = self._target(exclude={self.policy.version})
-            record = self.versions.get(target)
-            if record is None or record.status not in GOOD or target not in checkpointed_versions(self.state_dir):
-                raise ValueError(f"v{target} cannot be rolled back to: only a version that served cleanly and has "
-                                 f"a checkpoint (now: {sorted(checkpointed_versions(self.state_dir))})")
-            if target == self.policy.version:
-                raise ValueError(f"v{target} is the version serving")
-            served = await self._rollback(target, reason)
+        self._check_target(target)  # before waiting: a refused rollback must not hold back the step in progress
+        self._rollback_waiting += 1  # the step in progress, if any, promotes nothing more (`_deliver`)
+        try:
+            async with self._work:
+                served = await self._rollback(self._check_target(target), reason)
+        finally:
+            self._rollback_waiting -= 1
         if pause is not None:
             self.pauses.hold(pause, reason)
         return served
+
+    def _check_target(self, target: int | None) -> int:
+        if target is None:
+            target = self._target(exclude={self.policy.version})
+        record = self.versions.get(target)
+        if record is None or record.status not in GOOD or target not in checkpointed_versions(self.state_dir):
+            raise ValueError(f"v{target} cannot be rolled back to: only a version that served cleanly and has "
+                             f"a checkpoint (now: {sorted(checkpointed_versions(self.state_dir))})")
+        if target == self.policy.version:
+            raise ValueError(f"v{target} is the version serving")
+        return target
 
     async def checkpoint(self) -> dict:
         """`clawctl checkpoint`: a checkpoint of the weights serving now (a rollback target from here on)."""
