@@ -38,9 +38,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-SCRIPTS = ("serve", "pipeline", "trainer", "swap", "lora", "learning", "fuzz", "abuse", "crash", "scale")
+SCRIPTS = ("serve", "pipeline", "trainer", "swap", "lora", "learning", "fuzz", "abuse", "crash", "scale", "pii")
 OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "lora": "--out",
-            "learning": "--out", "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out"}
+            "learning": "--out", "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out",
+            "pii": "--out"}
 # scale.py's full form takes ~4 min on top of serve.py's similar figures; its quick form answers "does it scale".
 ARGS = {"scale": ["--quick"]}
 if str(HERE) not in sys.path:  # run as a script it is already there; imported (by a test) it is not
@@ -167,8 +168,19 @@ def scale(r: dict) -> list[dict]:
     return rows
 
 
+def pii(r: dict) -> list[dict]:
+    rows = []
+    for c, cell in r["per_category"].items():
+        rows.append(_row(f"pii {c}: precision", cell["precision"], "{:.3f}", f">= {r['targets']['precision']}",
+                         r["met"][f"{c} precision"]))
+        if f"{c} recall" in r["met"]:
+            rows.append(_row(f"  pii {c}: recall", cell["recall"], "{:.3f}", f">= {r['targets']['recall'][c]}",
+                             r["met"][f"{c} recall"]))
+    return rows + [_row("pii detection cost, PII-dense chat (us/KB)", r["cost"]["labelled_us_per_kb"], "{:.0f}")]
+
+
 EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "lora": lora, "learning": learning,
-           "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale}
+           "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale, "pii": pii}
 
 
 # ---------------------------------------------------------------- provenance marks

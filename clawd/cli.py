@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
+from clawd import credentials
 from clawd.config import LOG_FORMAT, ConfigError, load_config
 
 DEFAULT_CONFIG = "etc/clawd.toml"
@@ -45,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CONFIG
         return 0
     logging.basicConfig(level=cfg.logging.level.upper(), stream=sys.stderr, format=LOG_FORMAT)
+    # Secrets stay out of log lines whatever a module logs (an upstream's error may echo its key).
+    credentials.remember(cfg)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(credentials.RedactingFilter())
+    from clawd.privacy.files import modes_for, under_systemd
+    # Before anything is written: every file clawd and its children create is private from birth.
+    os.umask(modes_for(cfg.admin.group, under_systemd()).umask)
     from clawd.daemon import run  # after logging is set up
     from clawd.ops.admin import AdminSocketError
     from clawd.learning.journal import JournalError, JournalUnreadable

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
-import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +18,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from clawd import credentials, devices
-from clawd.checks import below, not_positive
+from clawd.checks import below, is_group_name, not_positive
+from clawd.privacy_config import PrivacyConfig
 from clawd.safety_config import GateConfig, MonitorsConfig, VersionsConfig
 from clawd.train_config import TrainConfig
 
@@ -34,6 +34,8 @@ class ApiKey:
     key: str = ""
     key_env: str = ""   # secrets: see clawd.credentials (resolved into `key` when the file is loaded)
     key_file: str = ""
+    train: bool = True  # false: this key's turns are served and never trained (consent; reason "consent")
+    record: bool = True  # false: this key's turns leave no turn or judge record
 
     def check(self) -> dict[str, str]:
         errors = {}
@@ -394,7 +396,7 @@ class AdminConfig:
     start_paused: typing.Literal["last", True, False] = "last"
 
     def check(self) -> dict[str, str]:
-        if self.group and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*\$?", self.group):
+        if self.group and not is_group_name(self.group):
             return {"group": "must be a group name"}
         return {}
 
@@ -433,6 +435,7 @@ class Config:
     monitors: MonitorsConfig = field(default_factory=MonitorsConfig)
     versions: VersionsConfig = field(default_factory=VersionsConfig)
     records: RecordsConfig = field(default_factory=RecordsConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     state: StateConfig = field(default_factory=StateConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -541,5 +544,6 @@ def _convert(hint, value, where: str, source: str):
     else:  # pragma: no cover - a field type this loader does not know is a programming error
         raise TypeError(f"unsupported config type {hint!r} at {where}")
     if not ok:
-        raise ConfigError(f"{source}: {where}: must be {hint.__name__}, got {type(value).__name__} {value!r}")
+        shown = "" if where.rpartition(".")[2] in credentials.SECRET_FIELDS else f" {value!r}"  # never echo a secret
+        raise ConfigError(f"{source}: {where}: must be {hint.__name__}, got {type(value).__name__}{shown}")
     return value

@@ -6,13 +6,24 @@ Each secret key of the TOML file (`auth.keys[].key`, `engine.api_key`, `engine.a
 `LoadCredential=` fills). At most one of the three is set. They are resolved when the file is
 loaded, so SIGHUP re-reads a rotated file (the API keys apply at once, the engine and judge keys
 at the next start), and the rest of clawd sees only the value.
+
+The daemon's log handler carries a `RedactingFilter`: a secret value that reaches a log line anyway
+(an upstream's error text that echoes the key it was sent, say) is written as "<redacted>".
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 
 SECRET_FIELDS = frozenset({"key", "api_key", "admin_api_key"})
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell or systemd's Environment= can set
+REDACTED = "<redacted>"
+# Shorter values are not redacted: replacing every "abc" in every line would garble the log more than it
+# hides (the API keys' own minimum is 8).
+MIN_REDACTED = 8
+_known: set[str] = set()  # every secret value this process has loaded (old ones stay: they were secret too)
 
 
 class SecretError(ValueError):
@@ -29,6 +40,11 @@ def resolve(value: str, env: str, file: str) -> str:
     if len(given) > 1:
         raise SecretError("give the secret one way only: inline, _env or _file", given[1])
     if env:
+        if not ENV_NAME.fullmatch(env):
+            # Most likely the secret itself, written where its variable's name goes: errors reach the
+            # journal, so it is never echoed (a real name is, below, to help find a missing variable).
+            raise SecretError("not the name of an environment variable (letters, digits and _); "
+                              "a secret itself goes in the key without _env", "_env")
         if not os.environ.get(env):
             raise SecretError(f"the environment variable {env} is not set or empty", "_env")
         return os.environ[env]
@@ -51,3 +67,36 @@ def credential_path(file: str) -> Path:
     if not path.is_absolute() and credentials:
         return Path(credentials) / path
     return path
+
+
+def remember(cfg) -> None:
+    """Add `cfg`'s secret values to those `redact` hides (at start, and for each file SIGHUP loads)."""
+    values = [k.key for k in cfg.auth.keys] + [cfg.engine.api_key, cfg.engine.admin_api_key, cfg.judge.api_key]
+    _known.update(v for v in values if len(v) >= MIN_REDACTED)
+
+
+def redact(text: str) -> str:
+    for value in sorted(_known, key=len, reverse=True):  # longest first: one key may contain another
+        if value in text:
+            text = text.replace(value, REDACTED)
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    """On a handler (a logger's filter would miss records propagated from its children): the message,
+    and the traceback of an exception logged with it, with every remembered secret redacted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # arguments that do not fit the format: emit() reports it as logging always has
+            message = None
+        if message is not None and (clean := redact(message)) != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True

@@ -36,11 +36,15 @@ from clawd.ops.learning_view import StepLog, learning_view
 from clawd.ops.metrics import Metrics
 from clawd.ops.reload import ReloadTargets, reload
 from clawd.ops.status import Rate, Status
+from clawd.ops.people import Holdings
 from clawd.pauses import Pauses
+from clawd.privacy import files
+from clawd.privacy.policy import Privacy
+from clawd.privacy.retention import Retention
 from clawd.safety import evalset
 from clawd.safety.gate import PromotionGate
 from clawd.safety.monitors import Monitors
-from clawd.safety.versions import REJECTED, ROLLED_BACK, Versions
+from clawd.safety.versions import REJECTED, ROLLED_BACK, SERVING, Versions
 from clawd.safety.watch import Watch
 from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
 from clawd.scoring.scorer import Scorer
@@ -75,17 +79,20 @@ class Shutdown:
 
 @dataclass
 class TurnHandover:
-    """The edge from serving to scoring. Every finished turn is written to the turn records and counted by
-    its version's behaviour monitors; it becomes a scoring task unless learning is paused (then it is
-    served and recorded, never a sample)."""
+    """The edge from serving to scoring. Every finished turn passes privacy (consent, PII: what may be
+    trained and recorded), is written to the turn records and counted by its version's behaviour monitors;
+    it becomes a scoring task unless learning is paused (then it is served and recorded, never a sample)."""
     records: RecordWriter
     scorer: Scorer
     pauses: Pauses
     per_minute: Rate
+    privacy: Privacy
     monitors: Monitors | None = None
 
     def __call__(self, finished: FinishedTurn) -> None:
-        self.records.write_turn(finished)
+        finished, record = self.privacy.admit(finished)
+        if record is not None:
+            self.records.write(record, finished.finished)
         self.per_minute.tick()
         if self.monitors is not None:
             self.monitors.observe_turn(finished.turn.policy_version, finished.to_record())
@@ -98,6 +105,8 @@ class TurnHandover:
 async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     state_dir = cfg.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
+    # The state is clawd's alone (the umask is cli's); what an earlier run left open is closed now.
+    share_weights = files.secure_state(state_dir, cfg.admin.group, cfg.privacy.weights_group)
     max_connections = raise_open_file_limit(cfg.server.max_connections)  # the cap that fits the fd limit
     loop = asyncio.get_running_loop()
     if shutdown is None:
@@ -146,6 +155,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     turn_records = RecordWriter(records_dir, kind="turns", retention_days=cfg.records.retention_days)
     judge_records = RecordWriter(records_dir, kind="judge", retention_days=cfg.records.retention_days)
     turn_records.on_error = judge_records.on_error = disk.failed
+    privacy = Privacy(cfg.privacy, cfg.auth.keys)
 
     # One group owns every long-lived task, the stages' own (aborts, scoring) included. It is entered once
     # every stage is built and started, so a failed start (a held admin socket) raises as itself.
@@ -173,6 +183,9 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records,
                         spawn=tasks.create_task)
         scorer.on_write_error = disk.failed
+        scorer.record_view = privacy.judge_record
+        if isinstance(judge, OpenAIJudge):  # a third party: PII replaced in what it is shown
+            scorer.judge_view = privacy.for_judge
 
         # Learning: batches from the store → the trainer subprocess → weights published to the policy engine.
         trainer = learner = None
@@ -180,6 +193,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
             publisher = Publisher(replicas, cfg.learner.publish_timeout,  # rolling: one replica at a time
                                   adapters=adapters, base_dir=str(cfg.model_path))
+            publisher.before_load = share_weights  # [privacy] weights_group: an engine run as another user
             learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir, control_seed=cfg.train.seed,
                               pauses=pauses, versions=versions, lora=cfg.train.lora,
                               gate=_gate(cfg, tokenizer, Balanced(replicas), judge))
@@ -198,7 +212,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
                                 max_turns=cfg.sessions.session_max_turns, max_sessions=cfg.sessions.max_sessions,
                                 new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
-        to_scoring = TurnHandover(turn_records, scorer, pauses, turns_per_minute, monitors)
+        to_scoring = TurnHandover(turn_records, scorer, pauses, turns_per_minute, privacy, monitors)
         chat = ChatService(cfg, tokenizer, replicas, sessions, to_scoring, policy, spawn=tasks.create_task,
                            adapters=adapters)
 
@@ -208,22 +222,31 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             None if learner is None else lambda target, reason: learner.rollback(target, reason=reason),
             interval=cfg.monitors.interval)
 
+        # Retention that runs even when nothing is written: old records, journal segments, weights past use.
+        retention = Retention(state_dir, (turn_records, judge_records), cfg.records.retention_days,
+                              compact_journal=journal.compact, serving=lambda: policy.version,
+                              keep_versions=cfg.train.keep_versions, interval=cfg.privacy.retention_interval,
+                              pinned=lambda: {v.version for v in versions if v.status == SERVING})
+
         # Ops reads the stages through one snapshot and owns none of them.
         status = Status(cfg, policy, pauses, chat, store, scorer, engines, trainer, learner, started=time.time(),
                         requests=requests_per_minute, turns=turns_per_minute, disk=disk,
-                        records=(turn_records, judge_records), versions=versions, watch=watcher)
+                        records=(turn_records, judge_records), versions=versions, watch=watcher,
+                        privacy=privacy, retention=retention)
         metrics = Metrics(status.snapshot)
         chat.on_first_token = metrics.observe_first_token
         if learner is not None:
             learner.on_publish = metrics.observe_publish
-        admin = AdminServer(cfg.admin.socket_path(state_dir), admin_commands(pauses, status, learner, versions),
+        people = Holdings(state_dir, turn_records, judge_records, store, scorer, sessions, versions)
+        admin = AdminServer(cfg.admin.socket_path(state_dir), admin_commands(pauses, status, learner, versions, people),
                             group=cfg.admin.group)
         await admin.start()
         exits.push_async_callback(admin.close)
         auth = Authenticator(cfg)
         loop.add_signal_handler(signal.SIGHUP, _reloader(cfg, ReloadTargets(
             set_log_level=lambda level: logging.getLogger().setLevel(level.upper()),
-            set_api_keys=auth.set_keys, set_judge=_judge_setter(judge, teacher, scorer))))
+            set_api_keys=lambda keys: (auth.set_keys(keys), privacy.set_keys(keys)),
+            set_judge=_judge_setter(judge, teacher, scorer))))
 
         async with tasks:
             engine_tasks = [tasks.create_task(e.run(), name=f"{e.name}-engine") for e in engines]
@@ -233,6 +256,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             sweeper = tasks.create_task(_expire_sessions(sessions, to_scoring, cfg.sessions.sweep_interval),
                                         name="session-sweeper")
             disk_watch = tasks.create_task(disk.run(), name="disk-budget")
+            sweeps = tasks.create_task(retention.run(), name="retention")
             watch = None if watcher is None else tasks.create_task(watcher.run(), name="monitors")
             unloader = None if adapters is None else tasks.create_task(
                 adapters.unload_retired(replicas, cfg.learner.publish_timeout), name="adapter-unloader")
@@ -274,6 +298,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                     to_scoring(finished)
                 sweeper.cancel()
                 disk_watch.cancel()
+                sweeps.cancel()
                 if watch is not None:
                     watch.cancel()
                 if unloader is not None:

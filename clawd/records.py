@@ -2,8 +2,10 @@
 
 Records are for people (audit, debugging, datasets), not for durability: the
 sample journal owns that. Lines are appended from the event loop with one
-write each, without fsync. Files older than `retention_days` are deleted at rotation.
-Records never hold API keys or headers: a `Turn` has none to give.
+write each, without fsync. Files older than `retention_days` are deleted at rotation and by the
+retention sweep (`prune`, clawd.privacy.retention), mode 0600 whatever the umask. Records never hold API
+keys or headers: a `Turn` has none to give; what else they hold is clawd.privacy.policy's to decide.
+`select` and `remove` read and rewrite them per principal (clawctl export / forget).
 
 A write that fails (a full disk) never reaches the caller, which is a chat request or a
 scoring task: the line is cut back out of the file (no torn line is left for the next to
@@ -17,7 +19,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from clawd import faults
 from clawd.turns import FinishedTurn
@@ -80,16 +82,68 @@ class RecordWriter:
 
     def _rotate(self, day: str, now: float) -> None:
         self.close()
-        self._fd = os.open(self.path_for(day), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._fd = os.open(self.path_for(day), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self._day = day
+        self.prune(now)
+
+    def files(self) -> list[Path]:
+        """This kind's record files, oldest day first."""
+        return sorted(self.directory.glob(f"{self.kind}-*.jsonl"))
+
+    def prune(self, now: float | None = None) -> list[Path]:
+        """Delete the files of days older than `retention_days`; returns them."""
+        now = time.time() if now is None else now
         cutoff = time.strftime("%Y-%m-%d", time.gmtime(now - self.retention_days * 86400))
-        for path in self.directory.glob(f"{self.kind}-*.jsonl"):
+        removed = []
+        for path in self.files():
             if path.stem[len(self.kind) + 1:] < cutoff:
                 log.info("deleting %s (older than %d days)", path, self.retention_days)
-                path.unlink()
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        return removed
+
+    def select(self, principal: str) -> Iterator[str]:
+        """Every line (as written, newline included) of this principal's records."""
+        for path in self.files():
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if _belongs(line, principal):
+                        yield line
+
+    def remove(self, principal: str) -> int:
+        """Rewrite every file without this principal's lines; returns how many went. Each file is replaced
+        whole (a temporary file, fsynced, renamed over it), so a crash leaves the old file or the new one.
+        The open file is closed first: the next write opens the new one."""
+        self.close()
+        removed = 0
+        for path in self.files():
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.readlines()
+            kept = [line for line in lines if not _belongs(line, principal)]
+            if len(kept) == len(lines):
+                continue
+            removed += len(lines) - len(kept)
+            tmp = path.with_name(path.name + ".tmp")
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w",
+                      encoding="utf-8") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        return removed
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
             self._day = None
+
+
+def _belongs(line: str, principal: str) -> bool:
+    """Whether one record line is this principal's. A torn line (not JSON) is theirs when it holds their
+    "principal" field as `write` encodes it: what cannot be attributed is not kept against their wish."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return '"principal":' + json.dumps(principal, ensure_ascii=False) in line
+    return isinstance(record, dict) and record.get("principal") == principal

@@ -24,6 +24,10 @@ NOBODY = 65534
 
 
 async def status_cmd(request):
+    # The server adds who asked (SO_PEERCRED): the audit lines of export and forget name it.
+    request = dict(request)
+    peer = request.pop("peer")
+    assert isinstance(peer["uid"], int) and peer["pid"] > 0 and "user" in peer
     return {"mode": "rl", "echo": request}
 
 

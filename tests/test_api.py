@@ -130,14 +130,17 @@ async def test_session_headers_and_exclusions(stack):
                                          extra_headers={**h, "X-Turn-Type": "side"})
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "c"}],
                                          extra_headers={**h, "X-Clawd-No-Train": "1", "X-Session-Done": "1"})
-    recs = {r["messages"][-1]["content"]: r for r in daemon.records() if r["session_id"] == "s-1"}
-    assert set(recs) == {"a", "b", "c"}
+    # The no_train turn is recorded without its words ([privacy] untrained_content): keyed by turn index.
+    by_index = {r["turn_index"]: r for r in daemon.records() if r["session_id"] == "s-1"}
+    recs = {"a": by_index[0], "b": by_index[1], "c": by_index[2]}
+    assert len(by_index) == 3 and by_index[0]["messages"][-1]["content"] == "a"
     assert recs["a"]["next_state"] == [{"role": "user", "content": "b"}] and recs["a"]["reason"] is None
     assert recs["a"]["excluded"] is None
     assert recs["b"]["excluded"] == "sampling_params" and recs["b"]["next_state"] == [{"role": "user", "content": "c"}]
     assert fake.requests[-3]["sampling_params"]["top_p"] == 0.5  # served exactly as asked
     assert "min_p" not in fake.requests[-3]["sampling_params"]  # not trainable: the engine's defaults apply
-    assert recs["c"]["excluded"] == "no_train"
+    assert recs["c"]["excluded"] == "no_train" and recs["c"]["content"] == "withheld"
+    assert recs["c"]["messages"] == [{"role": "user", "chars": 1}]
     assert recs["c"]["next_state"] is None and recs["c"]["reason"] == "session_done"
 
 

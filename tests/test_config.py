@@ -17,6 +17,7 @@ def test_documented_default_file_equals_the_defaults():
     assert cfg.sessions == Config().sessions
     assert cfg.sampling == Config().sampling
     assert cfg.train == Config().train
+    assert cfg.privacy == Config().privacy
     assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8400)
     assert cfg.state.dir == "state"
 

@@ -3,7 +3,8 @@
 
 - The floor (top-level modules other than the entry points: config, the currencies passed between
   stages, the state-dir layout, the tokenizer, the records) imports no stage.
-- The stages, in the order data flows: serving → scoring → learning → safety → trainer → engine. A stage
+- The stages, in the order data flows: serving → scoring → learning → safety → trainer → engine, and
+  privacy below them all (a policy any of them may ask). A stage
   imports only the floor and the stages downstream of it (the one it hands data to and the services
   it calls); it never imports one upstream.
 - ops reads the stages and owns none; tools are programs beside the daemon; the entry points
@@ -17,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "clawd"
-STAGES = ["serving", "scoring", "learning", "safety", "trainer", "engine"]  # upstream to downstream
+# upstream to downstream; privacy (PII, consent, file modes, retention) is the policy any stage may call
+STAGES = ["serving", "scoring", "learning", "safety", "trainer", "engine", "privacy"]
 ENTRY = {"clawd.cli", "clawd.daemon", "clawd.__main__"}
 MAX_LINES, REASONED_MAX_LINES = 500, 600
 

@@ -424,4 +424,6 @@ class EngineSupervisor:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if (keys := keys_file_path(self.cfg, self.role)) is not None:  # no copy of the state carries the keys
+            keys.unlink(missing_ok=True)
         self._set(EngineState.STOPPED)

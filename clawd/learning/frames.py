@@ -18,7 +18,7 @@ HEADER_V1 = MAGIC + struct.pack("<I", 1)
 RECORD_MAGIC = b"\xffJR\xc1"
 FRAME = struct.Struct("<4sII")       # record magic, length, crc32(length field + body)
 FRAME_V1 = struct.Struct("<II")      # length, crc32(body)
-APPEND, ACK = 1, 2
+APPEND, ACK, BASE = 1, 2, 3            # BASE: a segment's first record only (Journal.rewrite)
 MAX_BODY = 1 << 30                   # a larger length field is damage, not data
 
 def _encode_id(entry_id: str) -> bytes:
@@ -45,6 +45,18 @@ def encode_ack(ids: list[str]) -> bytes:
     return frame(bytes([ACK]) + struct.pack("<I", len(ids)) + b"".join(_encode_id(i) for i in ids))
 
 
+def encode_base() -> bytes:
+    return frame(bytes([BASE]))
+
+
+def base_of(prefix: bytes) -> bool:
+    """Whether a segment's first bytes are a format-2 header and a good BASE record."""
+    if prefix[:len(HEADER)] != HEADER:
+        return False
+    got = _record(prefix, len(HEADER), FORMAT_VERSION)
+    return not isinstance(got, str) and got[1][0] == BASE
+
+
 def _decode_id(body: bytes, at: int) -> tuple[str, int]:
     if at + 2 > len(body):
         raise ValueError("id length past the end of the record")
@@ -55,7 +67,7 @@ def _decode_id(body: bytes, at: int) -> tuple[str, int]:
 
 
 def decode_body(body: bytes) -> tuple[int, object]:
-    """(APPEND, (id, payload)) or (ACK, [ids]); ValueError when the body does not parse."""
+    """(APPEND, (id, payload)), (ACK, [ids]) or (BASE, None); ValueError when the body does not parse."""
     kind = body[0]
     if kind == APPEND:
         entry_id, at = _decode_id(body, 1)
@@ -71,6 +83,10 @@ def decode_body(body: bytes) -> tuple[int, object]:
         if at != len(body):
             raise ValueError("trailing bytes in ACK record")
         return ACK, ids
+    if kind == BASE:
+        if len(body) != 1:
+            raise ValueError("trailing bytes in BASE record")
+        return BASE, None
     raise ValueError(f"unknown record type {kind}")
 
 
@@ -101,9 +117,12 @@ def _record(data: bytes, at: int, version: int) -> tuple[int, tuple] | str:
     if (_crc(data[at + 4:at + 8], body) if version == 2 else zlib.crc32(body)) != crc:
         return "CRC mismatch"
     try:
-        return end, decode_body(body)
+        decoded = decode_body(body)
     except (ValueError, UnicodeDecodeError) as e:  # CRC passed: a writer bug, still not data
         return f"undecodable record: {e}"
+    if decoded[0] == BASE and (version != 2 or at != len(HEADER)):  # it speaks for whole segments only
+        return "BASE record past a segment's start"
+    return end, decoded
 
 
 def _resync(data: bytes, at: int) -> int | None:

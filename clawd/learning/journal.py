@@ -9,9 +9,12 @@ files, oldest first, beside `journal.lock` (one writer) and `quarantine/` (damag
     v1 record = u32 length + u32 CRC32(body) + body      (read only: an older release wrote it)
     body      = u8 type + payload; APPEND (1): u16 id length + id (UTF-8) + entry payload;
                 ACK (2): u32 count + count × (u16 id length + id);  `length` = len(body)
+                BASE (3): nothing; only as a segment's first record (format 2): every earlier
+                segment is superseded (written by `rewrite`, see `clawd.learning.journal_files`)
 
 Replay (`open`) returns the appended-and-not-acked entries in append order. A format-1 segment
 is read by its own rules and never appended to (`open` starts a format-2 one after it).
+  * Segments older than the newest one that starts with a BASE record are deleted first, unread.
   * A torn tail (the LAST segment ends inside a record, or in zero bytes: a crash mid-write)
     is cut off with a warning: not damage. A torn header is rewritten.
   * Any other bad record (bad magic, impossible length, CRC mismatch, a cut record in an
@@ -35,7 +38,8 @@ interval fsync writes the bytes since the last good one again in place before th
 
 A write that would take the active segment past `segment_bytes` goes to a new one. Compaction
 deletes whole segments: those with no live APPEND, not active, whose ACKs point into no segment
-still there (deleting it would resurrect those entries).
+still there (deleting it would resurrect those entries). `rewrite` replaces the whole journal
+with the live entries its caller names, leaving no other byte on disk (forgetting a person).
 """
 from __future__ import annotations
 
@@ -43,20 +47,17 @@ import asyncio
 import fcntl
 import logging
 import os
-import re
 import struct
-import zlib
 from pathlib import Path
 
 from clawd import faults
-from clawd.weights import fsync
-from clawd.learning.frames import (ACK, APPEND, FORMAT_VERSION, HEADER, HEADER_V1, MAGIC, VERSIONS, Scan, encode_ack,
+from clawd.learning.frames import (ACK, APPEND, BASE, FORMAT_VERSION, HEADER, HEADER_V1, MAGIC, VERSIONS, Scan, encode_ack,
                                    encode_append, scan_records)
+from clawd.learning.journal_files import (SEGMENT_RE, Rewritten, delete_segments, journal_bytes, quarantine_path,
+                                          segment_name, set_aside, starts_with_base, write_all, write_base_segment,
+                                          write_file)
 
 log = logging.getLogger("clawd.journal")
-
-SEGMENT_RE = re.compile(r"journal-(\d{16})\.seg")
-QUARANTINE = "quarantine"
 
 
 class JournalError(Exception):
@@ -69,30 +70,6 @@ class JournalUnreadable(JournalError):
 
 class JournalWriteError(JournalError, OSError):
     """A group commit failed; `errno` is the OSError's (ENOSPC, EIO). Nothing of it is in the file."""
-
-
-def segment_name(seq: int) -> str:
-    return f"journal-{seq:016d}.seg"
-
-
-def _write_all(fd: int, data, offset: int | None = None) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset)
-        view, offset = view[n:], None if offset is None else offset + n
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """Whole or not at all: a temporary name, fsync, rename, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    fsync(path.parent)
 
 
 # ---- the journal ---------------------------------------------------------------
@@ -130,6 +107,8 @@ class Journal:
         # in place when an fsync fails (the kernel may have dropped those pages)
         self._unsynced: list[tuple[int, bytes]] = []
         self._rewrite = False
+        self._base: int | None = None      # the segment that starts with BASE (see `rewrite`)
+        self._superseded: list[int] = []   # older segments whose deletion failed: compaction retries
 
     @property
     def live(self) -> int:
@@ -159,10 +138,15 @@ class Journal:
         return list(entries.items())
 
     def _replay(self) -> dict[str, bytes]:
-        self._live, self._seg_live, self._seg_refs = {}, {}, {}
+        self._live, self._seg_live, self._seg_refs, self._superseded = {}, {}, {}, []
         for stale in self.directory.glob("journal-*.seg.tmp"):  # a rotation or rewrite cut short
             stale.unlink()
         seqs = sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := SEGMENT_RE.fullmatch(p.name)))
+        self._base = next((s for s in reversed(seqs) if starts_with_base(self.directory / segment_name(s))), None)
+        if self._base is not None and seqs[0] < self._base:  # a rewrite cut short after its new segment
+            log.warning("journal: segments before %s are superseded by it; deleting them", segment_name(self._base))
+            self._superseded = delete_segments(self.directory, [s for s in seqs if s < self._base])
+            seqs = [s for s in seqs if s >= self._base]
         entries: dict[str, bytes] = {}
         version = FORMAT_VERSION
         for k, seq in enumerate(seqs):
@@ -201,8 +185,14 @@ class Journal:
     def compact(self) -> list[Path]:
         """Deletes whole segments that hold nothing live (see the module docstring). Returns them."""
         removed = []
+        if self._superseded:  # left by a rewrite or replay whose deletion failed
+            left = delete_segments(self.directory, self._superseded)
+            removed += [self.directory / segment_name(s) for s in self._superseded if s not in left]
+            self._superseded = left
         for seq in self.segments:
             if seq == self._active or self._seg_live[seq] > 0 or any(r in self._seg_live for r in self._seg_refs[seq]):
+                continue
+            if seq == self._base and self._superseded:  # its BASE record keeps them from replaying
                 continue
             path = self.directory / segment_name(seq)
             path.unlink()
@@ -210,6 +200,42 @@ class Journal:
             removed.append(path)
             log.info("compacted %s", path.name)
         return removed
+
+    async def rewrite(self, entries) -> Rewritten:
+        """Replaces the whole journal with exactly `entries` [(id, payload)], in that order: no other byte
+        (acked, dropped, forgotten entries) stays in a segment (crash safety: `clawd.learning.journal_files`).
+        Appends and acks still queued are written first, then the rewrite runs without yielding the loop;
+        an id not live by then (never appended, acked) is skipped, so the caller names every entry it keeps,
+        its appends in flight included. JournalWriteError (ENOSPC, EIO) when the queued records or the new
+        segment cannot be written: the old journal stays whole and usable."""
+        self._check_writable()
+        if self._pending and (err := self._flush()) is not None:
+            raise JournalWriteError(getattr(err, "errno", None), f"queued journal records failed: {err!r}") from err
+        kept = {i: bytes(p) for i, p in entries if i in self._live}
+        before, seq = journal_bytes(self.directory), self._active + 1
+        try:
+            fd, size = write_base_segment(self.directory, seq, kept.items())
+        except OSError as e:
+            self.write_failures += 1
+            log.error("journal rewrite failed, the journal is unchanged: %r", e)
+            raise JournalWriteError(e.errno, f"journal rewrite failed: {e.strerror or e}") from e
+        old = sorted(set(self._seg_live) | set(self._superseded))
+        if self._sync_timer is not None:  # what it would sync is superseded
+            self._sync_timer.cancel()
+            self._sync_timer = None
+        os.close(self._fd)
+        self._fd, self._active, self._size, self._base = fd, seq, size, seq
+        self._unsynced, self._rewrite = [], False
+        self._live = dict.fromkeys(kept, seq)
+        self._known = set(kept)
+        self._seg_live, self._seg_refs = {seq: len(kept)}, {seq: set()}
+        self.fsyncs += 2
+        self.bytes_written += size
+        self.records_written += len(kept) + 1
+        self._superseded = delete_segments(self.directory, old)
+        log.info("journal rewritten to %s: %d entries kept, %d segments superseded", segment_name(seq),
+                 len(kept), len(old))
+        return Rewritten(len(kept), before, journal_bytes(self.directory), len(self._superseded))
 
     async def close(self) -> None:
         """Writes what is queued, fsyncs, and unlocks the directory; JournalWriteError if that fsync fails."""
@@ -266,6 +292,8 @@ class Journal:
         self._mend(path, data, scan, version, last)
         self._seg_live[seq], self._seg_refs[seq] = 0, set()
         for kind, value in scan.records:
+            if kind == BASE:  # its older segments were deleted before replay began
+                continue
             self._index(seq, kind, value[0] if kind == APPEND else value)
             if kind == APPEND:
                 entries[value[0]] = value[1]
@@ -287,13 +315,9 @@ class Journal:
         for offset, length, reason in spans:
             self.quarantined_records += 1
             self.quarantined_bytes += length
-            blob = data[offset:offset + length]  # (its CRC in the name: a later span at the same offset differs)
-            target = self.directory / QUARANTINE / f"{path.name}-{offset}-{zlib.crc32(blob):08x}.bad"
+            target = quarantine_path(path, offset, data[offset:offset + length])
             try:
-                if not target.parent.is_dir():
-                    target.parent.mkdir()
-                    fsync(self.directory)
-                _write_file(target, blob)
+                set_aside(target, data[offset:offset + length])
             except OSError as e:  # the segment stays as it is, so the bytes are not lost
                 saved = False
                 self.quarantine_failures += 1
@@ -306,7 +330,7 @@ class Journal:
             return  # (a failed copy: the next start meets the spans again)
         try:
             if version == FORMAT_VERSION:
-                _write_file(path, data[:len(HEADER)] + b"".join(data[s:e] for s, e in scan.kept))
+                write_file(path, data[:len(HEADER)] + b"".join(data[s:e] for s, e in scan.kept))
             else:  # format 1: a single span, from the first bad record to the end
                 self._truncate(path, spans[0][0])
         except OSError as e:
@@ -347,7 +371,7 @@ class Journal:
         self._size = os.fstat(self._fd).st_size
         self._unsynced, self._rewrite = [], False
         if self._size == 0:  # its torn header was cut away during replay
-            _write_all(self._fd, HEADER)
+            write_all(self._fd, HEADER)
             self._size = len(HEADER)
             os.fsync(self._fd)
             self.fsyncs += 1
@@ -356,7 +380,7 @@ class Journal:
         # a segment file either has its whole header or does not exist
         faults.point("journal.rotate")
         path = self.directory / segment_name(seq)
-        _write_file(path, HEADER)
+        write_file(path, HEADER)
         self.fsyncs += 2
         old = self._fd
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -388,12 +412,13 @@ class Journal:
             loop.call_soon(self._flush)
         await fut
 
-    def _flush(self) -> None:
-        """The single flusher: everything queued since the last call, one write (and one fsync)."""
+    def _flush(self) -> Exception | None:
+        """The single flusher: everything queued since the last call, one write (and one fsync). The error
+        its callers got, if any."""
         self._flush_scheduled = False
         batch, self._pending = self._pending, []
         if not batch:
-            return
+            return None
         data = b"".join(record for record, _, _, _ in batch)
         try:
             self._write_batch(data)
@@ -407,13 +432,14 @@ class Journal:
                            if isinstance(e, OSError) else JournalError(f"journal write failed: {e!r}"))
                     err.__cause__ = e
                     fut.set_exception(err)
-            return
+            return e
         for _, kind, value, fut in batch:
             self._index(self._active, kind, value)
             if not fut.done():  # a cancelled caller's record is written all the same
                 fut.set_result(None)
         self.bytes_written += len(data)
         self.records_written += len(batch)
+        return None
 
     def _write_batch(self, data: bytes) -> None:
         if self._size > len(HEADER) and self._size + len(data) > self.segment_bytes:
@@ -421,7 +447,7 @@ class Journal:
         start = self._size
         try:
             faults.point("journal.write")
-            _write_all(self._fd, data)
+            write_all(self._fd, data)
             self._size += len(data)
             self._unsynced.append((start, data))
             if self.fsync_mode == "always":
@@ -455,7 +481,7 @@ class Journal:
             fd = os.open(self.directory / segment_name(self._active), os.O_WRONLY)
             try:
                 for offset, data in self._unsynced:
-                    _write_all(fd, data, offset)
+                    write_all(fd, data, offset)
             finally:
                 os.close(fd)
         try:

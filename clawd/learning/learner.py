@@ -446,7 +446,8 @@ class Learner:
                                             doomed)
         self._unacked = kept + dropped  # acknowledged with the owed checkpoint: never trained again
         self.store.requeue(again)
-        keep_for_inspection(self.state_dir, dropped, sorted(doomed))
+        keep_for_inspection(self.state_dir, [s for s in dropped if not self.store.is_forgotten(s.sample_id)],
+                            sorted(doomed))  # a forgotten person's samples are not written back to disk
         for version in sorted(doomed):  # a version rejected before keeps saying so
             was = self.versions.get(version)
             rejects = rejected == version or (was is not None and was.status == REJECTED)

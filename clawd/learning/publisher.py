@@ -37,6 +37,9 @@ class Publisher:
         self.adapters = adapters  # LoRA mode: a publish loads an adapter beside the base (clawd.engine.lora)
         self.canary: int | None = None  # the replica holding a candidate apart (`hold_apart`)
         self.base_dir = base_dir  # the base model's directory: what v0 is, for a canary going back to it
+        # Called with a version's directory before any engine is asked to read it: [privacy] weights_group
+        # opens it to an engine run as another user (clawd.privacy.files.share).
+        self.before_load: Callable[[str], None] | None = None
 
     def adapter_of(self, version: int) -> str | None:
         """The adapter name version's requests carry; None for full weights, and for v0 (the base itself)."""
@@ -53,6 +56,8 @@ class Publisher:
             s.client for s in self.replicas.supervisors if s.is_ready and not s.needs_realign]
         if not engines:
             raise EngineUnavailable("no policy replica is ready to hold the candidate")
+        if self.before_load is not None:
+            self.before_load(weights_dir)
         for engine in engines:
             if adapter_name(version) not in await engine.loaded_adapters():
                 await engine.load_adapter(adapter_name(version), weights_dir, self.timeout)
@@ -164,6 +169,8 @@ class Publisher:
 
     async def _swap(self, engine: EngineClient, weights_dir: str, version: int) -> float:
         """One engine onto `weights_dir`; the seconds its intake was held."""
+        if self.before_load is not None:
+            self.before_load(weights_dir)
         if self.adapters is not None:  # beside the old adapter: nothing paused, running requests keep theirs
             if adapter_name(version) not in await engine.loaded_adapters():  # the gate may have staged it
                 await engine.load_adapter(adapter_name(version), weights_dir, self.timeout)

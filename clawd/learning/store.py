@@ -4,20 +4,31 @@
     take_batch(n, ...) drops stale samples, then picks up to n under the fairness cap
     ack(ids)           after the consuming step is checkpointed: journal ACK + compaction
     replay()           on start: every sample not yet acked waits again, in put order
+    forget(principal)  a person's samples leave the line and the disk (journal rewrite, quarantine)
+    of(principal)      a person's samples held now (waiting and in flight), for export
 
 Taken samples stay in the journal until acked, so a crash between take and ack
 trains them again (at least once). Stale samples dropped by take_batch are
 acked together with the next `ack` call (`await store.ack([])` writes them now).
+
+Forgetting: the principal's waiting samples leave the line; those in flight (taken by a step that may
+already use them) are marked so that neither `requeue` nor a later `ack` keeps them, and `forget`
+reports how many; puts of theirs still writing are dropped when their append returns. Then the
+journal is rewritten with only what the store still holds (no acked or dropped bytes either) and the
+quarantined spans naming them are deleted. The samples leave memory even when the rewrite fails
+(JournalWriteError): the caller reports it and forgets again, before a restart replays them.
 """
 from __future__ import annotations
 
 import asyncio
 import math
 from collections import Counter
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
 from clawd.learning.journal import Journal
+from clawd.learning.journal_files import forget_quarantined
 from clawd.samples import Sample
 
 
@@ -52,6 +63,15 @@ def fair_pick(principals: list[str], n: int, share: float) -> list[int]:
     return sorted(chosen)
 
 
+@dataclass(frozen=True)
+class Forgotten:
+    waiting: int               # samples taken out of the line
+    in_flight: int             # taken by a step (maybe trained by it): never requeued nor kept
+    quarantined: int           # quarantine files deleted (spans that name the principal)
+    journal_bytes_before: int  # every segment file, before and after the rewrite
+    journal_bytes_after: int
+
+
 def is_stale(sample: Sample, current_version: int, max_staleness: int) -> bool:
     return current_version - sample.policy_version > max_staleness
 
@@ -64,7 +84,9 @@ class SampleStore:
         self.fair_share = fair_share
         self._waiting: list[Sample] = []           # oldest first
         self._by_principal: Counter[str] = Counter()
-        self._in_flight: set[str] = set()          # taken, not yet acked
+        self._in_flight: dict[str, Sample] = {}    # taken, not yet acked
+        self._putting: dict[str, Sample] = {}      # journal append not yet returned
+        self._forgotten: set[str] = set()          # in flight or putting when forgotten: never kept
         self._drop_unacked: list[str] = []          # dropped as stale, ACK not yet written
         self._changed = asyncio.Event()
         self.put_total = 0
@@ -119,7 +141,18 @@ class SampleStore:
         if sample.policy_version in self.doomed_versions:
             self.dropped_doomed += 1
             return
-        await self.journal.append(sample.sample_id, sample.to_json())
+        sid = sample.sample_id
+        mine = self._putting.setdefault(sid, sample) is sample  # (a duplicate id fails in append)
+        forgotten = False
+        try:
+            await self.journal.append(sid, sample.to_json())
+        finally:
+            if mine:
+                del self._putting[sid]
+                forgotten = sid in self._forgotten
+                self._forgotten.discard(sid)
+        if forgotten:  # its principal was forgotten meanwhile: the rewrite left it out
+            return
         if self.on_put is not None:
             self.on_put(sample)
         self.put_total += 1
@@ -137,7 +170,7 @@ class SampleStore:
             self._by_principal[s.principal] -= 1
             if not self._by_principal[s.principal]:
                 del self._by_principal[s.principal]
-        self._in_flight.update(s.sample_id for s in batch)
+        self._in_flight.update((s.sample_id, s) for s in batch)
         self._drop_unacked.extend(s.sample_id for s in stale)
         self.taken_total += len(batch)
         self.dropped_stale += len(stale)
@@ -166,12 +199,14 @@ class SampleStore:
 
     def requeue(self, samples: list[Sample]) -> None:
         """A batch whose step failed goes back to the front of the line, in its order."""
-        ids = {s.sample_id for s in samples}
-        self._in_flight.difference_update(ids)
-        self._waiting = list(samples) + self._waiting
-        for s in samples:
-            self._by_principal[s.principal] += 1
         self.taken_total -= len(samples)
+        for s in samples:
+            self._in_flight.pop(s.sample_id, None)
+        back = [s for s in samples if s.sample_id not in self._forgotten]  # forgotten ones never come back
+        self._forgotten.difference_update(s.sample_id for s in samples)
+        self._waiting = back + self._waiting
+        for s in back:
+            self._by_principal[s.principal] += 1
         self._changed.set()
 
     async def ack(self, sample_ids) -> int:
@@ -183,10 +218,45 @@ class SampleStore:
         except BaseException:
             self._drop_unacked = drops + self._drop_unacked  # still to be acked
             raise
-        self._in_flight.difference_update(ids)
+        for i in ids:
+            self._in_flight.pop(i, None)
+        self._forgotten.difference_update(ids)
         self.acked_total += acked
         self.journal.compact()
         return acked
+
+    def of(self, principal: str) -> list[Sample]:
+        """The principal's samples held now, waiting (in line order) then in flight; forgotten ones are not."""
+        return [s for s in self._waiting if s.principal == principal] + \
+            [s for i, s in self._in_flight.items() if s.principal == principal and i not in self._forgotten]
+
+    def is_forgotten(self, sample_id: str) -> bool:
+        """A sample in flight whose principal was forgotten (until its ack or requeue): write it nowhere."""
+        return sample_id in self._forgotten
+
+    async def forget(self, principal: str) -> Forgotten:
+        """Every sample of `principal` leaves the store and the journal directory (see the module docstring).
+        JournalWriteError when the rewrite fails: the samples are out of memory, the journal still has them."""
+        # Encoding what is kept is most of the work (~1 s for 50 MB of samples): done off the event loop on a
+        # snapshot; what came or went meanwhile is settled below, with no await until the rewrite.
+        kept = [(i, s) for i, s in self._held() if s.principal != principal]
+        encoded = await asyncio.to_thread(lambda: {i: s.to_json() for i, s in kept})
+        gone = sum(s.principal == principal for s in self._waiting)
+        self._waiting = [s for s in self._waiting if s.principal != principal]
+        self._by_principal.pop(principal, None)
+        flying = [i for i, s in self._in_flight.items() if s.principal == principal and i not in self._forgotten]
+        self._forgotten.update(flying)
+        self._forgotten.update(i for i, s in self._putting.items() if s.principal == principal)
+        # no await between this snapshot and the rewrite, which runs without yielding the loop
+        done = await self.journal.rewrite([(i, encoded.get(i) or s.to_json()) for i, s in self._held()
+                                           if i not in self._forgotten])
+        self._drop_unacked = []  # left out of the rewrite: acked, in effect
+        files = forget_quarantined(self.journal.directory, principal)
+        return Forgotten(gone, len(flying), len(files), done.bytes_before, done.bytes_after)
+
+    def _held(self) -> list[tuple[str, Sample]]:
+        """Every sample the journal must keep live: in flight, waiting, and puts not yet written."""
+        return [*self._in_flight.items(), *((s.sample_id, s) for s in self._waiting), *self._putting.items()]
 
     async def wait_for(self, n: int, *, current_version: int | None = None, max_staleness: int | None = None) -> None:
         """Returns once n samples are waiting (n fresh ones when the version and staleness are given).

@@ -94,6 +94,13 @@ def argument(request: dict, name: str, kind: type, default=None):
     raise AdminError(BAD_ARGUMENT, f"{name} must be {kind.__name__}, not {type(value).__name__}")
 
 
+def _user_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
 def peer_allowed(uid: int, gid: int, *, own_uid: int, group: grp.struct_group | None) -> bool:
     """Root, clawd's own uid, or (a group configured) a peer whose gid or user's groups include it."""
     if uid in (0, own_uid):
@@ -245,13 +252,14 @@ class AdminServer:
             return encode_error(MALFORMED, problem)
         if not line:  # connected and left without a word (another clawd's liveness probe)
             return b""
-        return await self._dispatch(line)
+        return await self._dispatch(line, {"uid": uid, "pid": pid, "user": _user_name(uid)})
 
-    async def _dispatch(self, line: bytes) -> bytes:
+    async def _dispatch(self, line: bytes, peer: dict | None = None) -> bytes:
         cmd = "?"
         try:
             request = parse_request(line)
             cmd = request["cmd"]
+            request["peer"] = peer  # who asked, from SO_PEERCRED (the audit lines of export and forget)
             handler = self.commands.get(cmd)
             if handler is None:
                 raise AdminError(UNKNOWN, f"unknown command {cmd!r} (known: {', '.join(sorted(self.commands))})")

@@ -1,11 +1,12 @@
 """What `clawctl` can ask the running daemon over the admin socket (clawd.ops.admin): pause, resume,
-status, versions, rollback [VERSION], checkpoint."""
+status, versions, rollback [VERSION], checkpoint, export / export-done / forget PRINCIPAL."""
 from __future__ import annotations
 
 import logging
 
 from clawd.learning.learner import Learner
 from clawd.ops.admin import BAD_ARGUMENT, AdminError, argument
+from clawd.ops.people import Holdings, remove_export
 from clawd.ops.status import Status, finite
 from clawd.pauses import OPERATOR, Pauses
 from clawd.safety.versions import Versions
@@ -13,9 +14,10 @@ from clawd.safety.versions import Versions
 log = logging.getLogger("clawd")
 
 
-def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, versions: Versions) -> dict:
+def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, versions: Versions,
+                   people: Holdings | None = None) -> dict:
     """What `clawctl` can ask: pause (learning; with serving=true, chat too), resume, status, versions,
-    rollback [version], checkpoint."""
+    rollback [version], checkpoint, and a person's data: export, export-done, forget."""
     async def pause_cmd(request: dict) -> dict:
         pauses.hold(OPERATOR, argument(request, "reason", str) or "", serving=argument(request, "serving", bool, False))
         return pauses.snapshot()
@@ -50,5 +52,31 @@ def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, vers
     async def checkpoint_cmd(request: dict) -> dict:
         return await learning().checkpoint()
 
-    return {"pause": pause_cmd, "resume": resume_cmd, "status": status_cmd, "versions": versions_cmd,
-            "rollback": rollback_cmd, "checkpoint": checkpoint_cmd}
+    def principal(request: dict) -> str:
+        name = argument(request, "principal", str)
+        if not name:
+            raise AdminError(BAD_ARGUMENT, "principal: an API key's name, or the principal of a keyless request")
+        return name
+
+    def asker(request: dict) -> str:
+        peer = request.get("peer") or {}
+        return f"uid {peer.get('uid')} ({peer.get('user') or 'no passwd entry'}, pid {peer.get('pid')})"
+
+    async def export_cmd(request: dict) -> dict:
+        return await people.export(principal(request), asker(request))
+
+    async def export_done_cmd(request: dict) -> dict:
+        try:
+            remove_export(people.state_dir, argument(request, "path", str))
+        except ValueError as exc:
+            raise AdminError(BAD_ARGUMENT, str(exc)) from None
+        return {"removed": request["path"]}
+
+    async def forget_cmd(request: dict) -> dict:
+        return await people.forget(principal(request), asker(request))
+
+    commands = {"pause": pause_cmd, "resume": resume_cmd, "status": status_cmd, "versions": versions_cmd,
+                "rollback": rollback_cmd, "checkpoint": checkpoint_cmd}
+    if people is not None:
+        commands |= {"export": export_cmd, "export-done": export_done_cmd, "forget": forget_cmd}
+    return commands

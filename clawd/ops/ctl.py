@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -89,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     request = {"cmd": args.cmd}
     if args.cmd in ("rollback", "checkpoint") and args.timeout == 5.0:  # a trainer write and a publish: minutes
         args.timeout = 900.0
+    if args.cmd in ("export", "forget"):
+        request["principal"] = args.principal
+        if args.timeout == 5.0:  # records are read or rewritten whole, the journal too
+            args.timeout = 300.0
+        if args.cmd == "export" and os.path.lexists(args.dir):
+            print(f"{prog}: export: {args.dir} exists (give a new directory)", file=sys.stderr)
+            return EXIT_ERROR
     if args.cmd == "versions":
         request["last"] = args.last
     if args.cmd == "rollback" and args.version is not None:
@@ -111,8 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    if args.cmd == "export":
+        return _collect_export(path, result, Path(args.dir), args)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
+    elif args.cmd == "forget":
+        print(format_forget(result), end="")
     elif args.cmd == "status":
         print(format_status(result), end="")
     elif args.cmd == "versions":
@@ -124,6 +136,52 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_pause(result))
     return EXIT_OK
+
+
+def _collect_export(path: Path, result: dict, dest: Path, args) -> int:
+    """clawd staged the export under its state directory (the only place it may write under systemd):
+    copy it to the operator's directory, private, then have clawd remove the staging."""
+    staged = Path(result["path"])
+    try:
+        old = os.umask(0o077)
+        try:
+            shutil.copytree(staged, dest)
+        finally:
+            os.umask(old)
+    except OSError as exc:
+        print(f"clawctl: export: cannot copy {staged} to {dest}: {exc} (the export stays at {staged} until "
+              "clawd's retention sweep removes it)", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        call(path, {"cmd": "export-done", "path": str(staged)}, args.timeout)
+    except (AdminError, NotRunning, OSError, ValueError) as exc:
+        print(f"clawctl: export: copied, but {staged} was not removed: {exc}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({**result, "path": str(dest)}, indent=2, sort_keys=True))
+    else:
+        files = ", ".join(f"{name} ({meta.get('lines', meta['bytes'])})" for name, meta in result["files"].items())
+        print(f"exported principal {result['principal']!r} to {dest}: {files}; manifest.json lists each file's "
+              f"sha256; versions trained on their samples: {_versions(result['versions_trained_on'])}")
+    return EXIT_OK
+
+
+def format_forget(result: dict) -> str:
+    removed = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in result["removed"].items())
+    lines = [f"forgot principal {result['principal']!r}: removed {removed}"]
+    if result["versions_trained_on"]:
+        lines.append(f"versions already trained on their samples: {_versions(result['versions_trained_on'])}"
+                     + (" (the version serving descends from one of them: `clawctl rollback VERSION` to one "
+                        "older than the first serves weights that never saw them)" if result["serving"] else ""))
+    else:
+        lines.append("no version was trained on their samples")
+    if result["removed"]["samples_in_flight"]:
+        lines.append("the training step in progress had taken some of their samples: the version it makes will "
+                     "list them (clawctl versions)")
+    return "\n".join(lines) + "\n"
+
+
+def _versions(versions: list[int]) -> str:
+    return ", ".join(f"v{v}" for v in versions) or "none"
 
 
 def _export_model(args) -> int:
@@ -145,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="clawctl", description="Control a running clawd.")
     _common(parser, top=True)
     commands = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser,
-                                     metavar="{pause,resume,status,versions,rollback,checkpoint,export-model}")
+                                     metavar="{pause,resume,status,versions,rollback,checkpoint,export,forget,export-model}")
     pause = commands.add_parser("pause", help="stop learning (serving continues)")
     pause.add_argument("--serving", action="store_true", help="also refuse new chat requests (503) until resume")
     pause.add_argument("--reason", help="why, shown by status")
@@ -158,11 +216,18 @@ def _parser() -> argparse.ArgumentParser:
     rollback.add_argument("version", type=int, nargs="?", help="the version to return to (default: the newest "
                           "that served cleanly before the one serving)")
     checkpoint = commands.add_parser("checkpoint", help="checkpoint the version serving now (a rollback target)")
+    person = commands.add_parser("export", help="write everything clawd holds about a principal into DIR, "
+                                 "with a manifest")
+    person.add_argument("principal", help="an API key's name (or the principal of keyless requests)")
+    person.add_argument("dir", help="where to write it (must not exist)")
+    forget = commands.add_parser("forget", help="delete everything clawd holds about a principal and list the "
+                                 "versions trained on their samples")
+    forget.add_argument("principal", help="an API key's name (or the principal of keyless requests)")
     export = commands.add_parser("export-model", help="write a published version as a full Hugging Face model "
                                  "(LoRA: merged into the base)")
     export.add_argument("version", type=int, help="the version number, as status shows it")
     export.add_argument("dir", help="where to write it (must not exist)")
-    for sub in (pause, resume, status, versions, rollback, checkpoint, export):
+    for sub in (pause, resume, status, versions, rollback, checkpoint, person, forget, export):
         _common(sub, top=False)
     return parser
 

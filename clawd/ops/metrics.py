@@ -191,6 +191,8 @@ class SnapshotCollector(Collector):
         yield from _replicas(snap.get("replicas") or [])
         if (safety := snap.get("safety")) is not None:
             yield from _safety(safety)
+        if (privacy := snap.get("privacy")) is not None:
+            yield from _privacy(privacy)
         if (adapters := snap.get("adapters")) is not None:  # LoRA mode
             yield gauge("clawd_adapters_retired", "Retired LoRA adapters still loaded on some replica, waiting for "
                         "their requests to end.", len(adapters["retired"]))
@@ -292,6 +294,27 @@ def _safety(st: dict) -> Iterator[Metric]:
     for status in ("candidate", "serving", "retired", "rejected", "rolled_back"):
         family.add_metric([status], st["versions"].get(status, 0))
     yield family
+
+
+def _privacy(st: dict) -> Iterator[Metric]:
+    """PII found in finished turns, and the retention sweep (docs/ARCHITECTURE.md §18)."""
+    pii = st["pii"]
+    yield counter("clawd_pii_turns_scanned_total", "Finished turns scanned for PII.", pii["turns_scanned"])
+    yield counter("clawd_pii_turns_total", "Finished turns with PII in them (messages, reply or next state).",
+                  pii["turns_with_pii"])
+    yield labelled(CounterMetricFamily, "clawd_pii_findings", "PII found in finished turns, by category.",
+                   "category", {c: pii["found"].get(c, 0) for c in pii["categories"]})
+    yield counter("clawd_records_redacted_total", "Turn records written with their PII replaced.",
+                  pii["redacted_records"])
+    yield counter("clawd_turns_unrecorded_total", "Turns of API keys with record = false (no record kept).",
+                  st["unrecorded_turns"])
+    if (ret := st["retention"]) is not None:
+        yield counter("clawd_retention_sweeps_total", "Retention sweeps run.", ret["sweeps"])
+        yield labelled(CounterMetricFamily, "clawd_retention_removed", "What the retention sweeps removed: "
+                       "record files, rejected batches, journal segments, published weights, staged exports.",
+                       "part", ret["removed"])
+        yield counter("clawd_retention_failures_total", "Retention sweep parts that failed (tried again).",
+                      ret["failures"])
 
 
 def _learner(st: dict) -> Iterator[Metric]:

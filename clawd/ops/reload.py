@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from clawd import credentials
 from clawd.config import ApiKey, Config, ConfigError, JudgeConfig, load_config
 
 RELOADABLE: frozenset[str] = frozenset({
@@ -119,6 +120,7 @@ def reload(path: str | Path, running: Config, targets: ReloadTargets) -> tuple[C
     new = load_for_reload(path)
     if isinstance(new, str):
         return running, f"reload failed, keeping the running configuration: {new}"
+    credentials.remember(new)  # a rotated key is kept out of the log from the moment it is read
     plan = plan_reload(running, new)
     line = apply_reload(plan, new, targets)
     return in_effect(running, new, plan), line

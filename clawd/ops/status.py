@@ -91,6 +91,8 @@ class Status:
     records: Sequence[RecordWriter] = ()
     versions: Any = None   # clawd.safety.versions.Versions: the version history
     watch: Any = None      # clawd.safety.watch.Watch: the behaviour monitors' verdicts (None: monitors off)
+    privacy: Any = None    # clawd.privacy.policy.Privacy: PII found, turns kept out of training
+    retention: Any = None  # clawd.privacy.retention.Retention: the sweeps
 
     def snapshot(self) -> dict:
         cfg, learner, trainer, store = self.cfg, self.learner, self.trainer, self.store
@@ -138,7 +140,20 @@ class Status:
             "disk": None if self.disk is None else self.disk.snapshot(),
             "records": {w.kind: {"written": w.written, "failed": w.failed} for w in self.records},
             "safety": self._safety(),
+            "privacy": self._privacy(),
         }
+
+    def _privacy(self) -> dict | None:
+        if self.privacy is None:
+            return None
+        ps, rs = self.privacy.stats, None if self.retention is None else self.retention.stats
+        return {"pii": {"categories": list(self.cfg.privacy.pii_categories), "turns_scanned": ps.scanned,
+                        "turns_with_pii": ps.with_pii, "found": dict(ps.found),
+                        "redacted_records": ps.redacted_records},
+                "not_trained": dict(ps.excluded), "unrecorded_turns": ps.unrecorded,
+                "retention": None if rs is None else {"days": self.cfg.records.retention_days, "sweeps": rs.sweeps,
+                                                      "last": rs.last, "removed": dict(rs.removed),
+                                                      "failures": rs.failures}}
 
     def _safety(self) -> dict:
         """The gate, the monitors and the versions in short (clawctl versions and /dashboard say more)."""

@@ -25,7 +25,7 @@ from clawd.scoring.judges import JudgeFailed, Teacher, teacher_prompt_ids
 from clawd.records import RecordWriter
 from clawd.learning.store import SampleStore
 from clawd.tokenizer import ChatTokenizer, TemplateError, turn_bytes
-from clawd.turns import FinishedTurn
+from clawd.turns import FinishedTurn, Turn
 
 log = logging.getLogger("clawd.scoring")
 
@@ -74,7 +74,11 @@ class Scorer:
         # None: the running loop's). The Scorer keeps the ones in flight to drain them at shutdown.
         self.spawn = spawn
         self.on_write_error: Callable[[OSError], None] | None = None  # a failed journal write: the disk budget
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Task, FinishedTurn] = {}  # turns being scored
+        # Privacy (clawd.privacy.policy): what an external judge is shown of a turn, and what a judge record
+        # keeps of the judge's answers. None: as they are.
+        self.judge_view: Callable[[Turn, list], tuple[Turn, list]] | None = None
+        self.record_view: Callable[[dict], dict] | None = None
         # Sessions that already gave a sample (rl's at-least-one rule); bounded, oldest forgotten.
         self._served_sessions: OrderedDict[tuple[str, str], None] = OrderedDict()
         if self.mode != "rl" and teacher is None:
@@ -98,10 +102,29 @@ class Scorer:
         self.stats.pending += 1
         self.stats.pending_bytes += size
         task = (self.spawn or asyncio.get_running_loop().create_task)(self._guarded(finished))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = finished
+        task.add_done_callback(self._forget_task)
         # A done callback, not a finally: it also runs for a task cancelled before it started.
         task.add_done_callback(lambda _task: self._release(size))
+
+    def _forget_task(self, task: asyncio.Task) -> None:
+        self._tasks.pop(task, None)
+
+    def pending_of(self, principal: str) -> list[FinishedTurn]:
+        """The principal's turns waiting for their judge (clawctl export)."""
+        return [f for f in self._tasks.values() if f.turn.principal == principal]
+
+    async def forget(self, principal: str) -> int:
+        """Stop scoring the principal's turns (none becomes a sample); returns how many were being scored.
+        Their judge records, the cancelled ones' included, are the records' to remove (clawctl forget)."""
+        tasks = [t for t, f in self._tasks.items() if f.turn.principal == principal]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        for key in [k for k in self._served_sessions if k[0] == principal]:
+            del self._served_sessions[key]
+        return len(tasks)
 
     def _release(self, size: int) -> None:
         self.stats.pending -= 1
@@ -171,7 +194,7 @@ class Scorer:
                       reward=decision.reward, sample_id=sample_id, principal=turn.principal,
                       raw=[t[:self.text_chars] if t is not None else None for t in raw],
                       latency=round(time.monotonic() - started, 4))
-        self.records.write(record, time.time())
+        self.records.write(record if self.record_view is None else self.record_view(record), time.time())
 
     async def _judge(self, finished: FinishedTurn) -> tuple[judging.Outcome, list[str | None]]:
         turn, next_state = finished.turn, finished.next_state
@@ -185,6 +208,8 @@ class Scorer:
             hint = rules_hint if wants_hint else None  # already length-checked by rules_vote
             raw: list[str | None] = []
         else:
+            if self.judge_view is not None:  # an external judge sees PII replaced ([privacy] redact_judge)
+                turn, next_state = self.judge_view(turn, next_state)
             # Each prompt gets its own marker nonce (judging.py: prompt safety).
             rl_calls = [self._ask(judging.rl_judge_messages(turn, next_state, quoting.new_nonce()))
                         for _ in range(self.m if wants_rl else 0)]

@@ -250,11 +250,17 @@ class SessionTable:
             finished += self._close(s, IDLE_TIMEOUT, now)
         return finished
 
-    def close_all(self, now: float, reason: str = SHUTDOWN) -> list[FinishedTurn]:
+    def close_all(self, now: float, reason: str = SHUTDOWN, principal: str | None = None) -> list[FinishedTurn]:
+        """Close every session (only `principal`'s, when given: clawctl forget)."""
         finished: list[FinishedTurn] = []
         for s in list(self._sessions.values()):
-            finished += self._close(s, reason, now)
+            if principal is None or s.principal == principal:
+                finished += self._close(s, reason, now)
         return finished
+
+    def pending_of(self, principal: str) -> list[Turn]:
+        """The principal's turns still waiting for their next state (clawctl export)."""
+        return [s.pending for s in self._sessions.values() if s.principal == principal and s.pending is not None]
 
     # ------------------------------------------------------------ internals
 

@@ -1,4 +1,6 @@
-"""The daemon's side of the trainer process: one event loop, no threads, no torch.
+"""The daemon's side of the trainer process: one event loop, no threads, no torch. The link and its
+supervisor are one file past 500 lines on purpose: the supervisor's restarts are the link's life seen from
+outside, and read best beside it.
 
 `TrainerLink` is one child's life: spawn (multiprocessing, `spawn` context, target `clawd.trainer.child.main`),
 the `ready` handshake, requests whose replies come back in order, the child's exit noticed through its
@@ -155,12 +157,18 @@ class TrainerLink:
         child_conn = Connection(theirs.detach())
         process = multiprocessing.get_context("spawn").Process(
             target=child.main, args=(child_conn, self.factory, self.options), name="clawd-trainer", daemon=False)
+        # Variables a secret was read from (a judge's key, say) are not the trainer's to see, not even in
+        # /proc/<pid>/environ before the child could drop them: out of the environment around the exec, then
+        # back (a SIGHUP reads them again). The daemon is one thread: nothing else sees the gap.
+        hidden = {name: os.environ.pop(name) for name, value in self.options.get("env", {}).items()
+                  if value is None and name in os.environ}
         try:
             process.start()  # fork+exec and a small pickle down a pipe: no helper thread
         except BaseException:
             ours.close()
             raise
         finally:
+            os.environ.update(hidden)
             child_conn.close()  # only the child may hold its end, or its death would not end our stream
         self._process, self._pid = process, process.pid
         atexit.register(self._kill_at_exit)

@@ -1,0 +1,174 @@
+"""Everything clawd holds about one person: `clawctl export PRINCIPAL DIR` and `clawctl forget PRINCIPAL`.
+
+A principal's data lives in eight places: the turn and judge records, the samples waiting in the store
+(and in the journal under it), the turns being scored, the live sessions (turns waiting for their next
+message), the batches of rejected versions kept for inspection (state/rejected/), and the damaged
+journal spans set aside at replay (journal/quarantine/) that name them. `export` copies all of it into
+a staging directory under the state directory (the daemon may write nowhere else under systemd), with
+a manifest; clawctl copies that to the operator's DIR and has the staging removed. `forget` deletes all
+of it, rewrites the journal without their bytes, and names the versions already trained on their
+samples (from the version lineage), so that the operator can roll back to before them: weights cannot
+unlearn. Both are logged with who asked, when and what counts, never the content.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clawd.learning.journal_files import quarantined_for
+from clawd.learning.store import SampleStore
+from clawd.records import RecordWriter
+from clawd.safety.versions import Versions
+from clawd.samples import Sample
+from clawd.scoring.scorer import Scorer
+from clawd.serving.sessions import SessionTable
+from clawd.turns import FinishedTurn
+
+log = logging.getLogger("clawd.privacy")
+
+EXPORTS = "exports"          # state_dir/exports/<name>: staged exports, removed by clawctl or retention
+FORGOTTEN = "forget"         # the reason a forgotten principal's live sessions are closed with
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Holdings:
+    """Where a principal's data is; the daemon's stages, read and trimmed here."""
+    state_dir: Path
+    turn_records: RecordWriter
+    judge_records: RecordWriter
+    store: SampleStore
+    scorer: Scorer
+    sessions: SessionTable
+    versions: Versions
+
+    async def export(self, principal: str, asked_by: str) -> dict[str, Any]:
+        """Write everything about `principal` under state_dir/exports/; returns the manifest (with its path)."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        out = Path(self.state_dir) / EXPORTS / f"{_safe(principal)}-{stamp}-{os.urandom(3).hex()}"
+        out.mkdir(parents=True)
+        # Records may be large: read off the event loop (a line being appended meanwhile is read or not).
+        turns, judged = await asyncio.gather(asyncio.to_thread(lambda: list(self.turn_records.select(principal))),
+                                             asyncio.to_thread(lambda: list(self.judge_records.select(principal))))
+        files = {
+            "turns.jsonl": turns,
+            "judge.jsonl": judged,
+            "samples.jsonl": [s.to_json().decode() + "\n" for s in self.store.of(principal)],
+            "scoring.jsonl": [_line(f.to_record()) for f in self.scorer.pending_of(principal)],
+            "sessions.jsonl": [_line(FinishedTurn(t, None, None, t.created).to_record())
+                               for t in self.sessions.pending_of(principal)],
+            "rejected.jsonl": [line for _, line in self._rejected(principal)],
+        }
+        manifest: dict[str, Any] = {"principal": principal, "created": time.time(), "asked_by": asked_by,
+                                    "files": {}, "versions_trained_on": self.trained_on(principal)}
+        for name, lines in files.items():
+            data = "".join(lines).encode()
+            (out / name).write_bytes(data)
+            manifest["files"][name] = {"lines": len(lines), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        quarantine = quarantined_for(self.store.journal.directory, principal)
+        if quarantine:
+            (out / "quarantine").mkdir()
+            for path in quarantine:
+                shutil.copyfile(path, out / "quarantine" / path.name)
+                manifest["files"][f"quarantine/{path.name}"] = {"bytes": path.stat().st_size,
+                                                                "sha256": _sha256(path)}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        log.warning("export of principal %r asked by %s: %s into %s", principal, asked_by,
+                    _counts(manifest["files"]), out)
+        return {"path": str(out), **manifest}
+
+    async def forget(self, principal: str, asked_by: str) -> dict[str, Any]:
+        """Delete everything about `principal`; returns what went and the versions trained on them."""
+        closed = self.sessions.close_all(time.time(), FORGOTTEN, principal=principal)  # never handed over
+        scoring = await self.scorer.forget(principal)
+        samples = dataclasses.asdict(await self.store.forget(principal))  # the journal rewritten without them
+        removed = {
+            "session_turns": len(closed),
+            "turns_being_scored": scoring,
+            "samples_waiting": samples["waiting"],
+            "samples_in_flight": samples["in_flight"],
+            "quarantined_spans": samples["quarantined"],
+            "turn_records": self.turn_records.remove(principal),
+            "judge_records": self.judge_records.remove(principal),
+            "rejected_samples": self._drop_rejected(principal),
+        }
+        trained_on = self.trained_on(principal)
+        log.warning("forget of principal %r asked by %s: removed %s; versions already trained on their samples: "
+                    "%s", principal, asked_by, json.dumps(removed, sort_keys=True),
+                    ", ".join(f"v{v}" for v in trained_on) or "none")
+        return {"principal": principal, "removed": removed, "versions_trained_on": trained_on,
+                "journal_bytes": {"before": samples["journal_bytes_before"], "after": samples["journal_bytes_after"]},
+                "serving": self._serving_trained(trained_on)}
+
+    def trained_on(self, principal: str) -> list[int]:
+        """Versions whose own steps trained on the principal's samples (a descendant inherits them: the
+        operator rolls back to before the oldest)."""
+        return [v.version for v in self.versions if principal in v.principals]
+
+    def _serving_trained(self, trained_on: list[int]) -> bool:
+        """Whether the version serving descends from one trained on them."""
+        serving = max((v.version for v in self.versions if v.status == "serving"), default=None)
+        if serving is None:
+            return False
+        return bool(set(trained_on) & {v.version for v in self.versions.lineage(serving)})
+
+    def _rejected(self, principal: str):
+        for path in sorted((Path(self.state_dir) / "rejected").glob("*.samples.jsonl")):
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+                if _sample_principal(line) == principal:
+                    yield path, line
+
+    def _drop_rejected(self, principal: str) -> int:
+        gone = 0
+        for path in sorted((Path(self.state_dir) / "rejected").glob("*.samples.jsonl")):
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+            kept = [line for line in lines if _sample_principal(line) != principal]
+            if len(kept) != len(lines):
+                gone += len(lines) - len(kept)
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text("".join(kept), encoding="utf-8")
+                os.replace(tmp, path)
+        return gone
+
+
+def remove_export(state_dir: Path, path: str) -> None:
+    """clawctl, once it has copied an export: the staging directory goes. Only a directory directly under
+    state_dir/exports/ is removed (the path comes from the admin socket)."""
+    exports = (Path(state_dir) / EXPORTS).resolve()
+    target = Path(path).resolve()
+    if target.parent != exports or not (target / MANIFEST).is_file():
+        raise ValueError(f"{path} is not an export of this clawd")
+    shutil.rmtree(target)
+
+
+def _sample_principal(line: str) -> str | None:
+    try:
+        return Sample.from_json(line.encode()).principal
+    except ValueError:  # a torn line: attributed as the records do
+        return None
+
+
+def _safe(principal: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", principal)[:48] or "_"
+
+
+def _line(record: dict) -> str:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _counts(files: dict) -> str:
+    return ", ".join(f"{name} {meta.get('lines', meta['bytes'])}" for name, meta in files.items())

@@ -1,0 +1,1 @@
+"""Privacy: PII detection, private files, retention, consent, per-person export and deletion."""

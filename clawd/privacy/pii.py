@@ -1,0 +1,480 @@
+"""PII in chat text: e-mail, phone, payment card, IBAN, IP address and secrets, with exact character spans.
+
+Not Presidio: its analyzer imports spaCy (whose thinc imports torch when torch is installed, and the daemon
+never imports torch), its default NLP model is not on PyPI, and its e-mail recognizer fetches the public
+suffix list over the network. clawd calls, in-process, the libraries such recognizers are built on:
+`phonenumbers` (libphonenumber), `python-stdnum` (Luhn, IBAN, ISBN) and the stdlib `ipaddress`.
+Secrets: a regex per public token format plus Shannon entropy, not Yelp's `detect-secrets`, which scans lines of
+source files: no character offsets (redaction needs them), its ad-hoc scan calls words like "is" high-entropy
+strings, and its import takes ~170 ms and pulls in requests; see bench/pii.py for this module's figures.
+
+What each category takes (docs/ARCHITECTURE.md §18; the context words are English, with a few others):
+  email   a regex candidate (unavoidable; Presidio does the same) whose domain is checked offline: labels of
+          letters, digits and inner hyphens, at most 63 each, and a TLD of letters (or xn--). ASCII only.
+  phone   `PhoneNumberMatcher` at leniency POSSIBLE, per region of `phone_regions` until every digit run is
+          read: "+CC ..." parses the same from any region, a national format ("(0161) 496 0066",
+          "06 12 34 56 78") only from its own. Many real and generated numbers lie outside the ranges VALID
+          knows, so a formatted number (+, brackets, separators) needs a possible length only; a bare run of
+          digits, as often a count or an id, must be VALID in a region and either start with one trunk 0
+          or follow a phone word (call, tel, number, ...) in its sentence, with no other number between.
+          Never: under 7 digits or over 16, right after a word naming another number (order, invoice,
+          tracking, ISBN, card, #, ...), glued to letters or to more digits, followed by a unit (bytes, EUR),
+          a date, a decimal or dotted version, an ISBN-13, anything in an e-mail, a URL or another finding.
+  card    12-19 digits (bare, or grouped by one kind of separator), first digit 2-6 (the card industries;
+          12 digits only for Maestro's 50, 56-69; 15-digit JCB 1800/2131), a valid Luhn digit (`stdnum.luhn`),
+          not right after a word naming another number (a tenth of all numbers pass Luhn: "tracking ...").
+  iban    country code, check digits and BBAN, compact or in groups of four, valid by `stdnum.iban`
+          (length per country and mod 97). Upper case only.
+  ip      a dotted quad IS an IP ("1.2.3.4" too), unless glued to a letter or to more dotted numbers
+          ("v1.2.3.4", "1.3.6.1.4.1"); "3.11.4" never is. IPv6 with at least three groups (so "ab::cd" in
+          code is not one); both checked by `ipaddress`.
+  secret  known formats (AWS AKIA/ASIA key ids, GitHub ghp_/github_pat_, GitLab glpat-, Slack xox?-, Stripe
+          sk_/rk_live|test, OpenAI/Anthropic sk-, Google AIza, PEM private key blocks, JWTs); the value of a
+          `password=` / `"api_key": "..."` / `token: ...` / "password is ..." assignment (after ':' or 'is', not a
+          plain word; not a placeholder, $VAR or call) and of `Bearer`; high-entropy tokens: 20-512
+          characters of [A-Za-z0-9+/_=-] with lower and upper case and a digit, no word-like part
+          (SmolLM2-135M-Instruct), character classes changing like random text (not camelCase), Shannon
+          entropy >= min(4.0, 0.8 log2(length)) bits, not after "base64,". A hex string (git SHA, hash,
+          UUID) alone is not a secret; under a key-ish name it is.
+Overlaps keep the longer span, and at equal length the more specific category (_RANK).
+Not detected: names, postal addresses, national ids; Unicode e-mail addresses; lower-case IBANs; phones
+written in words or bare numbers outside VALID ranges; passwords in prose without a key-ish word or that are
+one plain word; random tokens without a digit, with a word-like part, or longer than 512 characters.
+"""
+from __future__ import annotations
+
+import copy
+import ipaddress
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import phonenumbers
+from stdnum import iban as stdnum_iban
+from stdnum import isbn as stdnum_isbn
+from stdnum import luhn
+
+CATEGORIES = ("email", "phone", "card", "iban", "ip", "secret")
+LABELS = {c: f"[{c.upper()}]" for c in CATEGORIES}
+# "+CC ..." numbers are found from any region; each listed region adds its national formats (and makes its bare
+# numbers VALID). An unlisted country's national format is found only where a listed region's lengths allow it.
+DEFAULT_PHONE_REGIONS = ("US", "GB", "DE", "FR", "IT", "ES", "NL", "IN", "BR", "JP")
+# At equal span length the more specific wins: a checksum or a fixed format beats a phone's loose shape.
+_RANK = {"secret": 0, "iban": 1, "card": 2, "email": 3, "ip": 4, "phone": 5}
+
+
+@dataclass(frozen=True)
+class Finding:
+    category: str
+    start: int
+    end: int
+
+
+# --- e-mail and URLs ---------------------------------------------------------------------------------------------
+
+_EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9._%+-]{1,64}@(?:[A-Za-z0-9-]{1,63}\.){1,8}"
+                    r"(?:[A-Za-z]{2,63}|xn--[A-Za-z0-9-]{1,59})"
+                    r"(?![\w-])")
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\Z")
+_DIGIT = re.compile(r"[0-9]")  # ASCII digits: a class `re` can skip through; \d is all of Unicode's
+_URL = re.compile(r"(?i)\b(?:https?|ftp|wss?)://[^\s<>\"'`]+|\bwww\.[^\s<>\"'`]+")
+
+
+def _glued(before: re.Pattern[str], text: str, start: int) -> bool:
+    """Whether the one or two characters just before `start` are what `before` matches."""
+    return any(before.fullmatch(text, i, start) for i in (start - 1, start - 2) if i >= 0)
+
+
+def _emails(text: str) -> Iterator[tuple[int, int]]:
+    for m in _EMAIL.finditer(text):
+        local, _, domain = m.group().rpartition("@")
+        if local.startswith(".") or local.endswith(".") or ".." in local or len(m.group()) > 254:
+            continue
+        if all(_LABEL.match(label) for label in domain.split(".")):
+            yield m.span()
+
+
+# --- cards, IBANs, IPs ------------------------------------------------------------------------------------------
+
+# The lookbehinds of these patterns are checked in code: a pattern that starts with a plain digit or letter class
+# lets `re` skip ahead to candidates, one that starts with a lookbehind tries every position.
+_CARD = re.compile(r"[0-9](?:[ -]?\d){11,18}(?![\w]|[ .,-]\d)")
+_CARD_BEFORE = re.compile(r"[\w+.,-]|\d[ -]")
+_MAESTRO_12 = re.compile(r"5[06-9]|6")
+
+
+def _cards(text: str) -> Iterator[tuple[int, int]]:
+    for m in _CARD.finditer(text):
+        if _glued(_CARD_BEFORE, text, m.start()):
+            continue
+        raw = m.group()
+        digits = raw.replace(" ", "").replace("-", "")
+        seps = set(re.findall(r"[ -]", raw))
+        if len(seps) > 1 or (seps and min(map(len, re.split(r"[ -]", raw)[:-1])) < 3):
+            continue  # mixed separators or tiny groups: a phone, a date or a list, not a card as written
+        if digits[0] not in "23456" and not (len(digits) == 15 and digits[:4] in ("1800", "2131")):
+            continue  # not a card industry (old 15-digit JCB aside)
+        if len(digits) == 12 and not _MAESTRO_12.match(digits):
+            continue
+        if luhn.is_valid(digits) and not _NOT_CARD_WORDS.search(text, max(0, m.start() - 40), m.start()):
+            yield m.span()  # a tenth of all numbers pass Luhn: "tracking 692287768091" is not a card
+
+
+_IBAN = re.compile(r"[A-Z]{2}\d{2}(?: ?[A-Z0-9]{1,4}){3,8}(?![\w])")
+
+
+def _ibans(text: str) -> Iterator[tuple[int, int]]:
+    for m in _IBAN.finditer(text):
+        if _glued(_WORD_BEFORE, text, m.start()):
+            continue
+        # Grouped by fours, the pattern may have run into a following capitalised word: try shorter.
+        parts = m.group().split(" ")
+        for n in range(len(parts), 0, -1):
+            candidate = " ".join(parts[:n])
+            if len(candidate.replace(" ", "")) >= 15 and stdnum_iban.is_valid(candidate):
+                yield m.start(), m.start() + len(candidate)
+                break
+
+
+_IPV4 = re.compile(r"[0-9]{1,3}(?:\.\d{1,3}){3}(?![\w]|\.\d)")
+_IPV4_BEFORE = re.compile(r"[\w.]")
+_WORD_BEFORE = re.compile(r"\w")
+_IPV6 = re.compile(r"(?<![\w:.])[0-9A-Fa-f:]{2,39}(?:(?<=:)(?:\d{1,3}\.){3}\d{1,3})?(?:%[\w.]{1,16})?(?![\w:.]|\.\d)")
+
+
+def _ips(text: str) -> Iterator[tuple[int, int]]:
+    for m in _IPV4.finditer(text) if "." in text else ():
+        if _glued(_IPV4_BEFORE, text, m.start()):
+            continue
+        try:
+            ipaddress.IPv4Address(m.group())
+        except ValueError:
+            continue
+        yield m.span()
+    for m in _IPV6.finditer(text) if "::" in text or text.count(":") >= 3 else ():
+        candidate = m.group().rstrip(":") if not m.group().endswith("::") else m.group()
+        groups = [g for g in re.split(r"[:%]", candidate.split("%")[0]) if g]
+        if candidate.count(":") < 2 or len(groups) + 3 * ("." in candidate) < 3:
+            continue
+        try:
+            ipaddress.IPv6Address(candidate)
+        except ValueError:
+            continue
+        yield m.start(), m.start() + len(candidate)
+
+
+# --- secrets --------------------------------------------------------------------------------------------------------
+
+# (substrings one of which a text must hold, the token's pattern): the substring test skips the regex on most text.
+_SECRET_FORMATS = tuple((hints, re.compile(pattern)) for hints, pattern in (
+    (("AKIA", "ASIA", "ABIA", "ACCA", "A3T"), r"\b(?:AKIA|ASIA|ABIA|ACCA|A3T[A-Z0-9])[A-Z0-9]{16}\b"),  # AWS key id
+    (("ghp_", "gho_", "ghu_", "ghs_", "ghr_"), r"\bgh[pousr]_[A-Za-z0-9]{36,255}\b"),                  # GitHub
+    (("github_pat_",), r"\bgithub_pat_[A-Za-z0-9_]{22,255}\b"),
+    (("glpat-",), r"\bglpat-[A-Za-z0-9_-]{20,}"),                                                     # GitLab
+    (("xox", "xapp-"), r"\bxox[abprse]-[A-Za-z0-9-]{10,}|\bxapp-\d-[A-Za-z0-9-]{10,}"),                # Slack
+    (("hooks.slack.com",), r"https://hooks\.slack\.com/services/[A-Za-z0-9/]{20,}"),
+    (("k_live_", "k_test_"), r"\b[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"),                               # Stripe
+    (("sk-",), r"\bsk-(?:proj-|svcacct-|admin-|ant-[a-z0-9]{2,8}-)?[A-Za-z0-9_-]{20,}"),  # OpenAI, Anthropic
+    (("AIza",), r"\bAIza[0-9A-Za-z_-]{35}"),                                                          # Google API key
+    (("eyJ",), r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"),                       # JWT
+    # PEM private key blocks; a truncated one (no END line) runs to the end of its base64 body.
+    (("-----BEGIN",), r"-----BEGIN[A-Z0-9 ]{0,30} PRIVATE KEY(?: BLOCK)?-----(?:[\s\S]*?-----END[A-Z0-9 ]{0,30}"
+                      r" PRIVATE KEY(?: BLOCK)?-----|(?:[\sA-Za-z0-9+/=:,-]|\\n)*)"),
+))
+_KEY_HINTS = ("pass", "pwd", "secret", "key", "token", "credential")
+_KEY_WORDS = (r"passw(?:or)?d|passphrase|pwd|secret(?:[_-]?access)?(?:[_-]?key)?|api[_-]?key|apikey"
+              r"|access[_-]?key(?:[_-]?id)?|private[_-]?key"
+              r"|(?:access|auth|refresh|bearer|session|api|bot)?[_-]?token|client[_-]?secret|credentials?")
+_ASSIGNMENT = re.compile(
+    rf"(?i)(?<![A-Za-z0-9])(?:{_KEY_WORDS})[\"']?(\s*(?:=|:|=>|:=)\s*|\s+is\s+)"
+    r"(?:\"([^\"\n\\]{4,200})\"|'([^'\n\\]{4,200})'|([^\s\"'`,;\\}\]]{4,200}))")
+_BEARER = re.compile(r"\b[Bb]earer\s+([A-Za-z0-9._~+/=-]{16,})")
+# Values that stand for a secret rather than hold one: literals, masks, $VARIABLES (one case), templates, paths.
+_PLACEHOLDER = re.compile(r"(?i)\A(?:none|null|nil|true|false|undefined|required|optional|string|redacted|\[\w+\]"
+                          r"|x+|\*+|\.+|<.*|\$(?-i:[A-Z_][A-Z0-9_]*|[a-z_][a-z0-9_]*|[{(].*)|%(?:\(\w+\))?[sdr]|%\w+%"
+                          r"|\{.*|os\.\w+.*|process\.env.*|env\[.*"
+                          r"|(?:~|\.{1,2})?/[\w.-]+/[\w./-]*|(?:~|\.{1,2})?/[a-z0-9._-]+)\Z")
+_CALL = re.compile(r"[A-Za-z_][\w.]*\(.*\)")  # password=get_password(): code, not a value
+_TOKEN = re.compile(r"(?<![A-Za-z0-9+/_=-])[A-Za-z0-9+/_=-]{20,512}(?![A-Za-z0-9+/_=-])")
+_HEX = re.compile(r"[0-9a-fA-F-]+")
+_WORD_PART = re.compile(r"[A-Z]?[a-z]{3,}|[A-Z]{3,}[a-z]*")
+
+
+def entropy(s: str) -> float:
+    """Shannon entropy of the characters of `s`, in bits per character."""
+    n = len(s)
+    return -sum(c / n * math.log2(c / n) for c in Counter(s).values()) if n else 0.0
+
+
+def _class_changes(token: str) -> float:
+    """How often adjacent characters change class (lower, upper, digit, other): ~0.6 random, ~0.2 camelCase."""
+    kinds = ["l" if c.islower() else "u" if c.isupper() else "d" if c.isdigit() else "o" for c in token]
+    return sum(a != b for a, b in zip(kinds, kinds[1:])) / (len(token) - 1)
+
+
+def _high_entropy(token: str) -> bool:
+    if _HEX.fullmatch(token) or token.startswith("/"):
+        return False  # hashes, SHAs and UUIDs alone; paths
+    if not (re.search(r"[a-z]", token) and re.search(r"[A-Z]", token) and re.search(r"\d", token)):
+        return False
+    if any(_WORD_PART.fullmatch(part) for part in re.split(r"[-_/+=.]", token)) or _class_changes(token) < 0.4:
+        return False  # names made of words: HuggingFaceTB/SmolLM2-135M-Instruct, veryLongIdentifierName2024
+    return entropy(token) >= min(4.0, 0.8 * math.log2(len(token)))
+
+
+def _secrets(text: str) -> Iterator[tuple[int, int]]:
+    for hints, pattern in _SECRET_FORMATS:
+        if any(h in text for h in hints):
+            yield from (m.span() for m in pattern.finditer(text))
+    lowered = text.lower()
+    assignments = _ASSIGNMENT.finditer(text) if any(h in lowered for h in _KEY_HINTS) else ()
+    for m in assignments:
+        group = next(g for g in (2, 3, 4) if m.group(g) is not None)
+        start, value = m.start(group), m.group(group)
+        if group == 4:
+            while value.endswith(")") and value.count(")") > value.count("("):
+                value = value[:-1]  # f(password=abc123): the call's parenthesis
+            value = value.rstrip(".") if "=" not in m.group(1) else value  # "my password is hunter2."
+            if _CALL.fullmatch(value) or len(value) < 4:
+                continue
+            # After ':' or 'is' in prose ("the token: expired", "password is wrong") a plain word is not a value.
+            if "=" not in m.group(1) and value.isalpha() and (value.islower() or value.istitle()):
+                continue
+        if not _PLACEHOLDER.match(value):
+            yield start, start + len(value)
+    for m in _BEARER.finditer(text) if "earer" in text else ():
+        yield m.span(1)
+    for m in _TOKEN.finditer(text):
+        if _high_entropy(m.group()) and not text.endswith("base64,", 0, m.start()):  # data: URIs hold data
+            yield m.span()
+
+
+# --- phones ---------------------------------------------------------------------------------------------------------
+
+# Where any phone might be: a digit run with phone punctuation (the matcher's own scan is costly per region).
+# 7 digits at least: the few shorter numbers (some Italian, German and Austrian lines) are left out.
+_DIGIT_RUN = re.compile(r"[0-9](?:[\s\-.()/]{0,3}\d){6,}")
+_SENTENCE_END = re.compile(r"[.!?]\s+(?=[^\W\d])|\n")  # a new sentence starts with a letter
+_LETTER = re.compile(r"[^\W\d]")
+# Right before a number, a word that names another kind of number (the phone words below may be nearer).
+_OTHER_NUMBER = (
+    r"(?i)\b(?:order|invoice|inv|tracking|track|shipment|parcel|ref|reference|receipt|transaction|txn|account|acct"
+    r"|iban|isbn|issn|ean|upc|sku|serial|s/n|part|model|policy|ticket|case|booking|confirmation|reservation"
+    r"|customer|member|id|no|nr|num|zip|postal|postcode|code|pin|otp|cvv|version|build|patent|batch|lot|item"
+    r"|claim|registration|license|licence|passport{})\b"
+    r"[\s.:#-]*(?:number|no\.?|nr\.?|id|#)?(?:\s+(?:is|was|of))?[\s.:#=-]*\Z|#\s*\Z")
+_NOT_PHONE_WORDS = re.compile(_OTHER_NUMBER.format("|card|visa|mastercard|amex"))
+_NOT_CARD_WORDS = re.compile(_OTHER_NUMBER.format(""))
+# A bare run followed by a unit is a quantity: "449592966 bytes".
+_UNIT_AFTER = re.compile(r"\s?(?:%|€|\$|(?:[kKMGT]i?)?B|bytes?|rows?|lines?|items?|users?|people|times|km|kg|ms|"
+                         r"sec(?:ond)?s?|tokens?|words?|records?|EUR|USD|GBP|JPY)\b", re.IGNORECASE)
+_PHONE_WORDS = re.compile(r"(?i)\b(?:phone|tel|telephone|call|calling|mobile|cell|fax|whatsapp|sms|text|dial|ring"
+                          r"|contact|reach|number|hotline|landline|telefon|téléphone|portable|cellulare|móvil)\b")
+# OIDs, versions, decimals; not "206.269.0743"
+_DOTTED = re.compile(r"\d{1,3}(?:\.\d{1,3}){3,}|\d+(?:\.\d+)*\.\d(?:\.\d+)*|\d+\.\d+")
+_GLUED_BEFORE = re.compile(r"(?:\w|\d[ .\-/]?)\Z")
+_GLUED_AFTER = re.compile(r"\w|[ .\-/]\d|[-/][^\W\d_]")  # 1-800-FLOWERS
+_DATE = re.compile(r"\(?\d{1,4}[-./]\d{1,2}[-./]\d{1,4}\)?(?:\s+\d{1,2}[:.]\d{2})?")
+
+
+def _phone_context_ok(text: str, start: int) -> bool:
+    """False right after a word that names another kind of number ("order number", "ISBN", "#")."""
+    return not _NOT_PHONE_WORDS.search(text, max(0, start - 40), start)
+
+
+def _phone_word_before(text: str, start: int) -> bool:
+    """A phone word earlier in the same sentence, at most 40 characters back, with no other number between."""
+    before = text[max(0, start - 40):start]
+    cut = max((m.end() for m in _SENTENCE_END.finditer(before)), default=0)  # not after "Tel. "
+    words = list(_PHONE_WORDS.finditer(before, cut))
+    return bool(words) and not any(c.isdigit() for c in before[words[-1].end():])  # no other number between
+
+
+def _phones(text: str, regions: tuple[str, ...], blocked: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    windows: list[list[int]] = []
+    for m in _DIGIT_RUN.finditer(text):
+        if any(b0 < m.end() and m.start() < b1 for b0, b1 in blocked):
+            continue  # digits of an e-mail, a URL, a card, an IBAN, an IP or a secret
+        # What no region can make a phone of, tested once here rather than per region by the matcher.
+        if (_DATE.fullmatch(m.group()) or _DOTTED.fullmatch(m.group()) or _glued(_LETTER, text, m.start())
+                or (text[m.start() - 1:m.start()] != "+" and not _phone_context_ok(text, m.start()))):
+            continue
+        lo, hi = max(0, m.start() - 8), min(len(text), m.end() + 16)
+        if windows and lo <= windows[-1][1]:
+            windows[-1][1] = hi
+        else:
+            windows.append([lo, hi])
+    seen: set[tuple[int, int]] = set()
+    for lo, hi in windows:
+        chunk = text[lo:hi]
+        runs = [r.span() for r in _DIGIT_RUN.finditer(chunk)]
+        matched: list[tuple[int, int]] = []
+        for i, region in enumerate(regions):
+            # Once every digit run of the window is in a number some region read (accepted or not: what
+            # decides that is the same for every region), the other regions have nothing left to find.
+            if i and all(any(a <= r0 and r1 <= b for a, b in matched) for r0, r1 in runs):
+                break
+            for match in phonenumbers.PhoneNumberMatcher(chunk, region, leniency=phonenumbers.Leniency.POSSIBLE):
+                matched.append((match.start, match.end))
+                span = (lo + match.start, lo + match.end)
+                if span not in seen:
+                    seen.add(span)
+                    if _is_phone(text, span, match.raw_string, regions, blocked):
+                        yield span
+
+
+def _is_phone(text: str, span: tuple[int, int], raw: str, regions: tuple[str, ...],
+              blocked: list[tuple[int, int]]) -> bool:
+    start, end = span
+    if any(b0 < end and start < b1 for b0, b1 in blocked) or _DATE.fullmatch(raw) or _DOTTED.fullmatch(raw):
+        return False
+    # At POSSIBLE the matcher does not look around the number: part of a word, a hash or a longer run is not one.
+    if _GLUED_BEFORE.search(text, max(0, start - 2), start) or _GLUED_AFTER.match(text, end):
+        return False
+    digits = re.sub(r"\D", "", re.split(r"(?i)[a-z#]", raw)[0])
+    if not 7 <= len(digits) <= 16:
+        return False  # E.164 allows 15 digits, one more for a trunk prefix; under 7: see _DIGIT_RUN
+    if len(digits) == 13 and digits[:3] in ("978", "979") and stdnum_isbn.is_valid(digits):
+        return False
+    if raw.lstrip("(").startswith("+"):
+        return True
+    if not _phone_context_ok(text, start):
+        return False
+    if re.search(r"[\s\-.()/]", raw):
+        return True
+    # A bare digit run is as often a count or an id: only a number valid in a region, and written with a trunk
+    # prefix (one leading 0, as most of these regions dial national numbers) or after a phone word.
+    national = raw.startswith("0") and not raw.startswith("00")
+    if not (national or _phone_word_before(text, start)) or _UNIT_AFTER.match(text, end):
+        return False
+    for region in regions:
+        try:
+            if phonenumbers.is_valid_number(phonenumbers.parse(raw, region)):
+                return True
+        except phonenumbers.NumberParseException:
+            continue
+    return False
+
+
+# --- the detector -------------------------------------------------------------------------------------------------
+
+class Detector:
+    """Finds the configured categories in text; stateless after construction, so one serves every turn."""
+
+    def __init__(self, categories: Iterable[str] = CATEGORIES, phone_regions: Iterable[str] = DEFAULT_PHONE_REGIONS):
+        self.categories = tuple(categories)
+        unknown = [c for c in self.categories if c not in CATEGORIES]
+        if unknown:
+            raise ValueError(f"unknown PII categories {unknown}; known: {', '.join(CATEGORIES)}")
+        self._wanted = frozenset(self.categories)
+        self.phone_regions = tuple(r.upper() for r in phone_regions)
+        bad = [r for r in self.phone_regions if r not in phonenumbers.SUPPORTED_REGIONS]
+        if bad:
+            raise ValueError(f"unknown phone regions {bad} (ISO 3166 alpha-2 codes libphonenumber knows)")
+
+    def detect(self, text: str) -> list[Finding]:
+        """Findings sorted by start, none overlapping: of two that overlap the longer, then the more specific."""
+        if not text:
+            return []
+        # Gates in C (substring and one-class scans) skip the patterns a text cannot match: most prose has no digit.
+        wanted = self._wanted if _DIGIT.search(text) else self._wanted - {"iban", "card", "phone"}
+        found: list[Finding] = []
+        emails = list(_emails(text)) if "@" in text else []
+        if "email" in wanted:
+            found += [Finding("email", s, e) for s, e in emails]
+        if "ip" in wanted:
+            found += [Finding("ip", s, e) for s, e in _ips(text)]
+        if "iban" in wanted:
+            found += [Finding("iban", s, e) for s, e in _ibans(text)]
+        if "secret" in wanted:
+            found += [Finding("secret", s, e) for s, e in _secrets(text)]
+        if wanted & {"card", "phone"}:
+            # Digits inside an e-mail address or a URL are part of it, not a phone or a card.
+            urls = [m.span() for m in _URL.finditer(text)] if "://" in text or "www." in text else []
+            blocked = emails + urls
+            if "card" in wanted:
+                found += [Finding("card", s, e) for s, e in _cards(text)
+                          if not any(b0 <= s and e <= b1 for b0, b1 in blocked)]
+            if "phone" in wanted and self.phone_regions:
+                # Phones last, and never in another finding's digits: the costliest step skips them.
+                blocked += [(f.start, f.end) for f in found]
+                found += [Finding("phone", s, e) for s, e in _phones(text, self.phone_regions, blocked)]
+        return _resolve(found)
+
+    def redact(self, text: str, findings: list[Finding]) -> str:
+        return redact(text, findings)
+
+    def scan_messages(self, messages: Iterable[Any]) -> dict[str, int]:
+        """{category: count} over every text field of OpenAI chat messages; categories with none left out."""
+        counts: dict[str, int] = {}
+        for message in messages:
+            for text in _texts(message):
+                for f in self.detect(text):
+                    counts[f.category] = counts.get(f.category, 0) + 1
+        return counts
+
+    def redact_messages(self, messages: Iterable[Any]) -> list[Any]:
+        """A copy of the messages with every text field redacted (content, its text parts, reasoning_content,
+        tool call arguments); the input is never changed."""
+        out = []
+        for message in messages:
+            message = copy.deepcopy(message)
+            if isinstance(message, dict):
+                self._redact_message(message)
+            out.append(message)
+        return out
+
+    def _redact_message(self, message: dict[str, Any]) -> None:
+        def clean(text: str) -> str:
+            return redact(text, self.detect(text))
+
+        for key in ("content", "reasoning_content"):
+            value = message.get(key)
+            if isinstance(value, str):
+                message[key] = clean(value)
+            elif isinstance(value, list):
+                for part in value:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        part["text"] = clean(part["text"])
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                function["arguments"] = clean(function["arguments"])
+
+
+def _texts(message: Any) -> Iterator[str]:
+    """Every text field of one chat message, in the shapes the OpenAI API allows (and tolerating others)."""
+    if not isinstance(message, dict):
+        return
+    for key in ("content", "reasoning_content"):
+        value = message.get(key)
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, list):
+            yield from (p["text"] for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            yield function["arguments"]
+
+
+def _resolve(found: list[Finding]) -> list[Finding]:
+    kept: list[Finding] = []
+    taken: list[tuple[int, int]] = []
+    for f in sorted(set(found), key=lambda f: (-(f.end - f.start), _RANK[f.category], f.start)):
+        if f.end > f.start and not any(f.start < e and s < f.end for s, e in taken):
+            kept.append(f)
+            taken.append((f.start, f.end))
+    return sorted(kept, key=lambda f: f.start)
+
+
+def redact(text: str, findings: Iterable[Finding]) -> str:
+    """`text` with each finding's span replaced by its label ([EMAIL], [PHONE], ...); findings must not overlap."""
+    pieces, last = [], 0
+    for f in sorted(findings, key=lambda f: f.start):
+        pieces += [text[last:f.start], LABELS[f.category]]
+        last = f.end
+    pieces.append(text[last:])
+    return "".join(pieces)

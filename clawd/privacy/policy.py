@@ -1,0 +1,160 @@
+"""What clawd keeps of a finished turn, decided in one place: consent, PII and the records.
+
+At the edge from serving to scoring every finished turn passes through `Privacy.admit`:
+  * consent: a turn of an API key marked `train = false` is excluded (reason "consent"), as a
+    `no_train` turn is; a key marked `record = false` leaves no record at all;
+  * PII (clawd.privacy.pii) in the turn's prompt or reply excludes it from training (reason "pii")
+    when `[privacy] pii_training = "exclude"`: its tokens cannot be rewritten, only left out;
+  * the turn record: an untrained turn's words are dropped (sizes stay) unless `untrained_content`;
+    a turn with PII anywhere in it (its next state included) has each finding replaced by [EMAIL]
+    and the like, and keeps no token ids, which would spell what was redacted.
+The scorer asks `for_judge` for the view of a turn an external judge gets, and `judge_record` for the
+judge record it writes. Scans are cached per message text: a conversation's earlier messages come
+back with every turn, and are scanned once.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
+
+from clawd.config import ApiKey
+from clawd.privacy.pii import Detector
+from clawd.privacy_config import PrivacyConfig
+from clawd.turns import NO_TRAIN, FinishedTurn, Turn
+
+CONSENT = "consent"   # the turn's API key says train = false
+PII = "pii"           # PII in the prompt or reply, with pii_training = "exclude"
+
+_CACHE_ENTRIES = 20_000  # message texts whose scan is remembered (a few MB at most)
+_IDS = ("prompt_ids", "response_ids", "response_logprobs")
+
+
+@dataclass
+class PrivacyStats:
+    scanned: int = 0                                   # turns scanned for PII
+    with_pii: int = 0                                  # of which held some
+    found: dict[str, int] = field(default_factory=dict)  # findings by category
+    excluded: dict[str, int] = field(default_factory=dict)  # turns kept out of training: consent, pii
+    redacted_records: int = 0                          # records written with findings replaced
+    unrecorded: int = 0                                # turns of keys with record = false
+
+
+class Privacy:
+    def __init__(self, cfg: PrivacyConfig, keys: Iterable[ApiKey] = ()):
+        self.cfg = cfg
+        self.detector = Detector(categories=cfg.pii_categories) if cfg.pii_categories else None
+        self.stats = PrivacyStats()
+        self._keys: dict[str, ApiKey] = {}
+        self._scans: OrderedDict[bytes, dict[str, int]] = OrderedDict()
+        self.set_keys(keys)
+
+    def set_keys(self, keys: Iterable[ApiKey]) -> None:
+        """SIGHUP: a key's consent flags apply to its next finished turn."""
+        self._keys = {k.name: k for k in keys}
+
+    def trains(self, principal: str) -> bool:
+        key = self._keys.get(principal)
+        return key is None or key.train
+
+    def records(self, principal: str) -> bool:
+        key = self._keys.get(principal)
+        return key is None or key.record
+
+    # --- the edge from serving to scoring ---------------------------------------------------
+
+    def admit(self, finished: FinishedTurn) -> tuple[FinishedTurn, dict[str, Any] | None]:
+        """(the turn as scoring gets it, its record or None). Counts what it decided."""
+        turn = finished.turn
+        trained = self.scan(turn.messages, [turn.reply])
+        later = self.scan(finished.next_state or [])
+        found = {c: trained.get(c, 0) + later.get(c, 0) for c in {*trained, *later}}
+        if found:
+            self.stats.with_pii += 1
+            for category, n in found.items():
+                self.stats.found[category] = self.stats.found.get(category, 0) + n
+        self.stats.scanned += self.detector is not None
+        excluded = None
+        if turn.excluded is None and not self.trains(turn.principal):
+            excluded = CONSENT
+        elif turn.excluded is None and trained and self.cfg.pii_training == "exclude":
+            excluded = PII
+        if excluded is not None:
+            self.stats.excluded[excluded] = self.stats.excluded.get(excluded, 0) + 1
+            finished = replace(finished, turn=replace(turn, excluded=excluded))
+        if not self.records(turn.principal):
+            self.stats.unrecorded += 1
+            return finished, None
+        return finished, self.turn_record(finished, found)
+
+    def turn_record(self, finished: FinishedTurn, found: dict[str, int]) -> dict[str, Any]:
+        record = finished.to_record()
+        if finished.turn.excluded in (NO_TRAIN, CONSENT) and not self.cfg.untrained_content:
+            return _without_words(record)
+        if found and self.cfg.redact_records:
+            self.stats.redacted_records += 1
+            record.update(messages=self.redact(record["messages"]), reply=self.redact([record["reply"]])[0],
+                          next_state=None if record["next_state"] is None else self.redact(record["next_state"]),
+                          pii=dict(sorted(found.items())), **{k: len(record[k]) for k in _IDS})
+        return record
+
+    # --- the judge ---------------------------------------------------------------------------
+
+    def for_judge(self, turn: Turn, next_state: list[dict[str, Any]]) -> tuple[Turn, list[dict[str, Any]]]:
+        """What an external judge is shown: the turn and its next state with PII replaced."""
+        if not self.cfg.redact_judge or self.detector is None:
+            return turn, next_state
+        if not self.scan(turn.messages, [turn.reply], next_state):
+            return turn, next_state
+        return (replace(turn, messages=self.redact(turn.messages), reply=self.redact([turn.reply])[0]),
+                self.redact(next_state))
+
+    def judge_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A judge record with PII replaced in the judge's raw answers and the hint it gave."""
+        if not self.cfg.redact_records or self.detector is None:
+            return record
+        out = dict(record)
+        if out.get("raw"):
+            out["raw"] = [None if t is None else self.detector.redact(t, self.detector.detect(t)) for t in out["raw"]]
+        if isinstance(out.get("hint"), str):
+            out["hint"] = self.detector.redact(out["hint"], self.detector.detect(out["hint"]))
+        return out
+
+    # --- scanning ------------------------------------------------------------------------------
+
+    def scan(self, *message_lists: list[dict[str, Any]]) -> dict[str, int]:
+        """Findings by category over the messages, each message's scan cached by its content."""
+        total: dict[str, int] = {}
+        if self.detector is None:
+            return total
+        for messages in message_lists:
+            for message in messages:
+                for category, n in self._scan_one(message).items():
+                    total[category] = total.get(category, 0) + n
+        return total
+
+    def _scan_one(self, message: dict[str, Any]) -> dict[str, int]:
+        key = hashlib.blake2b(repr(message).encode(errors="replace"), digest_size=16).digest()
+        hit = self._scans.get(key)
+        if hit is None:
+            hit = self._scans[key] = self.detector.scan_messages([message])
+            if len(self._scans) > _CACHE_ENTRIES:
+                self._scans.popitem(last=False)
+        else:
+            self._scans.move_to_end(key)
+        return hit
+
+    def redact(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self.detector.redact_messages(messages) if self.detector is not None else copy.deepcopy(messages)
+
+
+def _without_words(record: dict[str, Any]) -> dict[str, Any]:
+    """An untrained turn's record: who, when, which version, how long; none of what was said."""
+    def sizes(messages):
+        return None if messages is None else [{"role": m.get("role"), "chars": len(str(m.get("content") or ""))}
+                                               for m in messages]
+    return record | {"messages": sizes(record["messages"]), "reply": sizes([record["reply"]])[0],
+                     "next_state": sizes(record["next_state"]), "tools": None, "content": "withheld",
+                     **{k: len(record[k]) for k in _IDS}}

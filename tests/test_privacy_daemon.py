@@ -1,0 +1,102 @@
+"""Privacy against a live daemon: consent and PII at work on real traffic, a person's data exported and then
+forgotten with clawctl (records, journal bytes, the export's manifest), and a walk of the state directory
+for modes after the run, started under a permissive umask with files an earlier run left open."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import urllib.request
+
+import openai
+
+from .harness import Daemon
+from .test_clawctl import clawctl, settle, thanked_conversation
+
+EMAIL = "jane.doe@example.org"
+KEYS = [{"name": "alice", "key": "alice-key-1234"}, {"name": "bob", "key": "bob-key-12345"},
+        {"name": "bot", "key": "bot-key-123456", "train": False}]
+
+
+def conversation(daemon: Daemon, key: str, text: str) -> None:
+    thanked_conversation(openai.OpenAI(base_url=daemon.url + "/v1", api_key=key, max_retries=0), text)
+
+
+def state_bytes(root) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()
+                    and not stat.S_ISSOCK(p.lstat().st_mode))
+
+
+def test_consent_pii_export_forget_and_private_modes(tiny_model, tmp_path):
+    state = tmp_path / "state"
+    (state / "records").mkdir(parents=True)
+    (state / "records" / "left-open.txt").write_text("from an earlier run")
+    os.chmod(state / "records" / "left-open.txt", 0o666)
+    os.chmod(state, 0o755)
+    old = os.umask(0o022)  # what clawd was started with must not matter
+    try:
+        daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 4},
+                                   "engine": {"launch": "local"}, "auth": {"keys": KEYS}})
+    finally:
+        os.umask(old)
+    try:
+        conversation(daemon, "alice-key-1234", "Tell me about otters")
+        conversation(daemon, "alice-key-1234", f"Write to {EMAIL} for me")
+        conversation(daemon, "bob-key-12345", "Tell me about seals")
+        conversation(daemon, "bot-key-123456", "MARKER-BOT dear diary")
+        snap = settle(daemon, samples=2)  # alice's first and bob's: the PII and the no-consent turns never train
+        privacy = snap["privacy"]
+        assert privacy["not_trained"] == {"pii": 2, "consent": 2}  # each conversation's two turns
+        assert privacy["pii"]["found"] == {"email": 2} and privacy["pii"]["turns_with_pii"] == 2
+        held = state_bytes(state)
+        assert EMAIL.encode() not in held and b"MARKER-BOT" not in held  # redacted; recorded without words
+        bot = [r for r in daemon.records() if r["principal"] == "bot"]
+        assert len(bot) == 2 and all(r["content"] == "withheld" and r["excluded"] == "consent" for r in bot)
+        with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        assert 'clawd_pii_findings_total{category="email"} 2.0' in metrics
+        assert 'clawd_retention_sweeps_total 1.0' in metrics
+
+        # An access request: everything about alice, with a manifest.
+        out = tmp_path / "alice-export"
+        done = clawctl(daemon, "export", "alice", str(out))
+        assert done.returncode == 0, done.stderr
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["principal"] == "alice" and "uid" in manifest["asked_by"]
+        assert manifest["files"]["turns.jsonl"]["lines"] == 4 and manifest["files"]["samples.jsonl"]["lines"] == 1
+        assert manifest["files"]["judge.jsonl"]["lines"] == 4 and manifest["versions_trained_on"] == []
+        for name, meta in manifest["files"].items():
+            assert hashlib.sha256((out / name).read_bytes()).hexdigest() == meta["sha256"]
+        turns = [json.loads(line) for line in (out / "turns.jsonl").read_text().splitlines()]
+        assert {t["principal"] for t in turns} == {"alice"} and "[EMAIL]" in json.dumps(turns)
+        assert stat.S_IMODE(out.stat().st_mode) == 0o700 and stat.S_IMODE((out / "turns.jsonl").stat().st_mode) == 0o600
+        assert not list((state / "exports").iterdir())  # the staging went once clawctl had its copy
+        assert "export of principal 'alice' asked by uid" in "".join(daemon.lines)
+
+        # A deletion request.
+        done = clawctl(daemon, "forget", "alice")
+        assert done.returncode == 0, done.stderr
+        assert "forgot principal 'alice'" in done.stdout and "no version was trained" in done.stdout
+        forgotten = json.loads(clawctl(daemon, "forget", "alice", "--json").stdout)  # again: nothing left
+        assert all(n == 0 for n in forgotten["removed"].values())
+        assert settle(daemon, samples=1)["queue"]["waiting"] == 1  # bob's sample waits on
+        held = state_bytes(state)
+        assert b'"principal":"alice"' not in held and b"Tell me about otters" not in held
+        assert b'"principal":"bob"' in held and b"Tell me about seals" in held
+        log = "".join(daemon.lines)
+        assert "forget of principal 'alice' asked by uid" in log and "otters" not in log
+    finally:
+        assert daemon.stop() == 0
+    # The journal replays bob's sample alone after the restart-safe rewrite.
+    assert [s.principal for s in daemon.samples()] == ["bob"]
+
+    # Modes: every directory 0700 and file 0600 (the admin socket keeps its own 0660 fence).
+    loose = []
+    for path in [state, *state.rglob("*")]:
+        st = path.lstat()
+        if stat.S_ISSOCK(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            continue
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            loose.append(f"{path.relative_to(tmp_path)} {oct(stat.S_IMODE(st.st_mode))}")
+    assert loose == []
