@@ -94,6 +94,7 @@ def test_no_train_turns_are_recorded_without_their_words_and_a_record_false_key_
     assert "secret plans" not in json.dumps(record)
     admitted, record = privacy.admit(_finished(_turn(principal="ghost")))
     assert record is None and admitted.trainable and privacy.stats.unrecorded == 1
+    assert privacy.judge_record({"principal": "ghost", "raw": ["fine"]}) is None  # no judge record either
 
 
 def test_keys_reloaded_change_consent_at_the_next_turn():

@@ -16,7 +16,8 @@ from .test_clawctl import clawctl, settle, thanked_conversation
 
 EMAIL = "jane.doe@example.org"
 KEYS = [{"name": "alice", "key": "alice-key-1234"}, {"name": "bob", "key": "bob-key-12345"},
-        {"name": "bot", "key": "bot-key-123456", "train": False}]
+        {"name": "bot", "key": "bot-key-123456", "train": False},
+        {"name": "ghost", "key": "ghost-key-1234", "record": False}]
 
 
 def conversation(daemon: Daemon, key: str, text: str) -> None:
@@ -45,12 +46,15 @@ def test_consent_pii_export_forget_and_private_modes(tiny_model, tmp_path):
         conversation(daemon, "alice-key-1234", f"Write to {EMAIL} for me")
         conversation(daemon, "bob-key-12345", "Tell me about seals")
         conversation(daemon, "bot-key-123456", "MARKER-BOT dear diary")
-        snap = settle(daemon, samples=2)  # alice's first and bob's: the PII and the no-consent turns never train
+        conversation(daemon, "ghost-key-1234", "MARKER-GHOST passing through")
+        snap = settle(daemon, samples=3)  # alice's first, bob's, ghost's: the PII and the no-consent turns never train
         privacy = snap["privacy"]
         assert privacy["not_trained"] == {"pii": 2, "consent": 2}  # each conversation's two turns
         assert privacy["pii"]["found"] == {"email": 2} and privacy["pii"]["turns_with_pii"] == 2
         held = state_bytes(state)
         assert EMAIL.encode() not in held and b"MARKER-BOT" not in held  # redacted; recorded without words
+        assert privacy["unrecorded_turns"] == 2  # ghost's turns: trained (in the journal), never recorded
+        assert "ghost" not in {r["principal"] for kind in ("turns", "judge") for r in daemon.records(kind)}
         bot = [r for r in daemon.records() if r["principal"] == "bot"]
         assert len(bot) == 2 and all(r["content"] == "withheld" and r["excluded"] == "consent" for r in bot)
         with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as resp:
@@ -80,7 +84,7 @@ def test_consent_pii_export_forget_and_private_modes(tiny_model, tmp_path):
         assert "forgot principal 'alice'" in done.stdout and "no version was trained" in done.stdout
         forgotten = json.loads(clawctl(daemon, "forget", "alice", "--json").stdout)  # again: nothing left
         assert all(n == 0 for n in forgotten["removed"].values())
-        assert settle(daemon, samples=1)["queue"]["waiting"] == 1  # bob's sample waits on
+        assert settle(daemon, samples=2)["queue"]["waiting"] == 2  # bob's and ghost's samples wait on
         held = state_bytes(state)
         assert b'"principal":"alice"' not in held and b"Tell me about otters" not in held
         assert b'"principal":"bob"' in held and b"Tell me about seals" in held
@@ -88,8 +92,8 @@ def test_consent_pii_export_forget_and_private_modes(tiny_model, tmp_path):
         assert "forget of principal 'alice' asked by uid" in log and "otters" not in log
     finally:
         assert daemon.stop() == 0
-    # The journal replays bob's sample alone after the restart-safe rewrite.
-    assert [s.principal for s in daemon.samples()] == ["bob"]
+    # The journal replays bob's and ghost's samples alone after the rewrite.
+    assert [s.principal for s in daemon.samples()] == ["bob", "ghost"]
 
     # Modes: every directory 0700 and file 0600 (the admin socket keeps its own 0660 fence).
     loose = []

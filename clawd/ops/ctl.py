@@ -384,6 +384,14 @@ def format_status(snapshot: dict, now: float | None = None) -> str:
                  + ("; the version serving is clean" if monitors.get("clean") else "")
                  + "".join(f"\n  {'':<20}alarm: {a}" for a in monitors.get("alarms") or [])),
                 ("versions", _counts(safety.get("versions"))))
+    privacy = snapshot.get("privacy")
+    if privacy:  # a snapshot of an earlier release has none
+        pii, ret = privacy["pii"], privacy.get("retention") or {}
+        section("privacy", ("PII", f"in {pii['turns_with_pii']} of {pii['turns_scanned']} turns ({_counts(pii['found'])}); "
+                                   f"{pii['redacted_records']} records redacted"),
+                ("not trained", _counts(privacy.get("not_trained"))),
+                ("retention", f"{ret.get('days', '?')} days; last sweep {ago(ret.get('last'))}, removed "
+                              f"{_counts(ret.get('removed'))}, {ret.get('failures', 0)} failures"))
     engines = snapshot.get("engines") or {}
     section("engines", *[(role, f"{e.get('state', '?')}, pid {e.get('pid') or '-'}, {e.get('restarts', 0)} restarts")
                          for role, e in sorted(engines.items())] or [("state", "off")])

@@ -55,7 +55,8 @@ class Holdings:
     async def export(self, principal: str, asked_by: str) -> dict[str, Any]:
         """Write everything about `principal` under state_dir/exports/; returns the manifest (with its path)."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        out = Path(self.state_dir) / EXPORTS / f"{_safe(principal)}-{stamp}-{os.urandom(3).hex()}"
+        # absolute: clawctl, which copies it, may run in another directory than the daemon
+        out = (Path(self.state_dir) / EXPORTS / f"{_safe(principal)}-{stamp}-{os.urandom(3).hex()}").absolute()
         out.mkdir(parents=True)
         # Records may be large: read off the event loop (a line being appended meanwhile is read or not).
         turns, judged = await asyncio.gather(asyncio.to_thread(lambda: list(self.turn_records.select(principal))),

@@ -44,8 +44,9 @@ class Modes:
 
 
 def under_systemd() -> bool:
-    """systemd sets $INVOCATION_ID for every unit it starts."""
-    return bool(os.environ.get("INVOCATION_ID"))
+    """Started as clawd.service (Type=notify): systemd gave it $NOTIFY_SOCKET (clawd.ops.systemd). Not
+    $INVOCATION_ID: every process a unit starts inherits that one, a CI runner's tests included."""
+    return bool(os.environ.get("NOTIFY_SOCKET"))
 
 
 def secure_state(state_dir: Path, admin_group: str, weights_group: str) -> Callable[[str], None] | None:

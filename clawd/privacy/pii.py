@@ -1,4 +1,6 @@
 """PII in chat text: e-mail, phone, payment card, IBAN, IP address and secrets, with exact character spans.
+One file past 500 lines on purpose: the recognizers decide against each other (whose digits a phone may
+not take, which of two overlapping findings stays), and those rules are read best in one place.
 
 Not Presidio: its analyzer imports spaCy (whose thinc imports torch when torch is installed, and the daemon
 never imports torch), its default NLP model is not on PyPI, and its e-mail recognizer fetches the public
@@ -43,11 +45,14 @@ one plain word; random tokens without a digit, with a word-like part, or longer 
 """
 from __future__ import annotations
 
+import bisect
 import copy
+import hashlib
 import ipaddress
+import itertools
 import math
 import re
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -58,6 +63,7 @@ from stdnum import luhn
 
 CATEGORIES = ("email", "phone", "card", "iban", "ip", "secret")
 LABELS = {c: f"[{c.upper()}]" for c in CATEGORIES}
+_MEMO_TEXTS = 8192  # texts whose findings `detect` remembers (digests and spans: a few MB at most)
 # "+CC ..." numbers are found from any region; each listed region adds its national formats (and makes its bare
 # numbers VALID). An unlisted country's national format is found only where a listed region's lengths allow it.
 DEFAULT_PHONE_REGIONS = ("US", "GB", "DE", "FR", "IT", "ES", "NL", "IN", "BR", "JP")
@@ -292,10 +298,24 @@ def _phone_word_before(text: str, start: int) -> bool:
     return bool(words) and not any(c.isdigit() for c in before[words[-1].end():])  # no other number between
 
 
-def _phones(text: str, regions: tuple[str, ...], blocked: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+class _Spans:
+    """Spans that a later finding may not overlap, asked in O(log n): a log full of IPs and ids holds
+    thousands of them, and a linear scan per digit run was quadratic (seconds on 100 KB)."""
+
+    def __init__(self, spans: list[tuple[int, int]]):
+        spans = sorted(spans)
+        self.starts = [s for s, _ in spans]
+        self.reach = list(itertools.accumulate((e for _, e in spans), max))  # furthest end among the first i+1
+
+    def overlaps(self, start: int, end: int) -> bool:
+        i = bisect.bisect_left(self.starts, end)  # the spans that start before `end`
+        return i > 0 and self.reach[i - 1] > start
+
+
+def _phones(text: str, regions: tuple[str, ...], blocked: _Spans) -> Iterator[tuple[int, int]]:
     windows: list[list[int]] = []
     for m in _DIGIT_RUN.finditer(text):
-        if any(b0 < m.end() and m.start() < b1 for b0, b1 in blocked):
+        if blocked.overlaps(m.start(), m.end()):
             continue  # digits of an e-mail, a URL, a card, an IBAN, an IP or a secret
         # What no region can make a phone of, tested once here rather than per region by the matcher.
         if (_DATE.fullmatch(m.group()) or _DOTTED.fullmatch(m.group()) or _glued(_LETTER, text, m.start())
@@ -326,9 +346,9 @@ def _phones(text: str, regions: tuple[str, ...], blocked: list[tuple[int, int]])
 
 
 def _is_phone(text: str, span: tuple[int, int], raw: str, regions: tuple[str, ...],
-              blocked: list[tuple[int, int]]) -> bool:
+              blocked: _Spans) -> bool:
     start, end = span
-    if any(b0 < end and start < b1 for b0, b1 in blocked) or _DATE.fullmatch(raw) or _DOTTED.fullmatch(raw):
+    if blocked.overlaps(start, end) or _DATE.fullmatch(raw) or _DOTTED.fullmatch(raw):
         return False
     # At POSSIBLE the matcher does not look around the number: part of a word, a hash or a longer run is not one.
     if _GLUED_BEFORE.search(text, max(0, start - 2), start) or _GLUED_AFTER.match(text, end):
@@ -369,15 +389,29 @@ class Detector:
         if unknown:
             raise ValueError(f"unknown PII categories {unknown}; known: {', '.join(CATEGORIES)}")
         self._wanted = frozenset(self.categories)
+        self._memo: OrderedDict[bytes, list[Finding]] = OrderedDict()
         self.phone_regions = tuple(r.upper() for r in phone_regions)
         bad = [r for r in self.phone_regions if r not in phonenumbers.SUPPORTED_REGIONS]
         if bad:
             raise ValueError(f"unknown phone regions {bad} (ISO 3166 alpha-2 codes libphonenumber knows)")
 
     def detect(self, text: str) -> list[Finding]:
-        """Findings sorted by start, none overlapping: of two that overlap the longer, then the more specific."""
+        """Findings sorted by start, none overlapping: of two that overlap the longer, then the more specific.
+        Remembered for the last texts seen (by digest): a conversation's messages come back with every turn,
+        and a text scanned is usually redacted next."""
         if not text:
             return []
+        key = hashlib.blake2b(text.encode(errors="surrogatepass"), digest_size=16).digest()
+        if (hit := self._memo.get(key)) is not None:
+            self._memo.move_to_end(key)
+            return hit
+        found = self._detect(text)
+        self._memo[key] = found
+        if len(self._memo) > _MEMO_TEXTS:
+            self._memo.popitem(last=False)
+        return found
+
+    def _detect(self, text: str) -> list[Finding]:
         # Gates in C (substring and one-class scans) skip the patterns a text cannot match: most prose has no digit.
         wanted = self._wanted if _DIGIT.search(text) else self._wanted - {"iban", "card", "phone"}
         found: list[Finding] = []
@@ -400,7 +434,7 @@ class Detector:
             if "phone" in wanted and self.phone_regions:
                 # Phones last, and never in another finding's digits: the costliest step skips them.
                 blocked += [(f.start, f.end) for f in found]
-                found += [Finding("phone", s, e) for s, e in _phones(text, self.phone_regions, blocked)]
+                found += [Finding("phone", s, e) for s, e in _phones(text, self.phone_regions, _Spans(blocked))]
         return _resolve(found)
 
     def redact(self, text: str, findings: list[Finding]) -> str:
@@ -462,11 +496,14 @@ def _texts(message: Any) -> Iterator[str]:
 
 def _resolve(found: list[Finding]) -> list[Finding]:
     kept: list[Finding] = []
-    taken: list[tuple[int, int]] = []
+    starts: list[int] = []  # the kept spans, sorted and disjoint: their ends are sorted too
+    ends: list[int] = []
     for f in sorted(set(found), key=lambda f: (-(f.end - f.start), _RANK[f.category], f.start)):
-        if f.end > f.start and not any(f.start < e and s < f.end for s, e in taken):
+        i = bisect.bisect_left(starts, f.end)  # kept spans that start before this one ends
+        if f.end > f.start and not (i > 0 and ends[i - 1] > f.start):
             kept.append(f)
-            taken.append((f.start, f.end))
+            starts.insert(i, f.start)
+            ends.insert(i, f.end)
     return sorted(kept, key=lambda f: f.start)
 
 

@@ -10,13 +10,11 @@ At the edge from serving to scoring every finished turn passes through `Privacy.
     and the like, and keeps no token ids, which would spell what was redacted.
 The scorer asks `for_judge` for the view of a turn an external judge gets, and `judge_record` for the
 judge record it writes. Scans are cached per message text: a conversation's earlier messages come
-back with every turn, and are scanned once.
+back with every turn, and are scanned once (the detector remembers texts by digest).
 """
 from __future__ import annotations
 
 import copy
-import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
@@ -28,7 +26,6 @@ from clawd.turns import NO_TRAIN, FinishedTurn, Turn
 CONSENT = "consent"   # the turn's API key says train = false
 PII = "pii"           # PII in the prompt or reply, with pii_training = "exclude"
 
-_CACHE_ENTRIES = 20_000  # message texts whose scan is remembered (a few MB at most)
 _IDS = ("prompt_ids", "response_ids", "response_logprobs")
 
 
@@ -48,7 +45,6 @@ class Privacy:
         self.detector = Detector(categories=cfg.pii_categories) if cfg.pii_categories else None
         self.stats = PrivacyStats()
         self._keys: dict[str, ApiKey] = {}
-        self._scans: OrderedDict[bytes, dict[str, int]] = OrderedDict()
         self.set_keys(keys)
 
     def set_keys(self, keys: Iterable[ApiKey]) -> None:
@@ -111,8 +107,11 @@ class Privacy:
         return (replace(turn, messages=self.redact(turn.messages), reply=self.redact([turn.reply])[0]),
                 self.redact(next_state))
 
-    def judge_record(self, record: dict[str, Any]) -> dict[str, Any]:
-        """A judge record with PII replaced in the judge's raw answers and the hint it gave."""
+    def judge_record(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """A judge record with PII replaced in the judge's raw answers and the hint it gave; None for a key
+        with record = false."""
+        if not self.records(record.get("principal", "")):
+            return None
         if not self.cfg.redact_records or self.detector is None:
             return record
         out = dict(record)
@@ -136,15 +135,7 @@ class Privacy:
         return total
 
     def _scan_one(self, message: dict[str, Any]) -> dict[str, int]:
-        key = hashlib.blake2b(repr(message).encode(errors="replace"), digest_size=16).digest()
-        hit = self._scans.get(key)
-        if hit is None:
-            hit = self._scans[key] = self.detector.scan_messages([message])
-            if len(self._scans) > _CACHE_ENTRIES:
-                self._scans.popitem(last=False)
-        else:
-            self._scans.move_to_end(key)
-        return hit
+        return self.detector.scan_messages([message])  # the detector remembers the texts it scanned
 
     def redact(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.detector.redact_messages(messages) if self.detector is not None else copy.deepcopy(messages)

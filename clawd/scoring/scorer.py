@@ -76,9 +76,9 @@ class Scorer:
         self.on_write_error: Callable[[OSError], None] | None = None  # a failed journal write: the disk budget
         self._tasks: dict[asyncio.Task, FinishedTurn] = {}  # turns being scored
         # Privacy (clawd.privacy.policy): what an external judge is shown of a turn, and what a judge record
-        # keeps of the judge's answers. None: as they are.
+        # keeps (None: no record). Unset: as they are.
         self.judge_view: Callable[[Turn, list], tuple[Turn, list]] | None = None
-        self.record_view: Callable[[dict], dict] | None = None
+        self.record_view: Callable[[dict], dict | None] | None = None
         # Sessions that already gave a sample (rl's at-least-one rule); bounded, oldest forgotten.
         self._served_sessions: OrderedDict[tuple[str, str], None] = OrderedDict()
         if self.mode != "rl" and teacher is None:
@@ -152,9 +152,9 @@ class Scorer:
 
     def _exclude(self, finished: FinishedTurn, reason: str) -> None:
         self.stats.exclude(reason)
-        self.records.write({"session_id": finished.turn.session_id, "turn_index": finished.turn.turn_index,
-                            "principal": finished.turn.principal, "mode": self.mode, "emitted": False,
-                            "reason": reason, "sample_id": None}, time.time())
+        self._record({"session_id": finished.turn.session_id, "turn_index": finished.turn.turn_index,
+                      "principal": finished.turn.principal, "mode": self.mode, "emitted": False,
+                      "reason": reason, "sample_id": None})
 
     async def _score(self, finished: FinishedTurn) -> None:
         started = time.monotonic()
@@ -194,7 +194,13 @@ class Scorer:
                       reward=decision.reward, sample_id=sample_id, principal=turn.principal,
                       raw=[t[:self.text_chars] if t is not None else None for t in raw],
                       latency=round(time.monotonic() - started, 4))
-        self.records.write(record if self.record_view is None else self.record_view(record), time.time())
+        self._record(record)
+
+    def _record(self, record: dict) -> None:
+        """A judge record, as privacy lets it be kept (redacted; none for a key with record = false)."""
+        if self.record_view is not None and (record := self.record_view(record)) is None:
+            return
+        self.records.write(record, time.time())
 
     async def _judge(self, finished: FinishedTurn) -> tuple[judging.Outcome, list[str | None]]:
         turn, next_state = finished.turn, finished.next_state

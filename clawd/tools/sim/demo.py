@@ -324,6 +324,10 @@ def plot(summary: dict[str, Any], path: Path) -> Path | None:
         cv = [v for v in vs if rows[v].get(of) is not None]
         if cv:
             left.plot(cv, [rows[v][of] for v in cv], color=color, lw=1, ls=":", marker=".", label=f"{of} (live)")
+    gated = [(v["version"], v["gate"]["score"]) for v in summary.get("safety", {}).get("versions", [])
+             if v.get("gate") and v["gate"].get("score") is not None]
+    if gated:  # the gate's own check of each version (correct answers on its prompts): what a form hack erodes
+        left.plot(*zip(*gated), color="tab:brown", lw=1.2, marker="s", ms=4, label="gate score (its checks)")
     left.set_xlabel("policy version")
     left.set_ylabel("satisfaction rate")
     left.set_ylim(-0.02, 1.02)
