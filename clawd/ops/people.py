@@ -58,12 +58,9 @@ class Holdings:
         # absolute: clawctl, which copies it, may run in another directory than the daemon
         out = (Path(self.state_dir) / EXPORTS / f"{_safe(principal)}-{stamp}-{os.urandom(3).hex()}").absolute()
         out.mkdir(parents=True)
-        # Records may be large: read off the event loop (a line being appended meanwhile is read or not).
-        turns, judged = await asyncio.gather(asyncio.to_thread(lambda: list(self.turn_records.select(principal))),
-                                             asyncio.to_thread(lambda: list(self.judge_records.select(principal))))
         files = {
-            "turns.jsonl": turns,
-            "judge.jsonl": judged,
+            "turns.jsonl": await _read(self.turn_records.select(principal)),
+            "judge.jsonl": await _read(self.judge_records.select(principal)),
             "samples.jsonl": [s.to_json().decode() + "\n" for s in self.store.of(principal)],
             "scoring.jsonl": [_line(f.to_record()) for f in self.scorer.pending_of(principal)],
             "sessions.jsonl": [_line(FinishedTurn(t, None, None, t.created).to_record())
@@ -140,6 +137,17 @@ class Holdings:
                 tmp.write_text("".join(kept), encoding="utf-8")
                 os.replace(tmp, path)
         return gone
+
+
+async def _read(lines) -> list[str]:
+    """All of a records generator, letting the loop serve every few thousand lines: records may be large,
+    and the daemon has no threads to read them on. A line appended meanwhile is read or not."""
+    out = []
+    for n, line in enumerate(lines, 1):
+        out.append(line)
+        if n % 2048 == 0:
+            await asyncio.sleep(0)
+    return out
 
 
 def remove_export(state_dir: Path, path: str) -> None:
