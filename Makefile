@@ -10,13 +10,21 @@ CONFIG ?= etc/clawd.toml
 # Debian's headless browser, for the dashboard page's tests (tests/browser.py).
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: run test model venv bench demo clean install
+.PHONY: run test test-quick model venv bench demo clean install
 
 run: $(STAMP) model
 	bin/clawd --config $(CONFIG)
 
+# pytest-xdist workers: most tests wait on a daemon, an engine or a trainer, so more workers than cores
+# (tests/README.md has the measurement).
+TEST_WORKERS ?= 4
+
 test: $(STAMP) $(GPU_PINS)/.installed $(CHROMIUM)
-	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The edit-test loop: everything not marked slow, in about 3 minutes.
+test-quick: $(STAMP) $(GPU_PINS)/.installed $(CHROMIUM)
+	$(PY) -m pytest -p no:cacheprovider -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 venv: $(STAMP) $(GPU_PINS)/.installed
 

@@ -163,7 +163,7 @@ def _structure(i: int) -> bytes:
 
 @functools.lru_cache(maxsize=1)
 def _bomb() -> bytes:
-    return gzip.compress(b" " * 16_000_000, 9)  # 16 MB of spaces in ~16 KB: past server.max_body_bytes once inflated
+    return gzip.compress(b" " * 16_000_000, 9, mtime=0)  # 16 MB of spaces in ~16 KB: past server.max_body_bytes once inflated
 
 
 def body_case(rng: random.Random) -> tuple[str, bytes, dict]:
@@ -201,12 +201,12 @@ def body_case(rng: random.Random) -> tuple[str, bytes, dict]:
             headers["Content-Type"] = ctype
     elif kind == "content-encoding":
         encoding, make = rng.choice([
-            ("gzip", lambda: gzip.compress(valid)), ("gzip", lambda: rng.randbytes(64)), ("deflate", lambda: rng.randbytes(64)),
-            ("br", lambda: rng.randbytes(64)), ("gzip", lambda: gzip.compress(valid)[:-12]), ("gzip", _bomb),
-            ("deflate", lambda: zlib.compress(rng.randbytes(256))), ("gzip, deflate", lambda: gzip.compress(valid)),
-            ("zstd", lambda: gzip.compress(valid)), ("identity", lambda: valid), ("x-unknown", lambda: valid),
-            ("gzip", lambda: valid), ("deflate", lambda: gzip.compress(valid)),
-            ("gzip", lambda: gzip.compress(rng.randbytes(256)))])
+            ("gzip", lambda: gzip.compress(valid, mtime=0)), ("gzip", lambda: rng.randbytes(64)), ("deflate", lambda: rng.randbytes(64)),
+            ("br", lambda: rng.randbytes(64)), ("gzip", lambda: gzip.compress(valid, mtime=0)[:-12]), ("gzip", _bomb),
+            ("deflate", lambda: zlib.compress(rng.randbytes(256))), ("gzip, deflate", lambda: gzip.compress(valid, mtime=0)),
+            ("zstd", lambda: gzip.compress(valid, mtime=0)), ("identity", lambda: valid), ("x-unknown", lambda: valid),
+            ("gzip", lambda: valid), ("deflate", lambda: gzip.compress(valid, mtime=0)),
+            ("gzip", lambda: gzip.compress(rng.randbytes(256), mtime=0))])
         body = make()
         headers["Content-Encoding"] = encoding
     elif kind == "mutation":

@@ -156,7 +156,7 @@ class TrainConfig:
         elif self.nnodes > 1 and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.rdzv_endpoint):
             errors["rdzv_endpoint"] = 'must be "host:port" (this host, as the others reach it) when nnodes > 1'
         elif self.rdzv_endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.rdzv_endpoint):
-            errors["rdzv_endpoint"] = 'must be "host:port" or "" (a free port on 127.0.0.1)'
+            errors["rdzv_endpoint"] = 'must be "host:port" or "" (this host alone: torchrun --standalone)'
         if not (is_number(self.collective_timeout) and math.isfinite(self.collective_timeout)
                 and self.collective_timeout > 0):
             errors["collective_timeout"] = "must be a positive number of seconds"

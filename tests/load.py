@@ -15,6 +15,7 @@ an error of the test's making, not the daemon's.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import re
@@ -364,10 +365,35 @@ def port_free(port: int) -> bool:
         sock.close()
 
 
+# free_port() numbers come from below the kernel's ephemeral range, which every bind to port 0 draws
+# from, so no daemon, engine or client socket of another test can be handed one between our pick and its
+# use; each pytest-xdist worker (or other process, by pid) picks from its own block, so two workers never
+# pick the same number.
+PORT_BASE, PORT_BLOCK = 10_000, 200
+_picked = itertools.count()
+
+
+def _port_block() -> range:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    blocks = (low - PORT_BASE) // PORT_BLOCK
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = blocks // 2  # the lower half for xdist workers (gw0, gw1, ...), the upper half by pid
+    slot = int(worker[2:]) % workers if worker.startswith("gw") else workers + os.getpid() % (blocks - workers)
+    return range(PORT_BASE + slot * PORT_BLOCK, PORT_BASE + (slot + 1) * PORT_BLOCK)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port on 127.0.0.1 that nothing holds now and that no bind to port 0 will take later."""
+    block = _port_block()
+    for _ in range(len(block)):
+        port = block[next(_picked) % len(block)]
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {block}")
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05):

@@ -171,6 +171,7 @@ async def test_non_streamed_disconnect_aborts_too(stack):
     await fake.wait_for_abort(rid, timeout=10)
 
 
+@pytest.mark.slow
 async def test_too_many_concurrent_requests_get_429(stack):
     daemon, fake, script, client = stack
     fake.hang_next(4)

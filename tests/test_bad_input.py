@@ -482,6 +482,7 @@ FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck
 BODY_EXAMPLES, REQUEST_EXAMPLES = 1500, 800  # 2,300 fuzzed requests in all
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=BODY_EXAMPLES)
 @given(body=bodies)
 def test_fuzzed_bodies(daemon, body):
@@ -493,6 +494,7 @@ def test_fuzzed_bodies(daemon, body):
 @given(target=targets, keyed=st.booleans(), headers=st.lists(header, max_size=6),
        body=st.one_of(st.builds(encode, requests, st.just(True)), st.just(json.dumps(chat()).encode()),
                       st.binary(max_size=40)))
+@pytest.mark.slow
 def test_fuzzed_requests(daemon, target, keyed, headers, body):
     method, path = target
     headers = dedupe_singletons([*(AUTH if keyed else []), *headers])

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 import openai
+import pytest
 
 from .harness import ROOT, Daemon
 
@@ -44,6 +45,7 @@ def settle(daemon: Daemon, samples: int, timeout: float = 30) -> dict:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_pause_resume_and_status_against_a_live_daemon(tiny_model, tmp_path):
     sections = {"model": {"path": str(tiny_model), "max_tokens_cap": 4}, "engine": {"launch": "local"}}
     daemon = Daemon(tmp_path, sections)

@@ -408,6 +408,7 @@ async def _metric_reaches(port: int, name: str, value: float, within: float) -> 
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 async def test_clients_that_stop_reading_hold_connections_not_request_slots(tiny_model, tmp_path, caplog):
     # Replies far larger than the socket buffers (a Linux loopback takes about 2 MB of a reply nobody reads):
     # 12,000 tokens with log-probs make about 3.6 MB of events.

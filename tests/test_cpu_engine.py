@@ -259,6 +259,7 @@ def test_keys_come_only_from_the_config_file(tmp_path, capsys):
 # --------------------------------------------------------------------------
 # /generate against the engine process
 
+@pytest.mark.slow
 async def test_response_shapes(http, engine, ref):
     ids = prompt(ref, 0)
     status, out = await post(http, engine, "/generate", {
@@ -550,6 +551,7 @@ async def test_requests_join_a_running_batch(http, engine_inc, ref):
     assert close(sum((lps_of(c) for c in chunks), []), teacher(ref["a"], long_ids, out_ids), 1e-4)
 
 
+@pytest.mark.slow
 async def test_pause_retract_update_continue_resumes_on_new_weights(http, engine_inc, ref, models):
     ids = prompt(ref, 2)
     body = {**generate_body(ids, max_new_tokens=400, ignore_eos=True, sampling_seed=9), "stream": True}

@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 import openai
+import pytest
 
 from . import browser
 from .harness import ROOT, Daemon
@@ -33,6 +34,7 @@ def points(svg: browser.Element) -> list[tuple[int, float]]:
     return [(int(c.attrs["data-version"]), float(c.attrs["data-value"])) for c in svg.all("circle")]
 
 
+@pytest.mark.slow
 async def test_the_dashboard_draws_a_live_daemons_versions(tiny_model, tmp_path):
     browser.require_chromium()
     daemon = Daemon(tmp_path, {

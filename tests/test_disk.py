@@ -7,6 +7,7 @@ import json
 import time
 
 import openai
+import pytest
 
 from clawd import faults
 from clawd.ops.disk import MARGIN, DiskBudget
@@ -96,6 +97,7 @@ def _wait(predicate, timeout: float = 20):
     raise AssertionError("condition not met in time")
 
 
+@pytest.mark.slow
 async def test_enospc_on_a_record_write_keeps_serving_and_pauses_learning_until_the_disk_is_back(
         tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv(faults.ENV, "records.write=enospc@2")  # the second record line of the daemon

@@ -46,6 +46,7 @@ def measured(tiny_model, tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["rl", "opd", "combine"])
 @pytest.mark.parametrize("budget", [1, 256])
 def test_a_step_on_two_ranks_equals_the_step_on_one(measured, mode, budget):
@@ -91,6 +92,7 @@ def test_lora_adapters_train_publish_and_checkpoint_in_the_world(measured):
     assert lora["resumed_equal"] and lora["resumed_step"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 async def test_a_rank_that_dies_or_hangs_mid_step_is_recovered_with_no_sample_lost(tiny_model, tmp_path, fault_env,
                                                                                    monkeypatch, fault):

@@ -32,6 +32,7 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
+@pytest.mark.slow
 def test_non_streamed_chat(client):
     reply = client.chat.completions.create(model="clawd", messages=[{"role": "user", "content": "Hello there"}],
                                            max_tokens=12)
@@ -55,6 +56,7 @@ def test_streamed_chat_matches_usage(client):
     assert len([c for c in chunks if c.choices]) >= 3
 
 
+@pytest.mark.slow
 def test_three_turns_without_headers_make_one_session(client, daemon, tiny_model):
     messages = [{"role": "user", "content": "Tell me a fact about otters."}]
     for question in ("Another one?", "And one more."):

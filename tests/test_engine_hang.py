@@ -209,6 +209,7 @@ async def test_a_publish_holding_the_engine_is_not_a_hang_but_a_publish_call_tha
             await sup.client.close()
 
 
+@pytest.mark.slow
 async def test_a_chat_against_a_hung_engine_gets_a_503_not_a_wait(tiny_model, tmp_path):
     """Through the daemon: a streamed chat ends at first_byte_timeout with a 503 and Retry-After; once the
     engine counts as hung, chat is refused at once; a stream that stops mid-way ends with an error event."""
@@ -258,6 +259,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_launched_engine_that_hangs_is_killed_and_restarted_and_serves_again(tiny_model, tmp_path, monkeypatch):
     """The real CPU engine, hung by a fault point on its second prefill (which blocks its event loop, so
     /model_info goes unanswered too): after health_failures polls it is killed with its process group and

@@ -114,6 +114,7 @@ async def test_a_prompt_over_the_engines_input_limit_gets_clawds_own_400(tiny_mo
             assert daemon.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_launched_engine_gets_its_keys_from_a_private_file_and_clawd_uses_both(tiny_model, tmp_path):
     """The keys reach the CPU engine as SGLang's `--config` YAML (mode 0600), never on its command line;
     chat goes through with the API key, control calls (the continue at ready) with the admin key."""
@@ -137,6 +138,7 @@ def test_a_launched_engine_gets_its_keys_from_a_private_file_and_clawd_uses_both
     assert not [line for line in daemon.lines if "refused a control call" in line]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("over", ["input_limit", "context"])
 async def test_an_engine_without_a_known_limit_refusing_a_stream_gives_the_client_a_400(tiny_model, tmp_path, over):
     """Without /server_info clawd does not know the engine's limit; SGLang then refuses an over-long streamed

@@ -35,6 +35,7 @@ def daemon(tiny_model, tmp_path):
     d.stop()
 
 
+@pytest.mark.slow
 def test_a_dead_engine_is_restarted_and_service_recovers(daemon):
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
     first = daemon.get("/debug/process")[1]
@@ -51,6 +52,7 @@ def test_a_dead_engine_is_restarted_and_service_recovers(daemon):
     assert reply.choices[0].message.role == "assistant"
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_daemon_takes_the_engine_with_it(daemon):
     engine_pid = daemon.get("/debug/process")[1]["engines"]["policy"]["pid"]
     daemon.proc.kill()
@@ -58,6 +60,7 @@ def test_sigkill_of_the_daemon_takes_the_engine_with_it(daemon):
     assert _wait(lambda: not _alive(engine_pid), 10)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_daemon_and_engine_cleanly(daemon):
     engine_pid = daemon.get("/debug/process")[1]["engines"]["policy"]["pid"]
     assert daemon.stop() == 0

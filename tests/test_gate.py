@@ -141,6 +141,7 @@ def gate_set(path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 async def test_a_version_trained_on_adversarial_rewards_is_rejected_on_its_canary_and_never_serves(tiny_model,
                                                                                                   tmp_path):
     daemon = Daemon(tmp_path, {

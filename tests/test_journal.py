@@ -349,6 +349,7 @@ def read_until(fd: int, buf: bytes, stop: bytes | None) -> bytes:
     return buf
 
 
+@pytest.mark.slow
 def test_sigkilled_writer_loses_no_acknowledged_entry(tmp_path):
     """≥ 200 SIGKILLs at random points: every acknowledged append is replayed, every acknowledged ack holds.
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from clawd.scoring.resolver import LookupFailed, NoLookups
 from clawd.tokenizer import ChatTokenizer
 from tests.fake_judge import FakeJudge, Reply
 from tests.fake_sglang import ABORTED, FakeSGLang, input_logprob
+from tests.load import free_port
 
 FAST = CallPolicy(timeout=0.3, retries=2, backoff_initial=0.01, backoff_max=0.05, concurrency=4)
 MESSAGES = [{"role": "system", "content": "You judge."}, {"role": "user", "content": "Was it good?"}]
@@ -35,12 +35,6 @@ BOUND = 10.0  # no call in this file may take longer: "nothing stalls"
 def settled(stats: JudgeStats) -> bool:
     """Every call ended exactly one way."""
     return stats.calls == stats.ok + stats.failed + stats.cancelled
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def until(predicate, timeout: float = 5.0) -> None:

@@ -118,6 +118,7 @@ async def test_stop_lets_the_step_finish_and_checkpoints_so_its_samples_are_acke
         assert json.loads((tmp_path / "checkpoint.json").read_text()) == {"step": 1, "version": 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["kept", "rotated out"])
 def test_a_restarted_daemon_serves_the_trainers_version_again(tiny_model, tmp_path, weights):
     from .harness import Daemon

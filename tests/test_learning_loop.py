@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import openai
+import pytest
 
 from .harness import Daemon
 
@@ -18,6 +19,7 @@ def _wait(predicate, timeout):
     return None
 
 
+@pytest.mark.slow
 def test_thanked_turns_are_trained_and_the_engine_serves_the_new_version(tiny_model, tmp_path):
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 6},
                                "engine": {"launch": "local"},

@@ -283,6 +283,7 @@ async def test_a_rolling_adapter_publish_and_the_retired_adapters_unload(tmp_pat
 
 # --- the daemon in LoRA mode -------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tiny_model, tmp_path, caplog):
     """In-process daemon, fake SGLang with --enable-lora, the real trainer: a publish loads the version's
     adapter, the gate asks it by name, and only then do chat requests carry it; the teacher (the reference)
@@ -359,6 +360,7 @@ async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tin
     assert fake.lora_used[before:] and teacher and all(a is None for _, a in teacher)  # the base is the reference
 
 
+@pytest.mark.slow
 def test_five_adapter_publishes_under_load_fail_no_request(tiny_model, tmp_path):
     """LoRA mode on the CPU engine: each publish loads the new adapter beside the old one, nothing is paused,
     requests already running finish on the adapter they started with, and no request fails. The overlap:

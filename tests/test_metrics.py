@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import openai
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -259,6 +260,7 @@ def total(got: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in got.items() if n == name and labels.items() <= dict(ls).items())
 
 
+@pytest.mark.slow
 def test_every_metric_appears_and_moves_with_a_run(tiny_model, tmp_path):
     daemon = Daemon(tmp_path, {
         "model": {"path": str(tiny_model), "max_tokens_cap": 8},

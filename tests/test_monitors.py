@@ -9,6 +9,8 @@ import asyncio
 import json
 import time
 
+import pytest
+
 from clawd import degeneration
 from clawd.safety.versions import ROLLED_BACK, Versions
 from clawd.tools.sim import personas
@@ -54,7 +56,8 @@ async def drive(daemon: Daemon, until) -> Users:
             await asyncio.sleep(0.2)
         users.stop()
 
-    await asyncio.wait_for(asyncio.gather(users.run(), watch()), 150)
+    # A bound against a hang, not a speed: 40 steps took up to ~140 s with the rest of the suite beside it.
+    await asyncio.wait_for(asyncio.gather(users.run(), watch()), 420)
     await users.close()
     return users
 
@@ -64,6 +67,8 @@ def one_word(records: list[dict]) -> dict[int, float]:
     return {v: s["one_word_share"] for v, s in degeneration.by_version(records).items() if s["replies"] >= 8}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 async def test_a_form_only_reward_hack_is_rolled_back_and_without_monitors_it_is_not(tiny_model, tmp_path):
     (tmp_path / "watched").mkdir()
     (tmp_path / "control").mkdir()

@@ -101,9 +101,10 @@ def test_a_hint_that_carries_the_answer_moves_the_teacher_and_one_opd_step_moves
 
     gap = {}  # (hint, reply) -> mean over cases of the OPD term on the named answer's tokens
     base = {kind: lps(plain, kind) for kind in ("right", "wrong")}
+    teachers = {}
     for name, prompts in (("told", told), ("untold", untold)):
         for kind in ("right", "wrong"):
-            teacher = lps(prompts, kind)
+            teacher = teachers[name, kind] = lps(prompts, kind)
             gap[name, kind] = statistics.fmean(_span_mean(t, c.spans[kind]) - _span_mean(b, c.spans[kind])
                                                for t, b, c in zip(teacher, base[kind], cases))
     print("\nOPD term on the answer's tokens (teacher - rollout, nats):", {k: round(v, 3) for k, v in gap.items()})
@@ -114,9 +115,8 @@ def test_a_hint_that_carries_the_answer_moves_the_teacher_and_one_opd_step_moves
     assert prefers["told"] > prefers["untold"] + 0.5  # the hint's information, not its being there
 
     # One OPD step on the wrong replies, each with the teacher's log-probs under the hint that carries the answer.
-    teacher_wrong = lps(told, "wrong")
     batch = [_sample(i, c.prompt, c.replies["wrong"][1], teacher=t, rollout=b)
-             for i, (c, t, b) in enumerate(zip(cases, teacher_wrong, base["wrong"]))]
+             for i, (c, t, b) in enumerate(zip(cases, teachers["told", "wrong"], base["wrong"]))]
     metrics = trainer.train_step(batch, "opd")
     assert not metrics["skipped"]
     after = lps(plain, "wrong")

@@ -10,6 +10,7 @@ import stat
 import urllib.request
 
 import openai
+import pytest
 
 from .harness import Daemon
 from .test_clawctl import clawctl, settle, thanked_conversation
@@ -29,6 +30,7 @@ def state_bytes(root) -> bytes:
                     and not stat.S_ISSOCK(p.lstat().st_mode))
 
 
+@pytest.mark.slow
 def test_consent_pii_export_forget_and_private_modes(tiny_model, tmp_path):
     state = tmp_path / "state"
     (state / "records").mkdir(parents=True)

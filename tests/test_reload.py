@@ -164,6 +164,7 @@ def test_a_setter_that_raises_propagates():
 
 # --- the real daemon (needs the SIGHUP wiring in clawd/daemon.py) ----------------------------
 
+@pytest.mark.slow
 def test_sighup_reloads_the_live_settings_and_names_the_rest(tmp_path, tiny_model):
     sections = {"model": {"path": str(tiny_model)}, "engine": {"launch": "local"}}
     daemon = Daemon(tmp_path, sections)

@@ -262,6 +262,7 @@ CHAT_LINE = re.compile(r"chat id=(\S+) rid=\S+ session=(\S+) turn=\S+ version=\d
 SWAP_LINE = re.compile(r"clawd.learner: published v(\d+) in ([0-9.]+)s")
 
 
+@pytest.mark.slow
 def test_two_cpu_replicas_publish_ten_times_keep_sessions_home_and_survive_a_kill(tiny_model, tmp_path):
     """One daemon (its start is the cost), two phases. Under closed-loop load through the openai client:
     ten rolling publishes fail no request, requests overlap each, every session stays on one replica and

@@ -150,6 +150,7 @@ def clawctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_clawctl_rollback_serves_a_versions_weights_again_and_training_goes_on_from_it(tiny_model, tmp_path):
     sections = {"model": {"path": str(tiny_model), "max_tokens_cap": 6}, "engine": {"launch": "local"},
                 "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 1},

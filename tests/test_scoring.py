@@ -115,6 +115,7 @@ def real_daemon(tiny_model, tmp_path):
     d.stop()
 
 
+@pytest.mark.slow
 def test_rules_judge_on_the_real_engine_journals_a_sample(real_daemon):
     client = openai.OpenAI(base_url=real_daemon.url + "/v1", api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "Name a river."}]
@@ -134,6 +135,7 @@ def test_rules_judge_on_the_real_engine_journals_a_sample(real_daemon):
     assert sample.principal == "anonymous" and sample.policy_version == 0
 
 
+@pytest.mark.slow
 async def test_shutdown_cancels_turns_still_being_judged_and_says_so(tiny_model, tmp_path):
     script = Script(tiny_model)
     async with FakeSGLang(responder=script, eos_id=script.eos) as policy, FakeSGLang() as reference:

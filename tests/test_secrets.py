@@ -185,6 +185,7 @@ def hup(daemon: Daemon, config: dict | str, pattern: str) -> None:
 
 # ---- the test ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_no_secret_leaves_clawd(tiny_model, tmp_path, monkeypatch):
     keys = {name: secret(name) for name in ("alice", "bob", "bob2", "engine", "engine2", "admin", "judge")}
     presented = {"wrong key": secret("wrong"), "malformed header": secret("malformed"),

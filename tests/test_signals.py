@@ -66,6 +66,7 @@ def _learning(tiny_model, **sections) -> dict:
     return base
 
 
+@pytest.mark.slow
 def test_sigterm_under_load_completes_in_flight_and_exits_clean(tiny_model, tmp_path, monkeypatch):
     """SIGTERM while three users chat (their thank-you turns streamed), a long stream is mid-way and the learner
     trains. Every request started before the signal (SETTLE earlier, so that it has surely connected) completes
@@ -175,6 +176,7 @@ def _assert_exited_cleanly(daemon: Daemon, code: int) -> None:
         raise SecondSignalCrash(f"exit code {code}; {''.join(crash[-3:])}")
 
 
+@pytest.mark.slow
 def test_second_sigterm_exits_promptly(tiny_model, tmp_path, monkeypatch):
     """With a stream in flight that would take about a minute (drain_timeout 120 s), a second SIGTERM during
     the drain makes the daemon exit within 5 s, and cleanly: the stream ends with an error event, exit code 0
@@ -236,6 +238,7 @@ def _stalled_request(daemon: Daemon) -> socket.socket:
     return stalled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["second SIGTERM", "drain timeout"])
 def test_a_request_that_never_finishes_sending_is_cut_cleanly(tiny_model, tmp_path, ending):
     """A stalled upload holds a handler that no engine can end. The drain waits for it until the drain timeout

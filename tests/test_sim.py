@@ -311,6 +311,7 @@ class ScriptedModel:
         return self.tok.encode(text, add_special_tokens=False).ids + [self.eos]
 
 
+@pytest.mark.slow
 async def test_users_form_the_sessions_they_mean(tiny_model, tmp_path):
     from .fake_sglang import FakeSGLang
     from .harness import wait_ready_async
@@ -369,6 +370,7 @@ async def test_users_form_the_sessions_they_mean(tiny_model, tmp_path):
                 assert verdict["hint"] is None  # rl mode asks for no hint
 
 
+@pytest.mark.slow
 async def test_users_see_the_policy_version_move(tiny_model, tmp_path):
     """The CPU engine on the tiny model, the learner on: replies carry the version that served them."""
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 8},
@@ -402,6 +404,7 @@ def test_the_demo_puts_the_repository_on_the_daemons_path_not_the_package():
     assert (launch.REPO / "clawd" / "daemon.py").is_file() and (launch.REPO / "bin" / "clawd").is_file()
 
 
+@pytest.mark.slow
 def test_make_demo_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     """`make demo`'s whole path (launch, users, training, evaluation before and after, summary and plot), short
     and on the tiny model: the suite runs no demo otherwise, and a broken launcher once went unnoticed."""

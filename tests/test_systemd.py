@@ -399,6 +399,7 @@ def _fields(message: str) -> set[str]:
     return set(message.split("\n"))
 
 
+@pytest.mark.slow
 def test_daemon_notifies_ready_watchdog_and_stopping(tmp_path, monkeypatch, tiny_model):
     """READY=1 once the engine and the trainer are up, WATCHDOG=1 every WATCHDOG_USEC/2,
     STOPPING=1 on SIGTERM, then a clean exit."""

@@ -105,6 +105,7 @@ def hinted(messages: list[dict]) -> list[dict]:
     return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + HINT}]
 
 
+@pytest.mark.slow
 async def test_teacher_equals_rollout_and_forward_pass_first_token_included(engine, tok, ref):
     p = tok.encode_chat(QUESTION, None)
     r, rollout_lps = await rollout(engine, p, seed=3)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import pytest
+
 from clawd.config import Config, ModelConfig, ScoringConfig, StateConfig, TrainConfig
 from clawd.engine.client import EngineClient
 from clawd.samples import Sample
@@ -26,6 +28,7 @@ async def _rollout(engine, prompt, seed):
     return out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
 
 
+@pytest.mark.slow
 async def test_trained_weights_are_published_and_served(engine_url, tiny_model, tmp_path):  # noqa: F811
     tok = ChatTokenizer(tiny_model)
     engine = EngineClient(engine_url)

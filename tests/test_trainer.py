@@ -402,6 +402,7 @@ def test_checkpoint_resume_restores_state_and_skips_incomplete_ones(make):
     assert restored_weights(trainer.state_dir) is None
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_matches_a_straight_run_bit_for_bit(tiny_model, tmp_path):
     n = 3
 

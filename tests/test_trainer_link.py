@@ -239,6 +239,7 @@ async def test_stop_terminates_a_child_that_does_not_finish_its_message(tmp_path
         await training
 
 
+@pytest.mark.slow
 async def test_20_mb_each_way_while_the_loop_keeps_running(tmp_path):
     samples = [make_sample(i, 4000) for i in range(200)]
     size = sum(len(s.to_json()) for s in samples)

@@ -152,6 +152,7 @@ def served(fake) -> list[str]:
     return [u["weight_version"] for u in fake.weight_updates]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["trainer.checkpoint.write", "trainer.publish.write"])
 async def test_a_write_hitting_enospc_pauses_learning_and_is_retried_alone_on_resume(tiny_model, tmp_path,
                                                                                      fault_env, point):
@@ -184,6 +185,7 @@ async def test_a_write_hitting_enospc_pauses_learning_and_is_retried_alone_on_re
                                                                                  (2, 2, ["s2", "s3"])]
 
 
+@pytest.mark.slow
 async def test_too_little_free_space_pauses_before_writing_and_never_retrains(tiny_model, tmp_path, fault_env):
     async with learning(tiny_model, tmp_path, min_free_bytes=1 << 62) as (learner, store, fake, trainer):
         await put(store, learner, 0, 1)
@@ -199,6 +201,7 @@ async def test_too_little_free_space_pauses_before_writing_and_never_retrains(ti
     assert [x["step"] for x in ledger(tmp_path)] == [1]
 
 
+@pytest.mark.slow
 async def test_a_kill_mid_checkpoint_restarts_from_the_previous_one_and_trains_the_batch_once_more(
         tiny_model, tmp_path, fault_env):
     fault_env("trainer.checkpoint.mid=kill@2")  # the first child's second checkpoint
@@ -220,6 +223,7 @@ async def test_a_kill_mid_checkpoint_restarts_from_the_previous_one_and_trains_t
     assert sorted(ids) == ["s0", "s1", "s2", "s3"] and len(ids) == len(set(ids))  # each acked id, once
 
 
+@pytest.mark.slow
 async def test_a_step_that_raises_restarts_the_trainer_and_requeues_its_batch(tiny_model, tmp_path, fault_env):
     fault_env("trainer.step.after_optimizer=eio@1")  # the first child's first step: its model is half updated
     async with learning(tiny_model, tmp_path) as (learner, store, fake, trainer):
@@ -230,6 +234,7 @@ async def test_a_step_that_raises_restarts_the_trainer_and_requeues_its_batch(ti
     assert [(x["step"], x["version"], x["samples"]) for x in ledger(tmp_path)] == [(1, 1, ["s0", "s1"])]
 
 
+@pytest.mark.slow
 async def test_a_trainer_that_dies_after_its_checkpoint_before_its_reply_never_trains_the_batch_twice(
         tiny_model, tmp_path, fault_env):
     fault_env("trainer.checkpoint.done=kill@1")  # step 1 is published and checkpointed; the reply is lost

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from .harness import Daemon
 from .load import load_until_published, publish_windows
 
 PUBLISHES = 5
 
 
+@pytest.mark.slow
 def test_five_publishes_under_load_fail_no_request(tiny_model, tmp_path):
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 8},
                                "engine": {"launch": "local"},

@@ -3,8 +3,8 @@
 
 The daemon spawns one trainer child, as always (`clawd.trainer.child.main`), and talks to it over
 its socket pair. With `[train]` world_size > 1 that child does not train. It starts torch's own
-launcher, `python -m torch.distributed.run` (torchrun's elastic agent, static rendezvous, this
-host as node 0 and its master), which starts the local ranks (`clawd.trainer.rank`); other hosts
+launcher, `python -m torch.distributed.run` (torchrun's elastic agent; across hosts a static
+rendezvous with this host as node 0 and its master, on one host `--standalone`), which starts the local ranks (`clawd.trainer.rank`); other hosts
 join the same rendezvous with the same torchrun line and their node rank (`clawd-trainer@N`,
 `world_argv(..., node_rank=N)`). Rank 0 is on this host and connects back to a Unix socket the
 coordinator listens on; the coordinator sends it the trainer's options first, then relays every
@@ -39,17 +39,20 @@ log = logging.getLogger("clawd.trainer")
 RELAY_ENV = "CLAWD_TRAINER_RELAY"   # the Unix socket rank 0 connects to
 
 
-def world_argv(train, *, node_rank: int = 0, endpoint: str, python: str = sys.executable) -> list[str]:
-    """The torchrun line of one host of the trainer world (`train`: a TrainConfig)."""
-    host, _, port = endpoint.rpartition(":")
+def world_argv(train, *, node_rank: int = 0, endpoint: str = "", python: str = sys.executable) -> list[str]:
+    """The torchrun line of one host of the trainer world (`train`: a TrainConfig). With an `endpoint`
+    (host:port) every host meets there (static rendezvous); without one the world is this host's alone and
+    torchrun's own store listens on a port the kernel gives it (`--standalone`), so no port is picked here
+    and then lost to another process before the store binds it."""
+    if endpoint:
+        host, _, port = endpoint.rpartition(":")
+        rendezvous = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", port]
+    else:
+        rendezvous = ["--standalone", "--local-addr", "127.0.0.1"]
     return [python, "-m", "torch.distributed.run", "--nnodes", str(train.nnodes),
-            "--nproc-per-node", str(train.ranks_per_node), "--node-rank", str(node_rank),
-            "--rdzv-backend", "static", "--master-addr", host, "--master-port", port,
+            "--nproc-per-node", str(train.ranks_per_node), "--node-rank", str(node_rank), *rendezvous,
             "--max-restarts", "0", "--monitor-interval", "0.5",
             "-m", "clawd.trainer.rank", "--collective-timeout", str(train.collective_timeout)]
-
-
-ENDPOINT_PLACEHOLDER = "127.0.0.1:<a free port>"  # --plan: a one-host world's port is picked at start
 
 
 def world_launches(cfg) -> list[Launch]:
@@ -58,7 +61,7 @@ def world_launches(cfg) -> list[Launch]:
     train = cfg.train
     if train.world_size == 1:
         return []
-    endpoint = train.rdzv_endpoint or ENDPOINT_PLACEHOLDER
+    endpoint = train.rdzv_endpoint
     env = {**child_env(cfg, train.gpus, dict(os.environ), unbuffered=False), RELAY_ENV: "<the coordinator's socket>"}
     found = [Launch("trainer-ranks", tuple(world_argv(train, endpoint=endpoint)), env, None,
                     device_set(train.gpus), cfg.learner.trainer_ready_timeout)]
@@ -67,15 +70,6 @@ def world_launches(cfg) -> list[Launch]:
                             tuple(world_argv(train, node_rank=node, endpoint=endpoint, python="python3")), {},
                             None, device_set(train.gpus), cfg.learner.trainer_ready_timeout))
     return found
-
-
-def endpoint_of(train) -> str:
-    """`[train] rdzv_endpoint`, or a free port on 127.0.0.1 for a world on this host alone."""
-    if train.rdzv_endpoint:
-        return train.rdzv_endpoint
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def coordinate(conn: Connection, options: dict) -> None:
@@ -94,7 +88,7 @@ def coordinate(conn: Connection, options: dict) -> None:
         else:
             env[name] = value
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several ranks, without its warning
-    argv = world_argv(train, endpoint=endpoint_of(train))
+    argv = world_argv(train, endpoint=train.rdzv_endpoint)
     log.info("trainer world: %d rank(s) on %d host(s): %s", train.world_size, train.nnodes, " ".join(argv))
     # die_with_parent between fork and exec: torchrun dies with the coordinator.
     proc = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
