@@ -248,7 +248,9 @@ async def test_openai_concurrency_limit_holds():
 
 @pytest.mark.parametrize("retries", [0, 1])
 async def test_openai_hanging_calls_do_not_stall_the_others(retries):
-    policy = CallPolicy(timeout=0.3, retries=retries, backoff_initial=0.01, backoff_max=0.02, concurrency=16)
+    # 2 s, not FAST's 0.3 s: the answered calls must beat it whatever the load (under the parallel suite's
+    # load all ten first calls of a fresh client once took longer than 0.3 s).
+    policy = CallPolicy(timeout=2.0, retries=retries, backoff_initial=0.01, backoff_max=0.02, concurrency=16)
     hang, ok = Reply(hang=True), Reply()
     async with openai_judge(policy, hang, ok, hang, ok, ok, hang, ok, ok, ok, ok) as (fake, judge):
         async with asyncio.timeout(BOUND):
