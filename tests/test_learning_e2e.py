@@ -15,9 +15,11 @@ reward is cut. The satisfaction rate is measured on a fixed evaluation set (no_t
 never trained on, temperature 1, a fixed seed per prompt, so before and after see the same random
 draws) before training and after STEPS steps of ROLLOUT_BATCH conversations each.
 
-Measured (24 steps, lr 1e-2, clawd's batch-mean baseline): seed 1 (one trainer rank) the arm
-0.30 -> 0.85, the control 0.30 -> 0.325; seed 2 (a world of 2 ranks) the arm 0.30 -> 0.875, the
-control 0.30 -> 0.425; each the same in every run. A run is deterministic: the learner trains each
+Measured (24 steps, lr 1e-2, clawd's batch-mean baseline, one torch thread per process as the suite
+runs it: tests/conftest.py): seed 1 (one trainer rank) the arm 0.30 -> 1.00, the control 0.30 -> 0.475;
+seed 2 (a world of 2 ranks) the arm 0.30 -> 0.80, the control 0.30 -> 0.30; the same in two runs
+(2026-12-03). With torch's default threads the same seeds gave 0.85 / 0.325 and 0.875 / 0.425: the
+thread count changes float sums, and so the walk. A run is deterministic: the learner trains each
 batch in a canonical order (learner.canonical) and the control deals its permutation in one too, so
 neither follows the order concurrent scorings reached the store. Before that, the control's end point
 moved from run to run (0.30 -> 0.30 up to 0.65 over CI runs), and twice crossed the bound below; a
