@@ -122,7 +122,10 @@ class Daemon:
             out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return out
 
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, timeout: float = 75) -> int:
+        """SIGTERM, then SIGKILL after `timeout`: a bound against a hang, above the daemon's own 30 s
+        drain_timeout plus its children's stop (under the parallel suite a replica restarting at the
+        SIGTERM took 20 s to come up and the clean stop 30.0 s, which a 30 s bound killed)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
