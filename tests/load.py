@@ -376,6 +376,8 @@ _picked = itertools.count()
 def _port_block() -> range:
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     blocks = (low - PORT_BASE) // PORT_BLOCK
+    if blocks < 2:
+        return range(0)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     workers = blocks // 2  # the lower half for xdist workers (gw0, gw1, ...), the upper half by pid
     slot = int(worker[2:]) % workers if worker.startswith("gw") else workers + os.getpid() % (blocks - workers)
@@ -383,8 +385,13 @@ def _port_block() -> range:
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing holds now and that no bind to port 0 will take later."""
+    """A port on 127.0.0.1 that nothing holds now and that no bind to port 0 will take later (on a machine
+    whose ephemeral range leaves no room below it, one the kernel gives, as before)."""
     block = _port_block()
+    if not block:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
     for _ in range(len(block)):
         port = block[next(_picked) % len(block)]
         with socket.socket() as sock:
