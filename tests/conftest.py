@@ -1,6 +1,14 @@
 import json
 import os
+import sys
 from pathlib import Path
+
+# Bytecode caches on, here and in every process the suite starts (they inherit the environment): with
+# PYTHONDONTWRITEBYTECODE set (container images often set it) each daemon, engine, trainer and clawctl
+# compiles clawd's source again at every start, and each worker rewrites every test module's asserts
+# again: about 9 s of CPU per worker's collection alone. The caches go to __pycache__/ (ignored by git).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 import pytest
 from hypothesis import settings

@@ -1,4 +1,4 @@
-"""bench/crash.py: its pure lineage audit on exact values, and a tiny run of the real thing (2 daemon kills, 1 trainer
+"""bench/crash.py: its pure lineage audit on exact values, and a tiny run of the real thing (1 daemon kill, 1 trainer
 kill) whose exit status must match its targets, with no acknowledged sample lost."""
 from __future__ import annotations
 
@@ -58,11 +58,11 @@ def test_choose_spreads_the_kinds_and_stops_when_enough_landed():
     assert crash.choose(rng, Counter(), 3, 1) in crash.KINDS
 
 
-@pytest.mark.slow  # three daemon lives on the real CPU engine and trainer: ~2 min on 2 idle cores, more under load
+@pytest.mark.slow  # two daemon lives on the real CPU engine and trainer: ~25 s on 2 idle cores, more under load
 @pytest.mark.timeout(900)
 def test_a_tiny_run_meets_every_target(tmp_path):
     out = tmp_path / "crash.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "crash.py"), "--daemon-kills", "2",
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "crash.py"), "--daemon-kills", "1",
                            "--trainer-kills", "1", "--seed", "7", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=880)
     res = json.loads(out.read_text())
@@ -71,9 +71,9 @@ def test_a_tiny_run_meets_every_target(tmp_path):
     assert not res["could_not_measure"] and res["pass"] == all(met.values())
     # Every target but "duplicated": a daemon killed after the trainer checkpointed a step and before the
     # journal ACKed its samples replays them into a second step (the bench found it; the daemon does not
-    # reconcile the journal with the checkpoint yet), and a 3-life run lands in that window now and then.
+    # reconcile the journal with the checkpoint yet), and a short run lands in that window now and then.
     assert all(ok for name, ok in met.items() if name != "duplicated"), (met, done.stdout)
-    assert f["daemon_kills"] >= 2 and sum(f["trainer_kills"].values()) >= 1
+    assert f["daemon_kills"] >= 1 and sum(f["trainer_kills"].values()) >= 1
     assert f["lost"] == 0 and f["served_at_end"] and f["final_exit_code"] == 0
     assert f["acknowledged"] >= 1 and f["lineage_samples"] >= f["acknowledged"] and f["lineage_agrees_with_clawd"]
     assert res["provenance"]["commit"] and "lost" in done.stdout

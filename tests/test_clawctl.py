@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from .harness import ROOT, Daemon
+from .load import free_port
 
 
 def clawctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess:
@@ -89,12 +90,15 @@ def test_pause_resume_and_status_against_a_live_daemon(tiny_model, tmp_path):
     assert len(daemon.samples()) == 2
     assert [t["messages"][0]["content"] for t in daemon.records()] == ["one", "one", "two", "two", "four", "four"]
 
-    again = Daemon(tmp_path, sections)
+    # The restarts only read the pause state back: no engine is launched for them (it would cost ~5 s of
+    # CPU each to load); the daemon answers status while its engine is unreachable.
+    no_engine = {**sections, "engine": {"launch": "none", "url": f"http://127.0.0.1:{free_port()}"}}
+    again = Daemon(tmp_path, no_engine, wait_ready=False)
     try:
         assert status(again)["paused"]["learning"] is True
     finally:
         assert again.stop() == 0
-    unpaused = Daemon(tmp_path, {**sections, "admin": {"start_paused": False}})
+    unpaused = Daemon(tmp_path, {**no_engine, "admin": {"start_paused": False}}, wait_ready=False)
     try:
         assert status(unpaused)["paused"]["learning"] is False
     finally:

@@ -20,7 +20,7 @@ from .load import (OK, ChatLoad, alive, expected_weight_version, free_port, newe
                    witnessed_samples)
 
 LIFE = "CLAWD_TEST_LIFE"  # set in each daemon's environment: every process of its tree carries it
-KILLS = 8  # bench/crash.py holds the same invariants over 200 daemon kills (and 100 of the trainer)
+KILLS = 5  # bench/crash.py holds the same invariants over 200 daemon kills (and 100 of the trainer)
 BATCH = 2
 
 
@@ -79,7 +79,7 @@ def test_random_sigkills_lose_no_acknowledged_sample(tiny_model, tmp_path, monke
     served a turn before the kill (checkpoint_every = 1: a version is checkpointed before it is published).
     One segment holds the whole history (64 MiB segments), so compaction never hides an APPEND or an ACK.
     """
-    rng = random.Random(20261146)  # 3 of the 8 kills early, while the children start
+    rng = random.Random(20261146)  # kills 2 and 3 early, while the children start
     port = free_port()
     sections = _learning(tiny_model, server={"port": port, "drain_timeout": 10.0},
                          learner={"rollout_timeout": 1.0})  # the last life trains a short batch too
@@ -162,10 +162,10 @@ def test_random_sigkills_lose_no_acknowledged_sample(tiny_model, tmp_path, monke
         print(json.dumps(entry))
     assert scan.live == () and scan.bad_tail_bytes == 0
     assert witnessed and witnessed <= scan.acked, witnessed - scan.acked  # every one of them trained
-    # Lives that ACKed samples before their kill: every life not killed early did in the measured runs (5 of
-    # 5, seed 20261146); a life slowed by load may ACK nothing in its 0.5-3 s, hence the margin.
+    # Lives that ACKed samples before their kill: every life not killed early did in the measured runs (3 of
+    # 3, seed 20261146: lives 0, 3 and 4); a life slowed by load may ACK nothing in its 0.5-3 s, hence the margin.
     acked = [0] + [entry["acked"] for entry in lives]
-    assert sum(1 for a, b in zip(acked, acked[1:]) if b > a) >= 3
+    assert sum(1 for a, b in zip(acked, acked[1:]) if b > a) >= 2
     assert lives[-1]["version"] != "0" and len(witnessed) >= 10
 
 
