@@ -15,9 +15,9 @@ CHROMIUM := /usr/bin/chromium
 run: $(STAMP) model
 	bin/clawd --config $(CONFIG)
 
-# pytest-xdist workers: most tests wait on a daemon, an engine or a trainer, so more workers than cores
-# (tests/README.md has the measurement).
-TEST_WORKERS ?= 4
+# pytest-xdist workers, one per core: the tests' engines and trainers compute, and more workers than
+# cores measured slower and spent 25-40 % more CPU on 2 cores (tests/README.md has the measurement).
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 test: $(STAMP) $(GPU_PINS)/.installed $(CHROMIUM)
 	$(PY) -m pytest -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)

@@ -118,14 +118,19 @@ async def test_stop_lets_the_step_finish_and_checkpoints_so_its_samples_are_acke
         assert json.loads((tmp_path / "checkpoint.json").read_text()) == {"step": 1, "version": 1}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("weights", ["kept", "rotated out"])
-def test_a_restarted_daemon_serves_the_trainers_version_again(tiny_model, tmp_path, weights):
+RESTART_SECTIONS = {"engine": {"launch": "local"},
+                    "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1}}
+
+
+@pytest.fixture(scope="module")
+def trained_once(tiny_model, tmp_path_factory):
+    """A daemon's state after one life that trained and published v1, then stopped cleanly: built once, and
+    copied by each restart test (the life costs an engine, a trainer and a step)."""
     from .harness import Daemon
     import openai
-    sections = {"model": {"path": str(tiny_model), "max_tokens_cap": 4}, "engine": {"launch": "local"},
-                "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1}}
-    daemon = Daemon(tmp_path, sections)
+    tmp = tmp_path_factory.mktemp("trained-once")
+    sections = {"model": {"path": str(tiny_model), "max_tokens_cap": 4}, **RESTART_SECTIONS}
+    daemon = Daemon(tmp, sections)
     try:
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
         messages = [{"role": "user", "content": "Hello"}]
@@ -138,9 +143,19 @@ def test_a_restarted_daemon_serves_the_trainers_version_again(tiny_model, tmp_pa
             time.sleep(0.1)
     finally:
         assert daemon.stop() == 0
+    return daemon.state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["kept", "rotated out"])
+def test_a_restarted_daemon_serves_the_trainers_version_again(tiny_model, trained_once, tmp_path, weights):
+    from .harness import Daemon
+    import openai
+    import shutil
+    sections = {"model": {"path": str(tiny_model), "max_tokens_cap": 4}, **RESTART_SECTIONS}
+    shutil.copytree(trained_once, tmp_path / "state")  # the harness puts the state directory there
     if weights == "rotated out":  # the checkpoint's v1 is gone: its weights come back as v2
-        import shutil
-        shutil.rmtree(daemon.state / "weights" / "v000001")
+        shutil.rmtree(tmp_path / "state" / "weights" / "v000001")
     want = 1 if weights == "kept" else 2
     again = Daemon(tmp_path, sections)
     try:

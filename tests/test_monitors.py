@@ -18,6 +18,7 @@ from clawd.tools.sim.users import Users
 
 from .harness import Daemon
 
+MIN_REPLIES = 8  # a version's replies before its monitors judge it
 STEPS = 40  # at most: the control runs until two versions past the first one over the threshold
 
 
@@ -27,7 +28,7 @@ def sections(tiny_model, monitors: bool) -> dict:
             "learner": {"enabled": True, "rollout_batch_size": 16, "min_batch_size": 16},
             "train": {"lr": 3e-2, "checkpoint_every": 1, "seed": 1},
             "versions": {"rollback_depth": 8},
-            "monitors": {"enabled": monitors, "min_replies": 8, "baseline_versions": 2, "interval": 0.5}}
+            "monitors": {"enabled": monitors, "min_replies": MIN_REPLIES, "baseline_versions": 2, "interval": 0.5}}
 
 
 async def drive(daemon: Daemon, until) -> Users:
@@ -90,7 +91,13 @@ async def test_a_form_only_reward_hack_is_rolled_back_and_without_monitors_it_is
     target = restored[0].restored_from
     assert (history[target].monitors or {}).get("clean")  # it went back to a version that served cleanly
     alarmed = min(v.version for v in history if (v.monitors or {}).get("alarms"))
-    assert alarmed - target <= 3  # caught within a few versions of the hack showing
+    # Caught within a few versions of the hack showing: at most 2 judged versions between the clean target and
+    # the alarm. A version replaced before it served min_replies replies cannot be judged (clean false with no
+    # alarm, or never checked), and how many there are depends on how fast steps come, i.e. on the load: one
+    # run on 2 workers had v12-v14 so, then the alarm on v15 (target v11); the count skips them.
+    judged = [v.version for v in history if target < v.version < alarmed
+              and (((v.monitors or {}).get("summary") or {}).get("replies") or 0) >= MIN_REPLIES]
+    assert len(judged) <= 2, (target, judged, alarmed)
     watched_shares = one_word(watched.records())
 
     control = Daemon(tmp_path / "control", sections(tiny_model, monitors=False))
