@@ -16,7 +16,7 @@ run: $(STAMP) model
 	bin/clawd --config $(CONFIG)
 
 # pytest-xdist workers, one per core: the tests' engines and trainers compute, and more workers than
-# cores measured slower and spent 25-40 % more CPU on 2 cores (tests/README.md has the measurement).
+# cores measured slower and spent 12-40 % more CPU on 2 cores (tests/README.md has the measurement).
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 test: $(STAMP) $(GPU_PINS)/.installed $(CHROMIUM)

@@ -5,8 +5,8 @@ The daemon spawns one trainer child, as always (`clawd.trainer.child.main`), and
 its socket pair. With `[train]` world_size > 1 that child does not train. It starts torch's own
 launcher, `python -m torch.distributed.run` (torchrun's elastic agent; across hosts a static
 rendezvous with this host as node 0 and its master, on one host `--standalone`), which starts the
-local ranks (`clawd.trainer.rank`); other hosts join the same rendezvous with the same torchrun line and their node rank (`clawd-trainer@N`,
-`world_argv(..., node_rank=N)`). Rank 0 is on this host and connects back to a Unix socket the
+local ranks (`clawd.trainer.rank`); other hosts join the same rendezvous with the same torchrun
+line and their node rank (`clawd-trainer@N`, `world_argv(..., node_rank=N)`). Rank 0 is on this host and connects back to a Unix socket the
 coordinator listens on; the coordinator sends it the trainer's options first, then relays every
 message of `clawd.trainer.wire`, both ways, unchanged but for `ready`, which gets the coordinator's
 pid and the world size. Rank 0 broadcasts each request to the others; every rank runs it.
@@ -66,8 +66,9 @@ def world_launches(cfg) -> list[Launch]:
                     device_set(train.gpus), cfg.learner.trainer_ready_timeout)]
     for node in range(1, train.nnodes):
         found.append(Launch(f"trainer-ranks on host {node} (clawd-trainer@{node})",
-                            tuple(world_argv(train, node_rank=node, endpoint=train.rdzv_endpoint, python="python3")), {},
-                            None, device_set(train.gpus), cfg.learner.trainer_ready_timeout))
+                            tuple(world_argv(train, node_rank=node, endpoint=train.rdzv_endpoint,
+                                             python="python3")),
+                            {}, None, device_set(train.gpus), cfg.learner.trainer_ready_timeout))
     return found
 
 
