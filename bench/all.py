@@ -38,10 +38,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-SCRIPTS = ("serve", "pipeline", "trainer", "swap", "lora", "learning", "fuzz", "abuse", "crash", "scale", "pii")
+SCRIPTS = ("serve", "pipeline", "trainer", "swap", "lora", "learning", "fuzz", "abuse", "crash", "scale", "pii",
+           "startup")
 OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "lora": "--out",
             "learning": "--out", "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out",
-            "pii": "--out"}
+            "pii": "--out", "startup": "--out"}
 # scale.py's full form takes ~4 min on top of serve.py's similar figures; its quick form answers "does it scale".
 ARGS = {"scale": ["--quick"]}
 if str(HERE) not in sys.path:  # run as a script it is already there; imported (by a test) it is not
@@ -179,8 +180,13 @@ def pii(r: dict) -> list[dict]:
     return rows + [_row("pii detection cost, PII-dense chat (us/KB)", r["cost"]["labelled_us_per_kb"], "{:.0f}")]
 
 
+def startup(r: dict) -> list[dict]:
+    return [_row(f"{kind} CPU to ready, with / without clawd.startup", r["figures"][kind]["cpu_ratio"], "{:.3f}",
+                 "< 1", r["figures"][kind]["cpu_ratio"] < 1) for kind in ("engine", "trainer")]
+
+
 EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "lora": lora, "learning": learning,
-           "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale, "pii": pii}
+           "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale, "pii": pii, "startup": startup}
 
 
 # ---------------------------------------------------------------- provenance marks

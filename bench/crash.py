@@ -30,7 +30,8 @@ Measured at the end, read by this script from the files (not with clawd's own re
     lost          acknowledged ids in no lineage step (target 0)
     duplicated    ids trained in two lineage steps, or twice in one (target 0)
 Also judged: the daemon serves at the end (a chat request answered 200, and it exits 0), no process of a killed
-life outlives it, the journal never loses a record nor an ACK between kills, and nothing is left unacked.
+life outlives it, the journal never loses a record nor an ACK between kills, nothing is left unacked, and this
+lineage is clawd.weights.lineage's.
 Exit status: 0 when every target is met; 1 when one is missed (or an exception: a traceback, no JSON); 2 when it
 could not measure (no steps ledger or no checkpoint at the end; the JSON says why). The JSON carries
 `provenance` (bench/provenance.py) and `pass`.
@@ -351,7 +352,9 @@ def run(args) -> dict:
            "nothing_left_unacked": figures["live_at_end"] == 0 and final["drained"],
            "no_orphans": figures["orphans"] == 0, "journal_never_regressed": not journal_regressions,
            "daemon_kills_landed": figures["daemon_kills"] >= args.daemon_kills,
-           "trainer_kills_landed": sum(landed[k] for k in KINDS) >= args.trainer_kills}
+           "trainer_kills_landed": sum(landed[k] for k in KINDS) >= args.trainer_kills,
+           # the bench's reading of the steps ledger and the trainer's own (clawd.weights.lineage) name the same steps
+           "lineage_agrees_with_clawd": agrees}
     return {"figures": figures, "targets": met, "could_not_measure": could_not,
             "lost_ids": result["lost"][:50],
             # where each duplicated id sits: [step, batch_id, version] of every lineage step holding it
@@ -382,7 +385,8 @@ def table(res: dict, args) -> str:
             ("final checkpoint step", f["final_step"], f"{f['missing_steps']} with no ledger line"),
             ("acknowledged samples", f["acknowledged"], f"{f['acked']} acked, {f['witnessed']} witnessed"),
             ("lineage: steps / samples", f"{f['lineage_steps']} / {f['lineage_samples']}",
-             "clawd.weights.lineage " + ("agrees" if f["lineage_agrees_with_clawd"] else "DISAGREES")),
+             "clawd.weights.lineage " + ("agrees" if f["lineage_agrees_with_clawd"] else "DISAGREES")
+             + f": {mark('lineage_agrees_with_clawd')}"),
             ("acknowledged samples lost", f["lost"], f"target 0: {mark('lost')}"),
             ("samples in two lineage steps", f["duplicated"], f"target 0: {mark('duplicated')}"),
             ("serving, training, clean exit at the end",

@@ -12,14 +12,19 @@ import math
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from clawd import startup  # noqa: E402
+
+startup.loading()  # while torch and clawd's trainer import, as in clawd's own ranks (clawd/startup.py)
+import torch  # noqa: E402
 
 from clawd.train_config import TrainConfig  # noqa: E402
 from clawd.trainer import sharding  # noqa: E402
 from clawd.trainer.step import Trainer  # noqa: E402
 from tests.test_trainer import sample  # noqa: E402
+
+startup.loaded()
 
 LR = 1e-2  # a step large enough to see: at 1e-5 any one AdamW step leaves the weights alike
 # Adam's first step is lr·g/(|g| + eps): for a gradient entry near eps it is that entry's rounding, amplified

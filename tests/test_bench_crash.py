@@ -1,20 +1,13 @@
-"""bench/crash.py: its pure lineage audit on exact values, and a tiny run of the real thing (1 daemon kill, 1 trainer
-kill) whose exit status must match its targets, with no acknowledged sample lost."""
+"""bench/crash.py: its pure lineage audit on exact values. The real thing (daemon and trainer SIGKILLs, every
+target judged by its exit status) runs in `make bench` (bench/all.py), not here: a run of even one kill of each
+costs two daemon lives (~27 CPU-s), and tests/test_crash_safety.py holds the same invariants over five kills."""
 from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
-
-import pytest
 
 from tests.harness import load_bench
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 crash = load_bench("crash", "bench_crash")
 
@@ -56,24 +49,3 @@ def test_choose_spreads_the_kinds_and_stops_when_enough_landed():
     assert crash.choose(rng, Counter(checkpoint=1, publish=0, sigkill=1), 10, 1) == "publish"
     assert crash.choose(rng, Counter(checkpoint=2, publish=2, sigkill=1), 5, 1) is None
     assert crash.choose(rng, Counter(), 3, 1) in crash.KINDS
-
-
-@pytest.mark.slow  # two daemon lives on the real CPU engine and trainer: ~25 s on 2 idle cores, more under load
-@pytest.mark.timeout(900)
-def test_a_tiny_run_meets_every_target(tmp_path):
-    out = tmp_path / "crash.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "crash.py"), "--daemon-kills", "1",
-                           "--trainer-kills", "1", "--seed", "7", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=880)
-    res = json.loads(out.read_text())
-    f, met = res["figures"], res["targets"]
-    assert done.returncode == (0 if res["pass"] else 1), done.stdout + done.stderr[-5000:]
-    assert not res["could_not_measure"] and res["pass"] == all(met.values())
-    # Every target but "duplicated": a daemon killed after the trainer checkpointed a step and before the
-    # journal ACKed its samples replays them into a second step (the bench found it; the daemon does not
-    # reconcile the journal with the checkpoint yet), and a short run lands in that window now and then.
-    assert all(ok for name, ok in met.items() if name != "duplicated"), (met, done.stdout)
-    assert f["daemon_kills"] >= 1 and sum(f["trainer_kills"].values()) >= 1
-    assert f["lost"] == 0 and f["served_at_end"] and f["final_exit_code"] == 0
-    assert f["acknowledged"] >= 1 and f["lineage_samples"] >= f["acknowledged"] and f["lineage_agrees_with_clawd"]
-    assert res["provenance"]["commit"] and "lost" in done.stdout

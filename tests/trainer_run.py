@@ -16,8 +16,11 @@ import random
 import sys
 import time
 
-import numpy as np
-import torch
+from clawd import startup
+
+startup.loading()  # until the trainer is built, as in clawd's own trainer child (clawd/startup.py)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
@@ -49,6 +52,7 @@ def batch(n: int = 4) -> list[Sample]:
 def main() -> None:
     model, state, count, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     trainer = Trainer(model, state, CONFIG)
+    startup.loaded()
     report = {"start_step": trainer.step, "start_version": trainer.version,
               "journal_position": trainer.journal_position, "losses": [], "versions": []}
     for _ in range(count):

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from clawd import startup
 from clawd.weights import atomic_dir
 
 MARKER = ".clawd-complete"  # written last, inside the directory, before the rename
@@ -363,8 +364,14 @@ def prepare_default_model(dest: Path, *, progress: Progress = print) -> Path:
     if (dest / MARKER).is_file() and (dest / MARKER).read_text() == marker:
         progress(f"{dest} is already complete ({GGUF_NAME}); nothing to do")
         return dest
-
     t0 = time.monotonic()
+    with startup.collector_off():
+        _convert_default(gguf, dest, marker, progress)
+    progress(f"done in {time.monotonic() - t0:.1f} s: {dest}")
+    return dest
+
+
+def _convert_default(gguf: Path, dest: Path, marker: str, progress: Progress) -> None:
     import torch
     from tokenizers import decoders, pre_tokenizers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -413,8 +420,6 @@ def prepare_default_model(dest: Path, *, progress: Progress = print) -> Path:
         (tmp / MARKER).write_text(marker)
 
     _publish(dest, write)
-    progress(f"done in {time.monotonic() - t0:.1f} s: {dest}")
-    return dest
 
 
 # --------------------------------------------------------------------------

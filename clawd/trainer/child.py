@@ -35,6 +35,7 @@ import signal
 import sys
 from typing import Callable
 
+from clawd import startup
 from clawd.config import LOG_FORMAT
 from clawd.samples import Sample
 from clawd.trainer.wire import recv_message, send_message
@@ -135,9 +136,11 @@ def main(conn, factory: Factory | None, options: dict) -> None:
     logging.basicConfig(level=str(options.get("log_level", "info")).upper(), stream=sys.stderr, format=LOG_FORMAT)
     try:
         if factory is None:
+            startup.loading()  # until the handler has loaded the model
             from clawd.trainer.handler import make as factory
         handler = factory(options)
         ready = ready_message(handler)
+        startup.loaded()
     except Exception as exc:
         send_message(conn, error_reply(None, exc))
         raise SystemExit(1)

@@ -20,7 +20,7 @@ import socket
 import sys
 from multiprocessing.connection import Connection
 
-from clawd import faults
+from clawd import faults, startup
 from clawd.trainer import child
 from clawd.trainer.wire import recv_message, send_message
 from clawd.trainer.world import RELAY_ENV
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.pop(faults.ENV, None)
     logging.basicConfig(level="INFO", stream=sys.stderr, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
 
+    startup.loading()  # until the handler has loaded its shard of the model
     from clawd.trainer import sharding  # torch, from here on
     from clawd.trainer.handler import make
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         handler = make(options, world)
         ready = child.ready_message(handler)
+        startup.loaded()
     except Exception as exc:
         if conn is not None:
             send_message(conn, child.error_reply(None, exc))

@@ -38,6 +38,7 @@ import time
 import torch
 from aiohttp import web
 
+from clawd import startup
 from clawd.engine.local import adapters, auth
 from clawd.engine.local.scheduler import Engine
 from clawd.engine.local.sequences import Cursor, Group
@@ -370,6 +371,7 @@ async def serve(args: argparse.Namespace) -> None:
             tasks.append(asyncio.create_task(_watch_parent(ppid, stop)))
         await asyncio.sleep(0)
         engine.load()
+        startup.loaded()
         run = asyncio.create_task(engine.run())
         tasks.append(run)
         stopped = asyncio.create_task(stop.wait())
