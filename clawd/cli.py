@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from clawd import credentials
+from clawd import credentials, startup
 from clawd.config import LOG_FORMAT, ConfigError, load_config
 
 DEFAULT_CONFIG = "etc/clawd.toml"
@@ -54,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     from clawd.privacy.files import modes_for, under_systemd
     # Before anything is written: every file clawd and its children create is private from birth.
     os.umask(modes_for(cfg.admin.group, under_systemd()).umask)
+    startup.loading()  # while the daemon's modules import (clawd/startup.py)
     from clawd.daemon import run  # after logging is set up
     from clawd.ops.admin import AdminSocketError
     from clawd.learning.journal import JournalError, JournalUnreadable
+    startup.loaded()
     try:
         return asyncio.run(run(cfg))
     except FileNotFoundError as exc:
