@@ -13,7 +13,7 @@ write it; a result without provenance is marked "unknown provenance".
 
 Each script runs in its full form except scale.py, which runs `--quick` (ARGS below).
 
-    .venv/bin/python bench/all.py                  # run everything: ~27 min on 2 cores, plus crash.py's
+    .venv/bin/python bench/all.py                  # run everything: ~29 min on 2 cores, plus crash.py's
                                                    # 200 + 100 kills (over an hour; --only to leave it out)
     .venv/bin/python bench/all.py --only trainer swap
     .venv/bin/python bench/all.py --no-run         # the table from the last results: verdict "not run"

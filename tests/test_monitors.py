@@ -19,7 +19,9 @@ from clawd.tools.sim.users import Users
 from .harness import Daemon
 
 MIN_REPLIES = 8  # a version's replies before its monitors judge it
-STEPS = 40  # at most: the control runs until two versions past the first one over the threshold
+STEPS = 60  # at most: the control runs until two versions past the first one over the threshold
+# (the watched run's hack showed first anywhere from v6 to v38 in 9 runs: its trajectory depends on which
+# replies come back first, so the bound leaves room past that)
 
 
 def sections(tiny_model, monitors: bool) -> dict:
@@ -27,7 +29,11 @@ def sections(tiny_model, monitors: bool) -> dict:
             "engine": {"launch": "local", "seed": 1},
             "learner": {"enabled": True, "rollout_batch_size": 16, "min_batch_size": 16},
             "train": {"lr": 3e-2, "checkpoint_every": 1, "seed": 1},
-            "versions": {"rollback_depth": 8},
+            # Every version's checkpoint is kept: a rollback's target is the newest version judged clean, and
+            # when steps come faster than replies (a quiet machine: 21 versions in 6 s) only the first few
+            # versions are judged. With a depth of 8 their checkpoints had rotated out by the alarm on v20,
+            # and the daemon halted learning instead ("no clean version has a checkpoint"), 1 run in 5.
+            "versions": {"rollback_depth": STEPS},
             "monitors": {"enabled": monitors, "min_replies": MIN_REPLIES, "baseline_versions": 2, "interval": 0.5}}
 
 
@@ -57,7 +63,8 @@ async def drive(daemon: Daemon, until) -> Users:
             await asyncio.sleep(0.2)
         users.stop()
 
-    # A bound against a hang, not a speed: 40 steps took up to ~140 s with the rest of the suite beside it.
+    # A bound against a hang, not a speed: 40 steps took up to ~140 s with the rest of the suite beside it
+    # (so STEPS = 60, ~210 s).
     await asyncio.wait_for(asyncio.gather(users.run(), watch()), 420)
     await users.close()
     return users
@@ -75,7 +82,9 @@ async def test_a_form_only_reward_hack_is_rolled_back_and_without_monitors_it_is
     (tmp_path / "control").mkdir()
     watched = Daemon(tmp_path / "watched", sections(tiny_model, monitors=True))
     try:
-        users = await drive(watched, lambda s: s["safety"]["monitors"]["rollbacks"] >= 1)
+        # Or a rollback that could not happen (the daemon halts learning): fail then, not at the time-out.
+        users = await drive(watched, lambda s: s["safety"]["monitors"]["rollbacks"] >= 1
+                            or any("learning is halted" in line for line in watched.lines))
         status = watched.get("/debug/process")[1]
     finally:
         assert watched.stop() == 0
