@@ -9,7 +9,7 @@ import pytest
 from clawd.scoring.judging import (ASSISTANT_CLOSE, ASSISTANT_OPEN, HINT_MARKER, HINT_SYSTEM, RL_SYSTEM, Decision,
                                    Outcome, build_sample, decide, hint_judge_messages, majority, message_text,
                                    neutralise, parse_hint_vote, parse_vote, render_turn_for_judge, rl_judge_messages,
-                                   select_hint, teacher_messages)
+                                   hint_scope, select_hint, teacher_messages)
 from clawd.scoring.rules import MAX_RULES_HINT_CHARS, guidance, is_tool_error, rules_vote
 from clawd.samples import Sample
 from clawd.turns import Turn
@@ -210,6 +210,40 @@ def test_parse_hint_vote(text, parsed):
 ])
 def test_select_hint(hint_votes, hint):
     assert select_hint(hint_votes) == hint
+
+
+@pytest.mark.parametrize("text, scoped", [
+    # the simulated users' corrections, as they move on to the next question
+    ("Please answer in under 5 words. Anyway, next question: What is 6 times 5?", "Please answer in under 5 words."),
+    ("the capital of Italy is Rome. Anyway, next question: How many legs does a spider have?",
+     "the capital of Italy is Rome."),
+    ("Please use the word Python in your answer. Next question: How do I join two strings?",
+     "Please use the word Python in your answer."),
+    ("Answer in plain sentences. By the way, what is 2 + 2?", "Answer in plain sentences."),
+    ("Use a loop, then next question: why?", "Use a loop"),
+    ("Keep the units \u2014 anyway, what is a prime number?", "Keep the units"),
+    ("Say kilometres.\nMoving on: what is DNA?", "Say kilometres."),
+    ("Use snake case. OK, new question: what is an atom?", "Use snake case."),
+    ("Anyway, next question: What is 6 times 5?", ""),
+    # guidance that only sounds like moving on stays whole
+    ("Next time, use a loop.", "Next time, use a loop."), ("Say it anyway.", "Say it anyway."),
+    ("Now answer in under 5 words.", "Now answer in under 5 words."),
+    ("Hold on to the units, please.", "Hold on to the units, please."),
+    ("Another thing: you forgot the units.", "Another thing: you forgot the units."),
+])
+def test_the_hint_stops_where_the_user_moves_on(text, scoped):
+    assert hint_scope(text) == scoped
+
+
+def test_a_model_judges_hint_that_copies_the_next_question_is_cut_there():
+    reply = ("The user wanted a shorter answer.\n\\boxed{1}\n[HINT_START]Answer in under 20 words: Rome is the "
+             "capital of Italy. Next question: What is 6 times 5?[HINT_END]")
+    vote, hint = parse_hint_vote(reply)
+    assert (vote, hint) == (1, "Answer in under 20 words: Rome is the capital of Italy. Next question: What is 6 "
+                               "times 5?")
+    assert select_hint([(vote, hint)]) == "Answer in under 20 words: Rome is the capital of Italy."
+    assert select_hint([(1, "Anyway, the next question is about arithmetic.")]) is None  # nothing before it
+    assert "leave out whatever the person asks or talks about next" in HINT_SYSTEM
 
 
 # --- teacher prompt -----------------------------------------------------------------------------

@@ -204,7 +204,7 @@ def test_the_rules_judge_reads_every_correction_as_negative_with_it_as_hint():
             assert judging.accept_hint(hint) == hint
             for q in p.questions:  # moving on after a failed retry: still negative, the rest of the message the hint
                 moved = personas.follow_up(p, text, next_question=q, retry=False)[1]
-                assert _rules(moved, previous=said) == (-1, rules.guidance(moved))
+                assert _rules(moved, previous=said) == (-1, hint)  # the next question is not guidance
 
 
 # ---- users (pure parts) ---------------------------------------------------------------------------

@@ -148,7 +148,7 @@ Answer rules:
 it does not.
 - With \\boxed{{1}}, also write a hint of one to three sentences between {HINT_START} and {HINT_END}: \
 concrete, actionable advice to the assistant that would have improved this step. Dense with information, \
-no preamble.
+no preamble. About this step only: leave out whatever the person asks or talks about next.
 - With \\boxed{{-1}}, write no hint block.
 
 {_DATA_RULE}"""
@@ -262,9 +262,32 @@ def parse_hint_vote(text: str) -> tuple[int | None, str | None]:
     return vote, hint or None
 
 
+# A hint is guidance for the step judged and nothing else. Users correct a reply and move on in one message
+# ("No, that's too long. Anyway, next question: What is 6 times 5?"); a hint that keeps what follows tells the
+# teacher to answer another question, and its log-probs on this reply say nothing about this reply. A clause
+# that opens with one of these moves on: it and everything after it is cut. Only phrases that cannot be part of
+# a correction ("now", "also" and "next time" can) are listed.
+TOPIC_CHANGES = (
+    r"any ?way", r"any ?how", r"by the way", r"btw", r"moving on", r"let'?s move on", r"on to",
+    r"on (another|a different|an unrelated) (note|topic|subject)", r"(the |my )?next (question|topic|task|request|one)",
+    r"(a |my )?new (question|topic|task|request)", r"unrelated(ly)?", r"switching (topics|gears)",
+    r"changing (the )?subject", r"(that|this)'?s all( for (now|that))?",
+)
+_TOPIC_CHANGE = re.compile(r"(?:^|(?<=[.!?;:,\n])|(?<=\s-)|(?<=\u2014))\s*(?:(?:and|but|ok|okay|so|well|now|then)\s*,?\s+)?"
+                           r"(?:" + "|".join(TOPIC_CHANGES) + r")\b", re.IGNORECASE)
+
+
+def hint_scope(text: str) -> str:
+    """The hint before any clause that moves on (TOPIC_CHANGES), stripped: "Please answer in under 5 words.
+    Anyway, next question: Why?" -> "Please answer in under 5 words."; a hint that opens by moving on -> ""."""
+    m = _TOPIC_CHANGE.search(text.replace("\u2019", "'"))
+    return (text if m is None else text[:m.start()].rstrip(" \t\n,;:-\u2014")).strip()
+
+
 def accept_hint(hint: str | None) -> str | None:
-    """The hint, stripped, if it is longer than MIN_HINT_CHARS characters; else None."""
-    hint = (hint or "").strip()
+    """The hint as kept: its `hint_scope` (what it says before moving on), if that is longer than MIN_HINT_CHARS
+    characters; else None. Every judge's hint passes here (the rules judge's, a model judge's)."""
+    hint = hint_scope(hint or "")
     return hint if len(hint) > MIN_HINT_CHARS else None
 
 
