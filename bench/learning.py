@@ -26,8 +26,10 @@ preference is its length (the form-only persona `form:terse`, wanting 1–2 word
 reply: a random model knows no answers, so the substance personas would measure nothing here);
 `smollm2`, the default model with the demo's personas, which want the right answer too (slow:
 about a minute a step on 2 cores). In opd mode the rules judge's hint is the user's
-correction and the teacher is the policy shown it: a model that cannot read the hint (the
-tiny one) gives OPD nothing to learn from, which the table shows.
+correction and the teacher is the frozen reference shown it (`--teacher policy`: the policy itself): a
+model that cannot read the hint (the tiny one) gives OPD nothing to learn from, which the table shows.
+`--train KEY=VALUE` sets a [train] key for every run (the recipe's knobs: aggregation, ppo_mini_batches,
+warmup_steps, ...), recorded in the JSON.
 
     .venv/bin/python bench/learning.py                  # tiny model, 5 arms × 3 seeds; writes bench/results/learning.json
     .venv/bin/python bench/learning.py --arms rl,shuffled --seeds 1 --steps 5
@@ -56,6 +58,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,8 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--personas", help="default: the profile's")
     ap.add_argument("--baseline", choices=("batch_mean", "none"), default="batch_mean",
                     help="[train] reward_baseline (default batch_mean, clawd's)")
-    ap.add_argument("--teacher", choices=("policy", "reference"), default="policy",
-                    help="opd/combine teacher engine (default policy: no second engine)")
+    ap.add_argument("--teacher", choices=("policy", "reference"), default="reference",
+                    help="opd/combine teacher engine (default reference, clawd's: the frozen initial weights; "
+                         "'policy' teaches the policy by itself)")
+    ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                    help="a [train] setting for every run, VALUE in TOML (aggregation=\"token_sum\", "
+                         "ppo_mini_batches=2); repeatable")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for clawd's engine and trainer")
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters ([train] lora_rank), lr as lora_lr")
     ap.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (default 16; implies --lora)")
@@ -114,6 +121,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in profile.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    try:
+        args.train_keys = {k.strip(): tomllib.loads(f"v = {v}")["v"] for k, _, v in (t.partition("=") for t in args.train)}
+    except tomllib.TOMLDecodeError as exc:
+        ap.error(f"--train: {exc} (strings are quoted: aggregation=\"token_sum\")")
     args.arm_list = [m.strip() for m in args.arms.split(",") if m.strip()]
     if not args.arm_list or any(m not in ARMS for m in args.arm_list):
         ap.error(f"--arms must name some of {', '.join(ARMS)}")
@@ -144,7 +155,7 @@ async def one_run(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) 
         "judge": {"backend": "rules", "teacher_engine": args.teacher},
         "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1, "control": control},
         "train": {"lr": args.lr, "seed": seed, "checkpoint_every": 1000, "keep_versions": 2,
-                  "reward_baseline": args.baseline, **lora_keys(args)},
+                  "reward_baseline": args.baseline, **lora_keys(args), **args.train_keys},
         "sessions": {"session_idle_timeout": 120.0, "sweep_interval": 2.0},
     }, threads=args.threads)
     users: Users | None = None
@@ -300,7 +311,8 @@ async def main_async(args: argparse.Namespace) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="clawd-learn-"))  # short paths: the admin socket lives here
     tuning = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tune"
     print(f"learning bench: {args.model_dir.name} ({tuning}), personas {args.personas}, {args.steps} steps of {args.batch} "
-          f"samples, lr {args.lr:g}, reward baseline {args.baseline}, max_tokens {args.max_tokens}, "
+          f"samples, lr {args.lr:g}, reward baseline {args.baseline}, teacher {args.teacher}, "
+          f"[train] {args.train_keys or 'defaults'}, max_tokens {args.max_tokens}, "
           f"T {args.temperature}, {args.probes} held-out probes/persona, arms {', '.join(args.arm_list)}, "
           f"seeds 1..{args.seeds}, load {os.getloadavg()[0]:.1f}", flush=True)
     results, failures = {}, []
@@ -324,7 +336,7 @@ async def main_async(args: argparse.Namespace) -> int:
     missed = missed_targets(results, args)
     out = {"provenance": prov, "model": str(args.model_dir), "profile": args.model, "personas": args.personas,
            "lora_rank": args.lora_rank, "steps": args.steps, "batch": args.batch, "lr": args.lr,
-           "reward_baseline": args.baseline,
+           "reward_baseline": args.baseline, "train": args.train_keys,
            "max_tokens": args.max_tokens, "temperature": args.temperature, "probes_per_persona": args.probes,
            "seeds": args.seeds, "teacher": args.teacher, "wall_s": round(time.monotonic() - started, 1),
            "cores": os.cpu_count(), "arms": results, "failures": failures,

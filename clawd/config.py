@@ -309,6 +309,7 @@ class JudgeConfig:
 class LearnerConfig:
     enabled: bool = True
     rollout_batch_size: int = 16
+    backlog_batches: int = 4  # a backlog's step takes up to this many batches' worth of fresh samples
     min_batch_size: int = 4
     rollout_timeout: float = 0.0
     stall_warn_interval: float = 30.0
@@ -325,7 +326,14 @@ class LearnerConfig:
             errors["rollout_batch_size"] = "must be at least 1"
         if not 1 <= self.min_batch_size <= self.rollout_batch_size:
             errors["min_batch_size"] = "must be in 1..rollout_batch_size"
+        if self.backlog_batches < 1:
+            errors["backlog_batches"] = "must be at least 1 (1: every step takes rollout_batch_size samples)"
         return errors
+
+    @property
+    def batch_limit(self) -> int:
+        """The most samples one step takes."""
+        return self.backlog_batches * self.rollout_batch_size
 
 
 @dataclass(frozen=True)

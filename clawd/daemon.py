@@ -486,6 +486,10 @@ def _teacher(cfg: Config, engine_for: dict[str, EngineClient]) -> Teacher | None
     """The teacher that scores a response shown the hint (opd, combine); None in rl mode."""
     if cfg.scoring.mode == "rl":
         return None
+    if cfg.judge.teacher_engine == "policy" and not cfg.train.lora:
+        # Its own teacher: the register it learns feeds back into its targets (LoRA: the base is the reference).
+        log.warning("judge.teacher_engine = \"policy\": the policy being trained is its own teacher; the frozen "
+                    "reference (\"reference\", the default) does not drift with it")
     return Teacher(engine_for[cfg.judge.teacher_engine], policy=_call_policy(cfg.judge))
 
 

@@ -14,7 +14,7 @@ from clawd import devices
 from clawd.checks import is_int, is_number
 
 
-AGGREGATIONS = ("sample_mean", "token_mean")  # how the loss averages a batch (clawd.trainer.losses.aggregate)
+AGGREGATIONS = ("sample_mean", "token_mean", "token_sum")  # how the loss averages a batch (losses.aggregate)
 # Every attention and MLP projection of Llama/Qwen-style models: adapters on the MLP matter most.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # SGLang's adapters per batch: the base (judge, teacher), the new adapter, and one or two older ones that
@@ -36,6 +36,7 @@ class TrainConfig:
     eps_clip_high: float = 0.28
     tis_cap: float = 2.0
     aggregation: typing.Literal[AGGREGATIONS] = "sample_mean"
+    aggregation_tokens: int = 256        # token_sum's constant: a batch's loss is Σ tokens / (samples × this)
     kl_loss_coef: float = 0.0            # > 0 loads a frozen reference copy of the model
     entropy_coef: float = 0.0
     w_rl: float = 1.0
@@ -43,6 +44,8 @@ class TrainConfig:
     opd_clip: float = 0.0                # 0 = off
     reward_baseline: typing.Literal["batch_mean", "none"] = "batch_mean"  # losses.centre_rewards
     ppo_epochs: int = 1
+    ppo_mini_batches: int = 1            # optimizer steps per pass over the batch: from the second on, the ratio moves
+    warmup_steps: int = 0                # the learning rate rises linearly over the first N steps; 0 = none
     micro_batch_tokens: int = 8192       # padded tokens (rows x longest input) per forward
     keep_versions: int = 3
     checkpoint_every: int = 10           # checkpoint every N publishes (12 bytes/parameter each)
@@ -112,9 +115,12 @@ class TrainConfig:
             errors["betas"] = "must be two numbers in [0, 1)"
         if self.aggregation not in AGGREGATIONS:
             errors["aggregation"] = f"must be one of {', '.join(map(repr, AGGREGATIONS))}"
-        for name in ("ppo_epochs", "micro_batch_tokens", "keep_versions", "checkpoint_every"):
+        for name in ("ppo_epochs", "ppo_mini_batches", "micro_batch_tokens", "keep_versions", "checkpoint_every",
+                     "aggregation_tokens"):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 errors[name] = "must be an integer, at least 1"
+        if not (is_int(self.warmup_steps) and self.warmup_steps >= 0):
+            errors["warmup_steps"] = "must be an integer, 0 (none) or more"
         if not (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)):
             errors["device"] = 'must be "cpu", "cuda" or "cuda:N"'
         elif self.gpus and self.device == "cpu":

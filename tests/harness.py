@@ -40,10 +40,14 @@ class Daemon:
         # Tests score with the rules judge in rl mode and do not train unless they ask:
         # no reference engine, no trainer process; no promotion gate or monitors unless they ask.
         # A small disk floor: a CI machine's disk may hold less than the default's 1 GiB spare.
+        # The raw reward: the fault tests' users all say thanks, and under the batch-mean baseline a batch
+        # whose rewards all agree takes no step and publishes nothing. Tests of learning ask for batch_mean.
+        # Steps of exactly rollout_batch_size samples (no backlog batches): tests count samples per step.
         cfg = {"server": {"port": 0, "debug_routes": True},
                "state": {"dir": str(self.state), "min_free_bytes": 64 * 1024 * 1024},
-               "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}, "learner": {"enabled": False},
-               "gate": {"enabled": False}, "monitors": {"enabled": False}}
+               "scoring": {"mode": "rl"}, "judge": {"backend": "rules"},
+               "learner": {"enabled": False, "backlog_batches": 1},
+               "train": {"reward_baseline": "none"}, "gate": {"enabled": False}, "monitors": {"enabled": False}}
         for name, table in sections.items():
             cfg[name] = {**cfg.get(name, {}), **table}
         self.config_path = self.tmp / "clawd.toml"

@@ -353,7 +353,7 @@ SNAPSHOT = {
         {"reason": "disk", "since": NOW - 60, "detail": "812 MiB free, 1 GiB wanted", "serving": False,
          "lifted_by": "free space (by itself)"}]},
     "policy": {"version": 3, "weight_version": "3", "published_at": NOW - 252, "weights": "state/weights/v3"},
-    "queue": {"waiting": 12, "in_flight": 2, "effective": 8, "batch_size": 16, "journal_live": 20},
+    "queue": {"waiting": 12, "in_flight": 2, "effective": 8, "batch_size": 16, "journal_live": 20, "collected": 120},
     "sessions": {"live": 5},
     "rates": {"requests_per_min": 12.0, "turns_per_min": 3.5},
     "scoring": {"turns": 40, "samples": 30, "pending": 1, "votes": {"+1": 20, "-1": 4, "0": 6},
@@ -407,8 +407,7 @@ scoring
 learner
   steps               7 (1 skipped, 0 failed)
   publishes           3 (0 failed, last took 1.23s)
-  samples trained     112
-  stale dropped       2
+  samples             120 collected, 112 trained, 2 dropped as stale, 0 by rollbacks
   last step           loss 0.01235, loss_policy -0.01, loss_kl 0.002, grad_norm 0.5, tokens 812
 engines
   policy              ready, pid 4300, 1 restarts

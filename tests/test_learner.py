@@ -33,7 +33,7 @@ async def until(predicate, timeout: float = 30.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def learning(tmp_path, *, script=None, batch=2, control="none"):
+async def learning(tmp_path, *, script=None, batch=2, control="none", backlog=1):
     """A running learner; yields (learner, store, fake engine, trainer supervisor)."""
     async with FakeSGLang() as fake:
         engine = EngineClient(fake.url)
@@ -43,7 +43,8 @@ async def learning(tmp_path, *, script=None, batch=2, control="none"):
         await store.replay()
         trainer = TrainerSupervisor({"dir": str(tmp_path), "script": script or {}}, factory=build,
                                     backoff_initial=0.05)
-        cfg = LearnerConfig(rollout_batch_size=batch, min_batch_size=1, stall_warn_interval=60, control=control)
+        cfg = LearnerConfig(rollout_batch_size=batch, min_batch_size=1, stall_warn_interval=60, control=control,
+                            backlog_batches=backlog)
         learner = Learner(cfg, store, trainer, Publisher(engine, 10), Policy(), tmp_path / "state", control_seed=7)
         tasks = [asyncio.create_task(trainer.run()), asyncio.create_task(learner.run())]
         try:
@@ -106,6 +107,22 @@ async def test_the_engine_is_moved_onto_the_weights_the_trainer_resumed_with(tmp
         await put(store, 2, 2, version=want)
         await until(lambda: learner.policy.version == want + 1)
         assert store.dropped_stale == 2
+
+
+@pytest.mark.parametrize("backlog, sizes, dropped", [(1, [2, 2, 2, 2], 4), (3, [2, 6, 2, 2], 0)])
+async def test_a_backlog_trains_in_one_step_up_to_backlog_batches(tmp_path, backlog, sizes, dropped):
+    # Eight samples of v0 arrive while the first (slow) step trains. One step per rollout_batch_size publishes
+    # v2 and v3 from four of them, and the other four, now 3 versions old (past max_staleness 2), are dropped
+    # when the next batch is taken; with 3 batches' worth a step the backlog trains at once and none is dropped.
+    async with learning(tmp_path, script={"1": "slow"}, backlog=backlog) as (learner, store, fake, trainer):
+        await put(store, 0, 2)
+        await until(lambda: len(calls(tmp_path)) == 1)
+        await put(store, 2, 8)
+        await until(lambda: learner.policy.version == 3)
+        await put(store, 10, 2, version=3)  # the next batch: the line is swept for stale samples as it is taken
+        await until(lambda: learner.policy.version == 4)
+        assert [c["n"] for c in calls(tmp_path)] == sizes and store.dropped_stale == dropped
+        assert learner.stats.samples_trained == 12 - dropped
 
 
 async def test_stop_lets_the_step_finish_and_checkpoints_so_its_samples_are_acked(tmp_path):

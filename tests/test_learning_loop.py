@@ -20,7 +20,7 @@ def _wait(predicate, timeout):
 
 
 @pytest.mark.slow
-def test_thanked_turns_are_trained_and_the_engine_serves_the_new_version(tiny_model, tmp_path):
+def test_judged_turns_are_trained_and_the_engine_serves_the_new_version(tiny_model, tmp_path):
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 6},
                                "engine": {"launch": "local"},
                                "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 1},
@@ -31,8 +31,9 @@ def test_thanked_turns_are_trained_and_the_engine_serves_the_new_version(tiny_mo
             messages = [{"role": "user", "content": f"Tell me fact {i}."}]
             reply = client.chat.completions.create(model="m", messages=messages)
             assert reply.system_fingerprint == "clawd-v0"
+            # one thanked, one corrected: rewards that all agreed would centre to 0 and take no step
             messages += [reply.choices[0].message.model_dump(exclude_none=True),
-                         {"role": "user", "content": "Thanks, great answer!"}]
+                         {"role": "user", "content": "Thanks, great answer!" if i == 0 else "No, that's wrong."}]
             client.chat.completions.create(model="m", messages=messages, extra_headers={"X-Session-Done": "1"})
 
         learner = _wait(lambda: (lambda l: l if l["publishes"] >= 1 else None)(

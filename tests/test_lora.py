@@ -309,7 +309,8 @@ async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tin
             "engine": {"launch": "none", "url": fake.url, "health_interval": 0.2},
             "scoring": {"mode": "combine"}, "judge": {"backend": "rules", "teacher_engine": "reference"},
             "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
-            "train": {"lora_rank": 4, "lora_alpha": 8.0}})
+            # the raw reward: a batch of one would centre on its own reward and take no step
+            "train": {"lora_rank": 4, "lora_alpha": 8.0, "reward_baseline": "none"}})
         assert not cfg.reference_engine_needed
         shutdown = Shutdown()
         running = asyncio.create_task(run(cfg, shutdown))

@@ -260,6 +260,48 @@ def test_aggregations_by_hand():
         losses.aggregate(x, mask, aggregation="seq_sum")
 
 
+def test_batch_normaliser_and_token_sum():
+    assert losses.batch_normaliser(2, 7, "sample_mean") == 2.0
+    assert losses.batch_normaliser(2, 7, "token_mean") == 7.0
+    assert losses.batch_normaliser(2, 7, "token_sum", 256) == 512.0
+    assert losses.batch_normaliser(0, 0, "token_sum", 256) == 1.0  # never 0
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # every token weighs 1 / (2 samples x 4): the long sample's tokens as much as the short one's
+    assert float(losses.aggregate(x, mask, aggregation="token_sum", normaliser=8.0)) == 10.0 / 8.0
+    assert float(losses.aggregate(x, mask, aggregation="sample_mean")) == (2.0 + 4.0) / 2
+    # the length bias, exactly: one -1 advantage on every token; sample_mean pushes each token of the
+    # 1-token reply 3 times as hard as each of the 3-token reply's, token_sum the same on both
+    lp = torch.zeros(2, 3, requires_grad=True)
+    for aggregation, norm, want in (("sample_mean", 2.0, [[1 / 6] * 3, [1 / 2, 0, 0]]),
+                                    ("token_sum", 8.0, [[1 / 8] * 3, [1 / 8, 0, 0]])):
+        lp.grad = None
+        losses.policy_loss(lp, lp.detach(), lp.detach(), -torch.ones(2, 3), mask, aggregation=aggregation,
+                           normaliser=norm).backward()
+        assert torch.allclose(lp.grad, torch.tensor(want)), aggregation
+
+
+@pytest.mark.parametrize("mode, rewards, hints, kw, signal", [
+    ("rl", [0.0, 0.0], [False, False], {}, False),
+    ("rl", [0.5, -0.5], [False, False], {}, True),
+    ("rl", [0.0, 0.0], [True, True], {}, False),            # a hint is no rl signal
+    ("opd", [0.0], [True], {}, True),
+    ("opd", [0.0], [False], {}, False),
+    ("combine", [0.0, 0.0], [False, False], {}, False),
+    ("combine", [0.0, 0.0], [False, True], {}, True),
+    ("combine", [0.0, 0.0], [False, True], {"w_opd": 0.0}, False),
+    ("combine", [1.0], [False], {"w_rl": 0.0}, False),
+    ("rl", [0.0], [False], {"kl_coef": 0.1}, True),          # a KL or entropy term has a gradient anyway
+    ("rl", [0.0], [False], {"entropy_coef": 0.01}, True),
+])
+def test_carries_signal(mode, rewards, hints, kw, signal):
+    assert losses.carries_signal(mode, rewards, hints, **kw) is signal
+
+
+def test_centred():
+    assert [losses.centred(r, 0.5) for r in (1.0, -1.0, 0.0)] == [0.5, -1.5, 0.0]
+
+
 def test_whole_batch_normaliser():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     assert losses.whole_batch_normaliser(mask, "sample_mean") == 2.0

@@ -20,8 +20,8 @@ from clawd.config import TrainConfig
 from clawd.samples import Sample
 from clawd.trainer import losses
 from clawd.trainer.handler import train_config
-from clawd.trainer.batches import pack
-from clawd.trainer.step import Trainer, TrainingPaused
+from clawd.trainer.batches import mini_batches, pack
+from clawd.trainer.step import Trainer, TrainingPaused, warmup_lr
 from clawd.weights import restored_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -270,6 +270,55 @@ def test_ppo_epochs_take_several_steps_against_a_fixed_lp_old(make):
     assert m["epochs"] == 2 and trainer.step == 1
     assert m["approx_kl"] > 0  # the second epoch's ratio is no longer 1
     assert int(trainer.optimizer.state[trainer.params[0]]["step"]) == 2
+
+
+def test_mini_batches_and_warmup_lr():
+    assert mini_batches(5, 2) == [[0, 2, 4], [1, 3]]
+    assert mini_batches(2, 4) == [[0], [1]] and mini_batches(3, 1) == [[0, 1, 2]]
+    assert [warmup_lr(1.0, s, 4) for s in (1, 2, 3, 4, 9)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert warmup_lr(1.0, 1, 0) == 1.0
+
+
+def test_a_batch_without_signal_takes_no_optimizer_step(make):
+    # rl with the batch-mean baseline: rewards that all agree centre to 0, so every advantage is 0. AdamW would
+    # still move every weight by about lr through its momentum after one real step: no step at all.
+    trainer = make()
+    trainer.train_step([sample(1, 12, 5, reward=1.0), sample(2, 30, 9, reward=-1.0)], "rl")
+    before, state = weights(trainer), optimizer_state(trainer)
+    m = trainer.train_step([sample(3, 12, 5, reward=1.0), sample(4, 30, 9, reward=1.0)], "rl")
+    assert m["skipped"] and m["no_signal"] and m["updates"] == 0 and m["skip_reason"].startswith("no signal")
+    assert same(weights(trainer), before) and all(map(torch.equal, optimizer_state(trainer), state))
+    assert trainer.step == 2 and trainer.skipped_steps == 0 and trainer.consecutive_skips == 0  # not a fault
+    # a hint is a signal in opd and combine, whatever the rewards
+    assert not trainer.train_step([sample(5, 12, 5, reward=1.0, hint=True)], "combine")["skipped"]
+    assert not trainer.train_step([sample(6, 12, 5, reward=0.0, hint=True)], "opd")["skipped"]
+
+
+def test_mini_batches_take_one_step_each_and_the_ratio_moves(make):
+    trainer = make(ppo_mini_batches=2)
+    m = trainer.train_step(mixed_batch(), "combine")
+    assert m["mini_batches"] == 2 and m["updates"] == 2 and trainer.step == 1
+    assert int(trainer.optimizer.state[trainer.params[0]]["step"]) == 2
+    assert m["approx_kl"] > 0  # the second mini-batch's ratio is no longer 1
+    # the baseline is the whole batch's: a part whose rewards all agree still carries signal against it
+    trainer = make("agree", ppo_mini_batches=2)
+    m = trainer.train_step([sample(i, 12, 5, reward=1.0) for i in range(3)] + [sample(9, 12, 5, reward=-1.0)], "rl")
+    assert m["updates"] == 2  # {s0, s2} and {s1, s9}: centred +0.5 each, both carry signal
+    trainer = make("none", ppo_mini_batches=3)
+    m = trainer.train_step([sample(i, 12, 5, reward=0.0, hint=i == 1) for i in range(3)], "combine")
+    assert m["updates"] == 1 and int(trainer.optimizer.state[trainer.params[0]]["step"]) == 1  # only the hinted
+    # part: rewards of 0 and no hint elsewhere, so those parts take no step
+
+
+def test_warmup_ramps_the_learning_rate_over_the_first_steps(make):
+    trainer = make(warmup_steps=4, lr=1e-3)
+    lrs = [trainer.train_step(mixed_batch(), "combine")["lr"] for _ in range(5)]
+    assert lrs == [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3]
+    assert trainer.optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_the_step_reports_its_answer_length(make):
+    assert make().train_step(mixed_batch(), "combine")["response_tokens_mean"] == (5 + 9 + 3 + 14) / 4
 
 
 def test_an_entropy_bonus_reaches_the_weights_through_the_chunked_head(make):

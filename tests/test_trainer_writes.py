@@ -76,7 +76,7 @@ def armed():
 
 
 def test_a_write_failing_midway_leaves_no_temporary_and_the_step_stays_owed(tiny_model, tmp_path, armed):
-    trainer = Trainer(tiny_model, tmp_path / "state", TrainConfig(lr=1e-3))
+    trainer = Trainer(tiny_model, tmp_path / "state", TrainConfig(lr=1e-3, reward_baseline="none"))  # +1, +1: a step
     trainer.train_step([make_sample(0), make_sample(1)], "rl")
     armed("trainer.publish.mid", "enospc", at=1)
     with pytest.raises(OSError, match="No space left"):
@@ -111,7 +111,8 @@ async def learning(tiny_model, tmp_path, *, min_free_bytes=0, **train):
     yields (learner, store, fake, trainer)."""
     cfg = Config(model=ModelConfig(path=str(tiny_model)), scoring=ScoringConfig(mode="rl"),
                  state=StateConfig(dir=str(tmp_path / "state"), min_free_bytes=min_free_bytes),
-                 train=TrainConfig(**{"lr": 1e-3, "checkpoint_every": 1, **train}),
+                 # the raw reward: make_sample's rewards are all +1, which the batch mean would centre to no step
+                 train=TrainConfig(**{"lr": 1e-3, "checkpoint_every": 1, "reward_baseline": "none", **train}),
                  versions=VersionsConfig(rollback_depth=0))  # no base checkpoint: the writes counted are the steps
     async with FakeSGLang() as fake:
         engine = EngineClient(fake.url)

@@ -60,6 +60,7 @@ _RETRY_MAX = 30.0
 class LearnerStats:
     steps: int = 0
     skipped_steps: int = 0
+    no_signal_steps: int = 0  # of those, batches whose every advantage was 0: no optimizer step, nothing to publish
     failed_steps: int = 0
     publishes: int = 0
     failed_publishes: int = 0
@@ -304,7 +305,8 @@ class Learner:
             waited = time.monotonic() - started
             timed_out = cfg.rollout_timeout > 0 and waited >= cfg.rollout_timeout
             if fresh >= n or (timed_out and fresh >= cfg.min_batch_size):
-                batch, stale = self.store.take_batch(n, current_version=version, max_staleness=cfg.max_staleness)
+                take = min(max(fresh, n), cfg.batch_limit)  # a backlog at once: batches of n would age it out
+                batch, stale = self.store.take_batch(take, current_version=version, max_staleness=cfg.max_staleness)
                 self.stats.stale_dropped += len(stale)
                 if stale:  # acked with the next checkpoint: they will never be trained
                     log.info("dropped %d stale sample(s): more than %d versions behind v%d", len(stale),
@@ -348,7 +350,9 @@ class Learner:
         self._unacked += batch
         if trained.weights_dir is None and trained.failed is None:  # nothing to publish: not a failed publish
             self.stats.skipped_steps += 1
-            log.warning("step %s skipped: %s", batch_id, trained.metrics.get("skip_reason"))
+            self.stats.no_signal_steps += bool(trained.metrics.get("no_signal"))
+            log.log(logging.INFO if trained.metrics.get("no_signal") else logging.WARNING, "step %s skipped: %s",
+                    batch_id, trained.metrics.get("skip_reason"))
             if trained.metrics.get("paused"):  # non-finite steps in a row: stop, say so, keep serving
                 self.pauses.hold(NON_FINITE, str(trained.metrics.get("pause_reason")))
         elif trained.weights_dir is not None:

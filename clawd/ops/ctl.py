@@ -314,7 +314,8 @@ def _num(x) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
-METRICS = ("loss", "loss_policy", "loss_kl", "loss_entropy", "approx_kl", "clip_fraction", "grad_norm", "tokens")
+METRICS = ("loss", "loss_policy", "loss_kl", "loss_entropy", "approx_kl", "clip_fraction", "grad_norm", "tokens",
+           "entropy", "response_tokens_mean", "updates")
 
 
 def format_status(snapshot: dict, now: float | None = None) -> str:
@@ -373,8 +374,10 @@ def format_status(snapshot: dict, now: float | None = None) -> str:
                                      f"{learner.get('failed_steps', 0)} failed)"),
                 ("publishes", f"{learner.get('publishes', 0)} ({learner.get('failed_publishes', 0)} failed"
                               + ("" if publish is None else f", last took {publish:.2f}s") + ")"),
-                ("samples trained", learner.get("samples_trained", 0)),
-                ("stale dropped", learner.get("stale_dropped", 0)), ("last step", last))
+                ("samples", f"{(snapshot.get('queue') or {}).get('collected', 0)} collected, "
+                            f"{learner.get('samples_trained', 0)} trained, {learner.get('stale_dropped', 0)} dropped "
+                            f"as stale, {learner.get('dropped_after_rollback', 0)} by rollbacks"),
+                ("last step", last))
     safety = get("safety")
     gate, monitors = safety.get("gate"), safety.get("monitors")
     if safety:  # a snapshot of an earlier release has none

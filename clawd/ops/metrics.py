@@ -41,7 +41,10 @@ LOSS_PARTS = {"loss": "total", "loss_policy": "policy", "loss_kl": "kl", "loss_e
 STEP_GAUGES = {"grad_norm": ("clawd_train_grad_norm", "Gradient norm of the last training step, before clipping."),
                "approx_kl": ("clawd_train_approx_kl", "Approximate KL(old || new) over the last step's tokens."),
                "clip_fraction": ("clawd_train_clip_fraction", "Fraction of the last step's tokens whose ratio was "
-                                                              "clipped.")}
+                                                              "clipped."),
+               "entropy": ("clawd_train_entropy", "Mean per-token entropy of the policy on the last step's samples."),
+               "response_tokens_mean": ("clawd_train_response_tokens", "Mean response length, in tokens, of the "
+                                                                       "last step's samples.")}
 
 # A `_created` series per counter and histogram child doubles the series for nothing a scrape of
 # clawd needs (the process start is known). The switch is process-wide; only clawd uses the library here.

@@ -44,6 +44,14 @@ def pack(lengths: list[int], budget: int, max_padding: float = 0.25) -> list[lis
     return groups
 
 
+def mini_batches(n: int, k: int) -> list[list[int]]:
+    """The indices 0..n-1 of a batch dealt into min(k, n) mini-batches (one optimizer step each), round
+    robin: sample i goes to mini-batch i % k, so each holds every k-th sample of the (canonically ordered)
+    batch, not a run of similar ones."""
+    k = max(1, min(k, n))
+    return [list(range(j, n, k)) for j in range(k)]
+
+
 @dataclass
 class MicroBatch:
     """Right-padded tensors for a group of samples; per-token tensors are [b, R] over responses."""

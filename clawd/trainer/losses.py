@@ -208,6 +208,25 @@ def centre_rewards(reward: Tensor, baseline: float) -> Tensor:
     return torch.where(reward != 0, reward - baseline, torch.zeros_like(reward))
 
 
+def centred(reward: float, baseline: float) -> float:
+    """`centre_rewards` of one reward, on the host: r − baseline where r ≠ 0, else 0."""
+    return reward - baseline if reward != 0 else 0.0
+
+
+def carries_signal(mode: str, centred_rewards: Iterable[float], has_hint: Iterable[bool], *, w_rl: float = 1.0,
+                   w_opd: float = 1.0, kl_coef: float = 0.0, entropy_coef: float = 0.0) -> bool:
+    """Does a batch's loss have a gradient? False exactly when every advantage is 0 and no KL or entropy
+    term is on: every centred reward 0 (rl, combine: all rewards agree, or none) and no hint (opd, combine).
+    Such a batch must take no optimizer step: AdamW would still move every weight through its momentum."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    if kl_coef or entropy_coef:
+        return True
+    rl = mode in ("rl", "combine") and w_rl != 0 and any(r != 0 for r in centred_rewards)
+    opd = mode in ("opd", "combine") and w_opd != 0 and any(has_hint)
+    return rl or opd
+
+
 def opd_term(lp_old_t1: Tensor, teacher_lp: Tensor, has_hint: Tensor, clip: float | None = None) -> Tensor:
     """teacher_lp − lp_old_t1 per token, clipped to [−clip, clip] if asked, and exactly 0 on the
     rows of samples without a hint. Both sides are at temperature 1 (the teacher's prefill
@@ -279,16 +298,29 @@ def kl_k3(lp_new: Tensor, lp_ref: Tensor) -> Tensor:
 
 # --- aggregation -----------------------------------------------------------------------------
 
-def whole_batch_normaliser(mask: Tensor, aggregation: str = "sample_mean") -> float:
-    """The aggregate's denominator for a whole batch: its number of samples (sample_mean) or of
-    loss tokens (token_mean), at least 1. Compute it once per step, before splitting."""
+def batch_normaliser(samples: int, loss_tokens: int, aggregation: str = "sample_mean",
+                     norm_tokens: int = 1) -> float:
+    """The aggregate's denominator for a whole batch of `samples` holding `loss_tokens`, at least 1:
+
+        sample_mean  samples                    each sample's token mean, averaged over samples
+        token_mean   loss_tokens                every loss token of the batch weighs the same
+        token_sum    samples × norm_tokens      every loss token weighs the same, whatever the lengths
+
+    Compute it once per update, before splitting into micro-batches."""
     if aggregation == "sample_mean":
-        n = mask.shape[0]
+        n = samples
     elif aggregation == "token_mean":
-        n = int(mask.sum())
+        n = loss_tokens
+    elif aggregation == "token_sum":
+        n = samples * norm_tokens
     else:
         raise ValueError(f"aggregation {aggregation!r} is not one of {AGGREGATIONS}")
     return float(max(n, 1))
+
+
+def whole_batch_normaliser(mask: Tensor, aggregation: str = "sample_mean", norm_tokens: int = 1) -> float:
+    """`batch_normaliser` of a padded [B, T] batch's loss mask."""
+    return batch_normaliser(mask.shape[0], int(mask.sum()), aggregation, norm_tokens)
 
 
 def aggregate(x: Tensor, mask: Tensor, *, aggregation: str = "sample_mean",
@@ -297,16 +329,23 @@ def aggregate(x: Tensor, mask: Tensor, *, aggregation: str = "sample_mean",
 
         sample_mean  Σ_b (Σ_t m·x / Σ_t m) / normaliser    each sample's token mean, averaged over samples
         token_mean   Σ_b Σ_t m·x / normaliser              every loss token weighs the same
+        token_sum    Σ_b Σ_t m·x / normaliser              the same sum; the normaliser is a constant per sample
 
-    normaliser is the WHOLE batch's (whole_batch_normaliser), not this call's: then the values of
-    micro-batches add up to the batch's, and so do their gradients. None: this call is the whole
-    batch. A sample with no loss token adds 0 and still counts as a sample."""
+    sample_mean weighs a token by 1 / its sample's length: the end of a short reply is pushed 10 times as hard
+    as that of a reply 10 times longer, so when most advantages are negative short replies are pushed out
+    (every rl run on SmolLM2 lengthened its answers). token_mean divides by the batch's tokens, which its
+    lengths still set; token_sum divides by samples × `[train] aggregation_tokens`, a constant (as Dr. GRPO
+    does), so no length enters the weights (normaliser: None computes it from the mask, with norm_tokens 1).
+
+    normaliser is the WHOLE batch's (batch_normaliser), not this call's: then the values of
+    micro-batches add up to the batch's, and so do their gradients. A sample with no loss token
+    adds 0 and still counts as a sample."""
     if normaliser is None:
         normaliser = whole_batch_normaliser(mask, aggregation)
     x = torch.where(mask.bool(), x, 0.0)
     if aggregation == "sample_mean":
         return (x.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / normaliser
-    if aggregation == "token_mean":
+    if aggregation in ("token_mean", "token_sum"):
         return x.sum() / normaliser
     raise ValueError(f"aggregation {aggregation!r} is not one of {AGGREGATIONS}")
 

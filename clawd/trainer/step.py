@@ -47,7 +47,7 @@ from clawd import faults
 from clawd.train_config import TrainConfig
 from clawd.samples import MODES, Sample
 from clawd.trainer import adapters, checkpoints, losses, sharding
-from clawd.trainer.batches import MicroBatch, micro_batch, pack
+from clawd.trainer.batches import MicroBatch, micro_batch, mini_batches, pack
 from clawd.trainer.sharding import World
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
 
@@ -62,6 +62,15 @@ class StepFailed(RuntimeError):
     """The step raised after it began changing state: the model is in an unknown state, and the trainer
     process must be restarted from its last checkpoint."""
     fatal = True
+
+
+def warmup_lr(base: float, step: int, warmup_steps: int) -> float:
+    """The learning rate of step `step` (1 for the first): base × step / warmup_steps over the first
+    warmup_steps steps, then base. With few informative samples per step, the first steps' Adam moments
+    come from one or two batches; a ramp keeps those steps small."""
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return base
+    return base * max(step, 1) / warmup_steps
 
 
 # --- the trainer -----------------------------------------------------------------------------
@@ -212,7 +221,8 @@ class Trainer:
 
     @torch.no_grad()
     def _fix_old(self, mb: MicroBatch) -> None:
-        """ppo_epochs > 1: lp_old at T and at 1 from a no-grad pass before any update."""
+        """Several updates per step (ppo_epochs or ppo_mini_batches > 1): lp_old at T and at 1 from a no-grad
+        pass before any update."""
         lp, _, lp_t1 = self._forward(self.scorer, mb, mb.temperature, with_t1=mb.needs_t1)
         mb.old = (lp, lp if lp_t1 is None else lp_t1)  # at T = 1 they are the same numbers
 
@@ -237,24 +247,70 @@ class Trainer:
     def _train_step(self, samples: list[Sample], mode: str) -> dict[str, Any]:
         t0 = time.monotonic()
         cfg = self.cfg
-        mbs = self._micro_batches(samples, share=True)
-        loss_tokens = sum(sum(s.loss_mask) for s in samples)
-        # The whole batch's denominator, fixed before splitting (losses.whole_batch_normaliser).
-        norm = float(max(len(samples) if cfg.aggregation == "sample_mean" else loss_tokens, 1))
         baseline = losses.reward_baseline(s.reward for s in samples) if cfg.reward_baseline == "batch_mean" else 0.0
-        if cfg.ppo_epochs > 1:
-            for mb in mbs:
-                self._fix_old(mb)
+        # The batch's mini-batches, one optimizer step each (the reward baseline is the whole batch's). One
+        # whose every advantage is 0 takes no step: AdamW's momentum would still move every weight by ~lr.
+        updates = []
+        for rows in mini_batches(len(samples), cfg.ppo_mini_batches):
+            group = [samples[i] for i in rows]
+            if losses.carries_signal(mode, [losses.centred(s.reward, baseline) for s in group],
+                                     [s.has_hint for s in group], w_rl=cfg.w_rl, w_opd=cfg.w_opd,
+                                     kl_coef=cfg.kl_loss_coef, entropy_coef=cfg.entropy_coef):
+                norm = losses.batch_normaliser(len(group), sum(sum(s.loss_mask) for s in group), cfg.aggregation,
+                                               cfg.aggregation_tokens)  # fixed before splitting
+                updates.append((self._micro_batches(group, share=True), norm))
+        lr = warmup_lr(cfg.learning_rate, self.step + 1, cfg.warmup_steps)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        if len(updates) * cfg.ppo_epochs > 1:  # later updates see moved weights: lp_old is fixed before the first
+            for mbs, _ in updates:
+                for mb in mbs:
+                    self._fix_old(mb)
+        done: list[dict[str, Any]] = []
         for epoch in range(cfg.ppo_epochs):
-            metrics = self._epoch(mbs, mode, norm, baseline)
-            if metrics["skipped"]:
+            for mbs, norm in updates:
+                done.append(self._update(mbs, mode, norm, baseline))
+                if done[-1]["skip_reason"]:
+                    break
+            if done and done[-1]["skip_reason"]:
                 break
         self.step += 1
-        metrics.update(step=self.step, epochs=epoch + 1, samples=len(samples), reward_baseline=baseline,
-                       **self._token_counts(mbs),
-                       micro_batches=len(mbs), lr=cfg.learning_rate, skipped_total=self.skipped_steps,
-                       paused=self.paused, pause_reason=self.pause_reason,
-                       seconds=time.monotonic() - t0)
+        metrics = self._step_metrics(done, mode)
+        metrics.update(step=self.step, epochs=epoch + 1 if done else 0, samples=len(samples),
+                       reward_baseline=baseline, mini_batches=min(cfg.ppo_mini_batches, len(samples)),
+                       response_tokens_mean=sum(s.response_length for s in samples) / len(samples),
+                       **self._token_counts([mb for mbs, _ in updates for mb in mbs]),
+                       micro_batches=sum(len(mbs) for mbs, _ in updates), lr=lr, skipped_total=self.skipped_steps,
+                       paused=self.paused, pause_reason=self.pause_reason, seconds=time.monotonic() - t0)
+        return metrics
+
+    def _step_metrics(self, done: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+        """The step's metrics from its updates: the diagnostics over every update's loss tokens, the loss
+        parts and the gradient norm averaged over the updates. No update: a step without signal."""
+        applied = [d for d in done if not d["skip_reason"]]
+        bad = next((d["skip_reason"] for d in done if d["skip_reason"]), None)
+        if bad is not None:  # the weights stay as the last applied update left them
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= PAUSE_AFTER_SKIPS:
+                self.paused = True
+                self.pause_reason = f"{self.consecutive_skips} non-finite steps in a row (last: {bad})"
+        elif applied:
+            self.consecutive_skips = 0
+        if not done:
+            return {"skipped": True, "no_signal": True, "updates": 0,
+                    "skip_reason": f"no signal: every advantage in the batch is 0 ({mode})",
+                    "grad_norm": math.nan}
+        cat = {k: torch.cat([d["seen"][k] for d in done]) for k in done[0]["seen"]}
+        kw = dict(eps_clip=self.cfg.eps_clip, eps_clip_high=self.cfg.eps_clip_high, tis_cap=self.cfg.tis_cap)
+        metrics = losses.loss_metrics(cat["new"], cat["old"], cat["rollout"], cat["adv"],
+                                      torch.ones_like(cat["adv"]), entropy=cat["entropy"], **kw)
+        names = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy"}
+        for k in done[0]["totals"]:
+            metrics[names[k]] = math.fsum(d["totals"][k] for d in done) / len(done)
+        norms = [d["grad_norm"] for d in done]
+        metrics.update(grad_norm=math.fsum(norms) / len(norms), updates=len(applied), no_signal=False,
+                       skipped=not applied, skip_reason=bad)
         return metrics
 
     def _token_counts(self, mbs: list[MicroBatch]) -> dict[str, int]:
@@ -263,8 +319,10 @@ class Trainer:
             counts = tuple(map(sum, zip(*self.world.gather(counts))))
         return {"forward_tokens": counts[0], "padded_tokens": counts[1]}
 
-    def _epoch(self, mbs: list[MicroBatch], mode: str, norm: float, baseline: float = 0.0) -> dict[str, Any]:
-        """Forward and backward every micro-batch, then one optimizer step (or a skip)."""
+    def _update(self, mbs: list[MicroBatch], mode: str, norm: float, baseline: float = 0.0) -> dict[str, Any]:
+        """Forward and backward every micro-batch of one mini-batch, then one optimizer step, or none when
+        the loss or the gradient is not finite ("skip_reason" says which). Its loss parts, gradient norm
+        and per-token values for the step's metrics."""
         cfg = self.cfg
         kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap)
         opd_clip = cfg.opd_clip or None  # 0 = off
@@ -302,7 +360,7 @@ class Trainer:
         summed = torch.stack(list(parts.values()))
         if self.world is not None:  # every rank's share of the whole batch's loss: their sum is the loss
             self.world.all_sum(summed)
-        totals = dict(zip(parts, summed.tolist()))  # the step's one read-back
+        totals = dict(zip(parts, summed.tolist()))  # the update's one read-back
         bad = None if math.isfinite(totals["loss"]) else f"non-finite loss ({totals['loss']})"
         gn = math.nan
         if bad is None:
@@ -315,25 +373,13 @@ class Trainer:
                 torch._foreach_mul_(grads, cfg.grad_clip / (gn + 1e-6))  # one launch, not one per tensor
             self.optimizer.step()
             faults.point("trainer.step.after_optimizer")
-            self.consecutive_skips = 0
-        else:  # the weights and the optimizer state stay exactly as they were
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-            if self.consecutive_skips >= PAUSE_AFTER_SKIPS:
-                self.paused = True
-                self.pause_reason = f"{self.consecutive_skips} non-finite steps in a row (last: {bad})"
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # a skipped update leaves weights and optimizer state as they were
 
         cat = {k: torch.cat(v) for k, v in seen.items()}
         if self.world is not None:  # the diagnostics are over the whole batch's loss tokens
             cat = {k: torch.cat(per_rank) for k, per_rank in zip(cat, zip(*self.world.gather(
                 [cat[k].cpu() for k in cat])))}
-        metrics = losses.loss_metrics(cat["new"], cat["old"], cat["rollout"], cat["adv"],
-                                      torch.ones_like(cat["adv"]), entropy=cat["entropy"], **kw)
-        names = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy"}
-        metrics.update({names[k]: v for k, v in totals.items()})
-        metrics.update(grad_norm=gn, skipped=bad is not None, skip_reason=bad)
-        return metrics
+        return {"totals": totals, "seen": cat, "grad_norm": gn, "skip_reason": bad}
 
     def unpause(self) -> None:
         """Lift a pause caused by non-finite steps (the operator's `resume`)."""

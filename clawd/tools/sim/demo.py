@@ -70,8 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--personas", default=DEFAULT_PERSONAS,
                     help=f"comma-separated, name[:param] (default {DEFAULT_PERSONAS}; known: {', '.join(PERSONAS)})")
     ap.add_argument("--mode", choices=("rl", "opd", "combine"), default="rl", help="clawd's scoring mode (default rl)")
-    ap.add_argument("--teacher", choices=("policy", "reference"), default="policy",
-                    help="teacher engine in opd/combine: 'reference' starts a second engine (default policy)")
+    ap.add_argument("--teacher", choices=("policy", "reference"), default="reference",
+                    help="teacher engine in opd/combine (default reference: the frozen initial weights, clawd's "
+                         "default; 'policy' makes the policy its own teacher and warns)")
     ap.add_argument("--lr", type=float, default=None, help="learning rate (default 5e-5; with --lora 5e-4)")
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen base ([train] lora_rank)")
     ap.add_argument("--no-safety", action="store_true", help="no gate, monitors or rollback checkpoints (a control)")
@@ -270,7 +271,9 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
         "versions": {str(v): row for v, row in versions.items()},
         "daemon": {"exit": code, "steps": learner.get("steps"), "publishes": learner.get("publishes"),
                    "failed_publishes": learner.get("failed_publishes"), "stale_dropped": learner.get("stale_dropped"),
-                   "samples_trained": learner.get("samples_trained"), "votes": status["scoring"]["votes"],
+                   "samples_trained": learner.get("samples_trained"), "samples_collected": status["queue"]["collected"],
+                   "dropped_after_rollback": learner.get("dropped_after_rollback"),
+                   "samples_waiting": status["queue"]["waiting"], "votes": status["scoring"]["votes"],
                    "excluded": status["scoring"]["excluded"], "hints_accepted": status["scoring"]["hints_accepted"]},
         "users": {"sessions": len(users.sessions), "ended": users.ended, "errors": users.errors[:20],
                   "styles": collections.Counter(p.style for p in users.sessions),
@@ -376,6 +379,9 @@ def print_summary(summary: dict[str, Any], out: Path, png: Path | None) -> None:
     print(f"\nafter {clock(summary['seconds'])} ({summary['tuning']}): {summary['daemon']['steps']} training steps, "
           f"last version v{sat['last_version']}; {summary['users']['sessions']} sessions "
           f"{summary['users']['ended']}, {len(summary['users']['errors'])} errors")
+    d = summary["daemon"]
+    print(f"samples: {d['samples_collected']} collected, {d['samples_trained']} trained, {d['stale_dropped']} dropped "
+          f"as stale, {d['dropped_after_rollback']} dropped by rollbacks, {d['samples_waiting']} still waiting")
     print(f"{'persona':12s} {'preference':24s} {'v0':>5s} {'v' + str(sat['after_version']):>6s}   (evaluation set)")
     for name, p in summary["personas"].items():
         print(f"{name:12s} {p['preference']:24s} {pct(p['before'].get('satisfied')):>5s} {pct(p['after'].get('satisfied')):>6s}")
