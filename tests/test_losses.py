@@ -111,6 +111,31 @@ def test_head_logprobs_gradcheck_and_without_t1():
         lambda h, w: losses.head_logprobs(h, w, targets, temps, chunk_tokens=4)[:2], (hidden, weight))
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_head_logprobs_at_ids_equal_the_full_logits_path_with_gradients(chunk):
+    # top-K distillation's student side: T = 1 log-probs at K ids a position (duplicates allowed), with grad
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(11, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 5, 3))
+    ids[0, 0] = torch.tensor([4, 4, 7])
+    upstream = torch.randn(2, 5, 3, dtype=torch.float64)
+    want = torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias), -1).gather(-1, ids)
+    got = losses.head_logprobs_at(hidden, weight, ids, bias=bias, chunk_tokens=chunk)
+    assert got.shape == (2, 5, 3) and torch.allclose(got, want, atol=1e-13, rtol=0)
+    grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight, bias))
+    for a, b in zip(torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias)), grads):
+        assert torch.allclose(a, b, atol=1e-12, rtol=0)
+    # K = 1 at the sampled ids is the token log-prob at T = 1 (the KL's side), now with a gradient
+    targets = ids[..., 0]
+    lp1 = losses.head_logprobs(hidden, weight, targets, 1.0, bias=bias, with_t1=True)[2]
+    at = losses.head_logprobs_at(hidden, weight, targets[..., None], bias=bias)[..., 0]
+    assert torch.allclose(at, lp1, atol=1e-13, rtol=0) and at.requires_grad and not lp1.requires_grad
+    assert torch.autograd.gradcheck(lambda h, w: losses.head_logprobs_at(h, w, ids[:1, :3], chunk_tokens=2),
+                                    (hidden.detach()[:1, :3].requires_grad_(), weight))
+
+
 def test_head_logprobs_in_bfloat16_are_those_of_autocast_logits():
     # The trainer on CUDA: bf16 logits (what autocast's linear gives), log-softmax in float32.
     gen = torch.Generator().manual_seed(2)

@@ -191,6 +191,65 @@ class _ChunkedHead(torch.autograd.Function):
         return gh, gw, gb, None, None, None, None, None
 
 
+def head_logprobs_at(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: Tensor | None = None,
+                     chunk_tokens: int | None = None, compute_dtype: torch.dtype | None = None) -> Tensor:
+    """log_softmax(linear(hidden, weight, bias)) at T = 1 at K ids per position, with gradients: [..., H]
+    hidden states and [..., K] ids → [..., K] log-probs in at least float32. What top-K distillation needs of
+    the student (its log-probs at its own top-k ids, or at the teacher's) and what a KL to a reference
+    scored at T = 1 needs (K = 1, the sampled ids). Chunked like `head_logprobs`: the logits never exist
+    whole, and the backward recomputes a chunk's: d lp_k / d z_j = [j = y_k] − p_j."""
+    lead, size = ids.shape[:-1], hidden.shape[-1]
+    chunk = chunk_tokens or head_chunk_tokens(weight.shape[0])
+    out = _ChunkedHeadAt.apply(hidden.reshape(-1, size), weight, bias, ids.reshape(-1, ids.shape[-1]), chunk,
+                               compute_dtype or weight.dtype)
+    return out.view(*lead, ids.shape[-1])
+
+
+class _ChunkedHeadAt(torch.autograd.Function):
+    """The autograd side of head_logprobs_at: saves hidden, weight and ids, never logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, chunk, dtype):
+        acc = torch.promote_types(dtype, torch.float32)
+        out = hidden.new_empty(ids.shape, dtype=acc)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, hidden.shape[0], chunk):
+                rows = slice(s, s + chunk)
+                logits = torch.nn.functional.linear(hidden[rows].to(dtype), w, b)
+                out[rows] = torch.log_softmax(logits, dim=-1, dtype=acc).gather(1, ids[rows])
+        ctx.save_for_backward(hidden, weight, bias, ids)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, weight, bias, ids = ctx.saved_tensors
+        chunk, dtype = ctx.chunk, ctx.dtype
+        acc = torch.promote_types(dtype, torch.float32)
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        gh = torch.empty_like(hidden) if want_h else None
+        gw = torch.zeros_like(weight) if want_w else None
+        gb = torch.zeros_like(bias) if want_b else None
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, hidden.shape[0], chunk):
+                rows = slice(s, s + chunk)
+                h = hidden[rows].to(dtype)
+                gr = g[rows].to(acc)
+                # Σ_k g_k (onehot(y_k) − p): −p scaled by the row's Σ g, then each g_k added at its id
+                d = torch.softmax(torch.nn.functional.linear(h, w, b), dim=-1, dtype=acc).mul_(-gr.sum(-1, keepdim=True))
+                d.scatter_add_(1, ids[rows], gr)
+                d = d.to(dtype)
+                if want_h:
+                    gh[rows] = d @ w
+                if want_w:
+                    gw.add_(d.t() @ h)
+                if want_b:
+                    gb.add_(d.sum(0, dtype=acc))
+        return gh, gw, gb, None, None, None
+
+
 # --- advantages ------------------------------------------------------------------------------
 
 def reward_baseline(rewards: Iterable[float]) -> float:
