@@ -113,6 +113,15 @@ def _tempered_logsoftmax(logits: Tensor, t: Tensor) -> Tensor:
     return torch.log_softmax(logits / t[:, None], dim=-1)
 
 
+def _head_grad_buffers(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype):
+    """A chunked head's backward: (grad of hidden, of weight, of bias: None where not wanted, the weight and the
+    bias in the logits' dtype)."""
+    want_h, want_w, want_b = ctx.needs_input_grad[:3]
+    return (torch.empty_like(hidden) if want_h else None, torch.zeros_like(weight) if want_w else None,
+            torch.zeros_like(bias) if want_b and bias is not None else None,
+            weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
 class _ChunkedHead(torch.autograd.Function):
     """The autograd side of head_logprobs. Saves the hidden states, the weight and the entropy, never
     logits; the backward recomputes a chunk's logits and log-softmax and forms their gradient directly:
@@ -149,10 +158,7 @@ class _ChunkedHead(torch.autograd.Function):
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         if g_lp is None and g_ent is None:
             return (None,) * 8
-        gh = torch.empty_like(hidden) if want_h else None
-        gw = torch.zeros_like(weight) if want_w else None
-        gb = torch.zeros_like(bias) if want_b else None
-        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        gh, gw, gb, w, b = _head_grad_buffers(ctx, hidden, weight, bias, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
                 rows, y = slice(s, s + chunk), targets[s:s + chunk, None]
@@ -228,10 +234,7 @@ class _ChunkedHeadAt(torch.autograd.Function):
         chunk, dtype = ctx.chunk, ctx.dtype
         acc = torch.promote_types(dtype, torch.float32)
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        gh = torch.empty_like(hidden) if want_h else None
-        gw = torch.zeros_like(weight) if want_w else None
-        gb = torch.zeros_like(bias) if want_b else None
-        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        gh, gw, gb, w, b = _head_grad_buffers(ctx, hidden, weight, bias, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
                 rows = slice(s, s + chunk)
