@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from clawd.trainer import losses
+from clawd.trainer import head, losses
 
 F64 = torch.float64
 NAN, INF = math.nan, math.inf
@@ -88,14 +88,14 @@ def test_head_logprobs_in_chunks_equal_the_full_logits_path(chunk):
     temps = t([0.7, 1.0, 1.3])
     a, c = torch.randn(3, 5, dtype=F64, generator=gen), torch.randn(3, 5, dtype=F64, generator=gen)
     want = _full_head(hidden, weight, bias, targets, temps)
-    got = losses.head_logprobs(hidden, weight, targets, temps, bias=bias, with_t1=True, chunk_tokens=chunk)
+    got = head.head_logprobs(hidden, weight, targets, temps, bias=bias, with_t1=True, chunk_tokens=chunk)
     assert all(close(x, y, atol=1e-13) for x, y in zip(got, want))
     assert not got[2].requires_grad  # the T = 1 log-probs only ever feed the (detached) OPD term
     # gradients through the log-probs, the entropy, and both (float64: rounding only)
     for f in (lambda lp, ent: (a * lp).sum(), lambda lp, ent: (c * ent).sum(),
               lambda lp, ent: (a * lp).sum() + (c * ent).sum()):
         g_want = torch.autograd.grad(f(*_full_head(hidden, weight, bias, targets, temps)[:2]), (hidden, weight, bias))
-        lp, ent, _ = losses.head_logprobs(hidden, weight, targets, temps, bias=bias, chunk_tokens=chunk)
+        lp, ent, _ = head.head_logprobs(hidden, weight, targets, temps, bias=bias, chunk_tokens=chunk)
         g_got = torch.autograd.grad(f(lp, ent), (hidden, weight, bias))
         assert all(close(x, y, atol=1e-12) for x, y in zip(g_got, g_want))
 
@@ -106,9 +106,9 @@ def test_head_logprobs_gradcheck_and_without_t1():
     weight = torch.randn(6, 4, dtype=F64, generator=gen, requires_grad=True)
     targets = torch.randint(0, 6, (2, 3), generator=gen)
     temps = t([0.5, 2.0])
-    assert losses.head_logprobs(hidden, weight, targets, temps)[2] is None
+    assert head.head_logprobs(hidden, weight, targets, temps)[2] is None
     assert torch.autograd.gradcheck(
-        lambda h, w: losses.head_logprobs(h, w, targets, temps, chunk_tokens=4)[:2], (hidden, weight))
+        lambda h, w: head.head_logprobs(h, w, targets, temps, chunk_tokens=4)[:2], (hidden, weight))
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 1000])
@@ -122,17 +122,17 @@ def test_head_logprobs_at_ids_equal_the_full_logits_path_with_gradients(chunk):
     ids[0, 0] = torch.tensor([4, 4, 7])
     upstream = torch.randn(2, 5, 3, dtype=torch.float64)
     want = torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias), -1).gather(-1, ids)
-    got = losses.head_logprobs_at(hidden, weight, ids, bias=bias, chunk_tokens=chunk)
+    got = head.head_logprobs_at(hidden, weight, ids, bias=bias, chunk_tokens=chunk)
     assert got.shape == (2, 5, 3) and torch.allclose(got, want, atol=1e-13, rtol=0)
     grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight, bias))
     for a, b in zip(torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias)), grads):
         assert torch.allclose(a, b, atol=1e-12, rtol=0)
     # K = 1 at the sampled ids is the token log-prob at T = 1 (the KL's side), now with a gradient
     targets = ids[..., 0]
-    lp1 = losses.head_logprobs(hidden, weight, targets, 1.0, bias=bias, with_t1=True)[2]
-    at = losses.head_logprobs_at(hidden, weight, targets[..., None], bias=bias)[..., 0]
+    lp1 = head.head_logprobs(hidden, weight, targets, 1.0, bias=bias, with_t1=True)[2]
+    at = head.head_logprobs_at(hidden, weight, targets[..., None], bias=bias)[..., 0]
     assert torch.allclose(at, lp1, atol=1e-13, rtol=0) and at.requires_grad and not lp1.requires_grad
-    assert torch.autograd.gradcheck(lambda h, w: losses.head_logprobs_at(h, w, ids[:1, :3], chunk_tokens=2),
+    assert torch.autograd.gradcheck(lambda h, w: head.head_logprobs_at(h, w, ids[:1, :3], chunk_tokens=2),
                                     (hidden.detach()[:1, :3].requires_grad_(), weight))
 
 
@@ -142,7 +142,7 @@ def test_head_logprobs_in_bfloat16_are_those_of_autocast_logits():
     hidden, weight = torch.randn(2, 9, 16, generator=gen), torch.randn(50, 16, generator=gen)
     targets, temps = torch.randint(0, 50, (2, 9), generator=gen), torch.tensor([0.7, 1.0])
     logits = torch.nn.functional.linear(hidden.bfloat16(), weight.bfloat16())
-    lp, ent, _ = losses.head_logprobs(hidden, weight, targets, temps, chunk_tokens=5, compute_dtype=torch.bfloat16)
+    lp, ent, _ = head.head_logprobs(hidden, weight, targets, temps, chunk_tokens=5, compute_dtype=torch.bfloat16)
     assert lp.dtype == ent.dtype == torch.float32
     # float32 after the same bf16 logits: only the reductions' order may differ (|lp| ~ 5, |H| ~ 3)
     assert torch.allclose(lp, losses.token_logprobs(logits, targets, temps), rtol=0, atol=1e-6)

@@ -9,7 +9,7 @@ works with sdpa, eager and flash kernels alike, needs no 4-D mask (an [L, L] blo
 costs memory quadratic in the whole pack) and, sorted by length, wastes little padding.
 Logits are computed only at the response positions: the decoder's last hidden states are
 gathered there and only those go through the output layer, so memory scales with response
-tokens, not with prompt tokens × vocabulary. Even those never exist whole: `losses.head_logprobs`
+tokens, not with prompt tokens × vocabulary. Even those never exist whole: `head.head_logprobs`
 runs the output layer and the log-softmax a chunk of positions at a time and recomputes a chunk's
 logits in the backward (a [b, R, V] float32 tensor is 0.6 MB a position at Qwen's vocabulary).
 """

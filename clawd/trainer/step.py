@@ -46,7 +46,7 @@ import torch
 from clawd import faults
 from clawd.train_config import TrainConfig
 from clawd.samples import MODES, Sample
-from clawd.trainer import adapters, checkpoints, losses, sharding
+from clawd.trainer import adapters, checkpoints, head, losses, sharding
 from clawd.trainer.batches import MicroBatch, micro_batch, mini_batches, pack
 from clawd.trainer.sharding import World
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
@@ -77,7 +77,7 @@ def warmup_lr(base: float, step: int, warmup_steps: int) -> float:
 
 class _Scorer(torch.nn.Module):
     """The model's log-probs at the response positions, as one module call: the decoder's last hidden
-    states there, then `losses.head_logprobs` over the output layer. One call, so that FSDP's root
+    states there, then `head.head_logprobs` over the output layer. One call, so that FSDP's root
     (this module, holding the embeddings, the final norm and the output layer) gathers its
     parameters before them and reduces their gradients after."""
 
@@ -90,9 +90,9 @@ class _Scorer(torch.nn.Module):
         with self.autocast():
             hidden = self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
         hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-        head = self.model.get_output_embeddings()
-        return losses.head_logprobs(hidden, head.weight, targets, temperature, bias=head.bias, with_t1=with_t1,
-                                    chunk_tokens=chunk_tokens, compute_dtype=compute_dtype)
+        layer = self.model.get_output_embeddings()
+        return head.head_logprobs(hidden, layer.weight, targets, temperature, bias=layer.bias, with_t1=with_t1,
+                                  chunk_tokens=chunk_tokens, compute_dtype=compute_dtype)
 
 
 class Trainer:
@@ -158,7 +158,7 @@ class Trainer:
                                            weight_decay=cfg.weight_decay, fused=True if cuda else None)
         # The logits' dtype (what autocast gives on CUDA) and positions per output-layer chunk.
         self.compute_dtype = torch.bfloat16 if cuda else None
-        self.head_chunk_tokens = losses.head_chunk_tokens(self.model.get_output_embeddings().weight.shape[0])
+        self.head_chunk_tokens = head.head_chunk_tokens(self.model.get_output_embeddings().weight.shape[0])
         self.step = 0                  # batches trained (train_step calls), skipped ones included
         self.version = 0               # the newest version published: new ones must be above it
         self.weights_version = 0       # the version the current weights were published as; 0: model_dir
