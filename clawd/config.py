@@ -321,19 +321,12 @@ class LearnerConfig:
 
     def check(self) -> dict[str, str]:
         errors = not_positive(self, "stall_warn_interval", "train_timeout", "trainer_ready_timeout",
-                               "publish_timeout") | below(self, 0, "rollout_timeout", "max_staleness")
+                               "publish_timeout", "backlog_batches") | below(self, 0, "rollout_timeout", "max_staleness")
         if self.rollout_batch_size < 1:
             errors["rollout_batch_size"] = "must be at least 1"
         if not 1 <= self.min_batch_size <= self.rollout_batch_size:
             errors["min_batch_size"] = "must be in 1..rollout_batch_size"
-        if self.backlog_batches < 1:
-            errors["backlog_batches"] = "must be at least 1 (1: every step takes rollout_batch_size samples)"
         return errors
-
-    @property
-    def batch_limit(self) -> int:
-        """The most samples one step takes."""
-        return self.backlog_batches * self.rollout_batch_size
 
 
 @dataclass(frozen=True)

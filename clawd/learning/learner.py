@@ -305,7 +305,7 @@ class Learner:
             waited = time.monotonic() - started
             timed_out = cfg.rollout_timeout > 0 and waited >= cfg.rollout_timeout
             if fresh >= n or (timed_out and fresh >= cfg.min_batch_size):
-                take = min(max(fresh, n), cfg.batch_limit)  # a backlog at once: batches of n would age it out
+                take = min(max(fresh, n), cfg.backlog_batches * n)  # a backlog at once: batches of n would age it out
                 batch, stale = self.store.take_batch(take, current_version=version, max_staleness=cfg.max_staleness)
                 self.stats.stale_dropped += len(stale)
                 if stale:  # acked with the next checkpoint: they will never be trained

@@ -110,8 +110,7 @@ class Status:
                       "effective": store.fresh(self.policy.version, cfg.learner.max_staleness),
                       "batch_size": cfg.learner.rollout_batch_size, "journal_live": store.depth,
                       "stale_dropped": store.dropped_stale, "acked": store.acked_total,
-                      # what a run kept of what scoring gave it: collected = trained + dropped + waiting
-                      "collected": store.put_total, "dropped_doomed": store.dropped_doomed},
+                      "collected": store.put_total},  # every sample scoring gave the store
             "sessions": {"live": len(self.chat.sessions), "bytes": self.chat.sessions.retained_bytes,
                          "max_bytes": self.chat.sessions.max_bytes,
                          "evicted_for_bytes": self.chat.sessions.evicted_for_bytes},
