@@ -25,6 +25,10 @@ Standalone:  python tests/fake_sglang.py --port 0 --tokens 32 --token-delay 0
 Log-prob values are pure functions of (position, id) so tests can compute them:
 input_logprob(pos, tok) for prompt scoring, output_logprob(tok) for sampled
 tokens, deliberately different (prefill log-probs are T=1, decode ones are not).
+Each position's whole distribution (`top_logprobs_num`, `token_ids_logprob`) is
+row_logprob(lp, tok, x): it falls 0.5 per id after the scored or sampled `tok`,
+whose log-prob is lp. A prefill-only request's one output row is centred on the
+first scripted token with input_logprob(len(prompt), tok).
 A LoRA adapter shifts every log-prob of the items it serves by lora_offset(name),
 so a test can tell which adapter served a row; `lora_used` records (rid, adapter)
 of every /generate item (None: the base model).
@@ -114,9 +118,20 @@ def lora_incompatible(name: str, rank) -> str:
             f"`--max-lora-rank` and that the target modules are included in `--lora-target-modules`.")
 
 
+def row_logprob(lp: float, tok: int, x: int, vocab_size: int) -> float:
+    """Log-prob of id x in the row of a position whose own token `tok` has log-prob lp."""
+    return round(lp - 0.5 * ((x - tok) % vocab_size), 6)
+
+
 def top_logprobs(lp: float, tok: int, k: int, vocab_size: int) -> list[list]:
     """k alternatives: the token itself first, then its neighbours, each 0.5 nats lower."""
-    return [[round(lp - 0.5 * j, 6), (tok + j) % vocab_size, None] for j in range(k)]
+    return [[row_logprob(lp, tok, (tok + j) % vocab_size, vocab_size), (tok + j) % vocab_size, None]
+            for j in range(k)]
+
+
+def ids_logprobs(lp: float, tok: int, ids: list[int], vocab_size: int) -> list[list]:
+    """The same row read at `ids`, in the request's order, duplicates kept."""
+    return [[row_logprob(lp, tok, x, vocab_size), x, None] for x in ids]
 
 
 def token_text(tok: int) -> str:
@@ -149,7 +164,7 @@ class _Item:
     """One sequence being generated. Mutable state, so a plain slotted class."""
     __slots__ = ("rid", "index", "ids", "sp", "max_new", "min_new", "stops", "no_trim",
                  "logprob", "start", "topk", "script", "out", "lps", "tops", "spans", "finish",
-                 "abort", "started", "retractions", "t0", "gen", "lora")
+                 "abort", "started", "retractions", "t0", "gen", "lora", "lp_ids", "chosen", "with_text")
 
     def __init__(self, rid, index, ids, sp, logprob, start, topk, eos_id):
         self.rid, self.index, self.ids, self.sp = rid, index, ids, sp
@@ -164,6 +179,9 @@ class _Item:
         self.out: list[int] = []
         self.lps: list[list] = []
         self.tops: list[list] = []
+        self.lp_ids: list[int] | None = None  # token_ids_logprob, only with return_logprob
+        self.chosen: list[list] = []  # one token_ids_logprob row per output position
+        self.with_text = False  # return_text_in_logprobs
         self.spans: list[dict] = []
         self.finish: dict | None = None
         self.abort: str | None = None  # the cause, once aborted
@@ -246,6 +264,15 @@ def check_sampling_params(sp: Any) -> None:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _texts(entries: list[list], on: bool) -> list[list]:
+    """return_text_in_logprobs: each triple's text is its id decoded alone."""
+    return [[lp, tok, token_text(tok)] for lp, tok, _ in entries] if on else entries
+
+
+def _row_texts(rows: list, on: bool) -> list:
+    return [None if r is None else _texts(r, on) for r in rows] if on else rows
 
 
 def _bad_request(message: str) -> web.Response:
@@ -541,6 +568,8 @@ class FakeSGLang:
         per_item = ("return_logprob", "logprob_start_len", "top_logprobs_num")
         if n > 1 and any(isinstance(body.get(k), list) for k in per_item):
             raise ValueError("Per-request lists of log-prob options are not allowed with n > 1.")
+        lp_ids = self._token_ids_logprob(body.get("token_ids_logprob"), count, batch, n)
+        with_text = body.get("return_text_in_logprobs") is True
         rid = body.get("rid")
         if not (rid is None or isinstance(rid, str)
                 or isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
@@ -564,6 +593,10 @@ class FakeSGLang:
             if not (_is_int(start) and _is_int(topk)):
                 raise ContractError("invalid type: expected an integer for `logprob_start_len` "
                                     "and `top_logprobs_num`")
+            topk = max(topk, 0) if logprob else 0  # <= 0 is off; all of it needs return_logprob
+            if topk > self.vocab_size:  # SGLang's scheduler crashes here; clawd's engine refuses it too
+                raise ValueError(f"top_logprobs_num ({topk}) exceeds the vocabulary size "
+                                 f"({self.vocab_size}).")
             if start > len(prompt):
                 raise ValueError(f"logprob_start_len ({start}) is larger than the input length "
                                  f"({len(prompt)}).")
@@ -577,12 +610,41 @@ class FakeSGLang:
                     r = f"{rid}_{b}" if batch else rid
                 item = _Item(r, len(items), prompt, sp, logprob, start, topk, self.eos_id)
                 item.lora = adapter
+                item.lp_ids = lp_ids[b] if logprob else None
+                item.with_text = with_text
                 # scheduler.py: max_new_tokens, given or not, is cut to the room left
                 item.max_new = min(item.max_new, self.max_req_len - len(prompt) - 1)
                 if refused is not None:
                     item.finish, item.started = dict(refused), True
                 items.append(item)
         return items, batch or n > 1
+
+    def _token_ids_logprob(self, value, count: int, batch: bool, n: int) -> list[list[int] | None]:
+        """One id list (or None) per prompt. api/v1/api_types.py: [] or a list starting with a
+        number is one flat list (every prompt shares it), other lists one list per prompt;
+        tokenizer_manager.py (_validate_token_ids_logprob) checks every id against the vocabulary,
+        with or without return_logprob."""
+        if value is None or value == []:
+            return [None] * count
+        if not isinstance(value, list):
+            raise ContractError(f"invalid type: {value!r}, expected a value or an array of values "
+                                f"for TokenIdsOrList")
+        flat = isinstance(value[0], (int, float)) and not isinstance(value[0], bool)
+        lists = [value] if flat else value
+        if not all(isinstance(ids, list) and all(map(_is_int, ids)) for ids in lists):
+            raise ContractError("invalid type: expected i64 for `token_ids_logprob`")
+        if not flat and n > 1:
+            raise ValueError("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+        if not flat and not batch:
+            raise ValueError("token_ids_logprob must be a flat list of integers.")
+        per = [value] * count if flat else [_per_item(value, b, count, "token_ids_logprob")
+                                            for b in range(count)]
+        for ids in per:
+            bad = [x for x in ids if not 0 <= x < self.vocab_size]
+            if bad:
+                raise ValueError(f"token_ids_logprob contains out-of-vocabulary token id {bad[0]}; "
+                                 f"valid range is [0, {self.vocab_size}).")
+        return [ids or None for ids in per]
 
     def _check_length(self, prompt: list[int], sp: dict) -> dict | None:
         """The context limits, in SGLang's order. The tokenizer (_validate_one_request) refuses
@@ -698,6 +760,7 @@ class FakeSGLang:
                 script = self.responder(it.ids, it.sp)
                 it.script = list(await script if inspect.isawaitable(script) else script)
                 if it.max_new == 0:  # prefill only: scoring
+                    self._next_token_row(it)
                     it.finish = {"type": "length", "length": 0}
                     self._finished(it)
         live = items
@@ -728,8 +791,7 @@ class FakeSGLang:
         if it.logprob:
             lp = shifted(output_logprob(tok), it.lora)
             it.lps.append([lp, tok, None])
-            if it.topk:
-                it.tops.append(top_logprobs(lp, tok, it.topk, self.vocab_size))
+            self._keep_row(it, lp, tok)
         if it.spans and it.spans[-1]["version"] == self.weight_version:
             it.spans[-1]["end"] = i + 1
         else:
@@ -740,6 +802,20 @@ class FakeSGLang:
             it.finish = {"type": "length", "length": it.max_new}
         if it.finish is not None:
             self._finished(it)
+
+    def _keep_row(self, it: _Item, lp: float, tok: int) -> None:
+        """The output position's rows, centred on `tok` with log-prob lp."""
+        if it.topk > 0:
+            it.tops.append(top_logprobs(lp, tok, it.topk, self.vocab_size))
+        if it.lp_ids:
+            it.chosen.append(ids_logprobs(lp, tok, it.lp_ids, self.vocab_size))
+
+    def _next_token_row(self, it: _Item) -> None:
+        """SGLang reports one output row for a prefill-only request: the (T = 1) next-token
+        distribution after the prompt, here centred on the first scripted token."""
+        if it.logprob:
+            tok = it.script[0] if it.script else self.eos_id
+            self._keep_row(it, shifted(input_logprob(len(it.ids), tok), it.lora), tok)
 
     def _finished(self, it: _Item) -> None:
         if self._inflight.get(it.rid) is it:
@@ -761,12 +837,17 @@ class FakeSGLang:
         meta["weight_version"] = self.weight_version
         meta["num_retractions"] = it.retractions
         if it.logprob:
-            meta["input_token_logprobs"] = self._input_logprobs(it)
-            meta["output_token_logprobs"] = it.lps[lo:]
+            text = it.with_text
+            meta["input_token_logprobs"] = _texts(self._input_logprobs(it), text)
+            meta["output_token_logprobs"] = _texts(it.lps[lo:], text)
             meta["output_token_logprobs_length"] = len(it.lps) - lo
-            if it.topk:
-                meta["input_top_logprobs"] = self._input_tops(it)
-                meta["output_top_logprobs"] = it.tops[lo:]
+            if it.topk > 0:
+                meta["input_top_logprobs"] = _row_texts(self._input_rows(it, top_logprobs, it.topk), text)
+                meta["output_top_logprobs"] = _row_texts(it.tops[lo:], text)
+            if it.lp_ids:
+                meta["input_token_ids_logprobs"] = _row_texts(self._input_rows(it, ids_logprobs, it.lp_ids),
+                                                              text)
+                meta["output_token_ids_logprobs"] = _row_texts(it.chosen[lo:], text)
         if not waiting:
             meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = len(out)
@@ -784,12 +865,12 @@ class FakeSGLang:
         return [[None if p == s else shifted(input_logprob(p, ids[p]), it.lora), ids[p], None]
                 for p in range(s, len(ids))]
 
-    def _input_tops(self, it: _Item) -> list:
+    def _input_rows(self, it: _Item, row: Callable, arg) -> list:
+        """Input rows beside input_token_logprobs: null at position s, then row(lp, tok, arg, V)."""
         if it.start < 0:
             return []
         ids, s = it.ids, it.start
-        return [None if p == s else top_logprobs(input_logprob(p, ids[p]), ids[p], it.topk,
-                                                 self.vocab_size)
+        return [None if p == s else row(shifted(input_logprob(p, ids[p]), it.lora), ids[p], arg, self.vocab_size)
                 for p in range(s, len(ids))]
 
     # ---- control routes --------------------------------------------------------------------

@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.fake_sglang import (ABORTED, SAMPLING_KEYS, FakeSGLang, default_script, input_logprob,
-                               output_logprob, token_text, top_logprobs)
+from tests.fake_sglang import (ABORTED, SAMPLING_KEYS, FakeSGLang, default_script, ids_logprobs, input_logprob,
+                               lora_offset, output_logprob, row_logprob, shifted, token_text, top_logprobs)
 
 META_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
              "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
@@ -168,7 +168,10 @@ async def test_prefill_scoring(http):
     assert input_logprob(4, 15) != output_logprob(15)
     tmeta = top["meta_info"]
     assert tmeta["input_top_logprobs"] == [None, top_logprobs(input_logprob(5, 16), 16, 2, 4096)]
-    assert tmeta["output_top_logprobs"] == []
+    # SGLang's one output row for a prefill-only request: the next-token distribution after the prompt
+    first = default_script(ids, 32, 2)[0]
+    assert tmeta["output_top_logprobs"] == [top_logprobs(input_logprob(6, first), first, 2, 4096)]
+    assert tmeta["output_token_logprobs"] == [] and "output_token_ids_logprobs" not in tmeta
     assert whole["meta_info"]["input_token_logprobs"] == []
 
 
@@ -180,6 +183,48 @@ async def test_output_top_logprobs(http):
         [[output_logprob(30), 30, None], [output_logprob(30) - 0.5, 31, None],
          [output_logprob(30) - 1.0, 32, None]],
         top_logprobs(output_logprob(2), 2, 3, 4096)]
+
+
+def test_row_functions_are_one_distribution():
+    assert row_logprob(-1.0, 10, 10, 16) == -1.0 and row_logprob(-1.0, 10, 12, 16) == -2.0
+    assert row_logprob(-1.0, 10, 9, 16) == -8.5  # wraps: 15 ids after 10
+    assert top_logprobs(-1.0, 15, 3, 16) == [[-1.0, 15, None], [-1.5, 0, None], [-2.0, 1, None]]
+    assert ids_logprobs(-1.0, 15, [1, 15, 1], 16) == [[-2.0, 1, None], [-1.0, 15, None], [-2.0, 1, None]]
+
+
+async def test_token_ids_logprob_rows_and_text(http):
+    ids, want = [40, 41, 42, 43], [7, 300, 7]
+    async with FakeSGLang(lambda i, sp: [50, 51, 2]) as fake:
+        _, out = await post(http, fake, "/generate", {
+            "input_ids": ids, "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 2,
+            "token_ids_logprob": want, "return_text_in_logprobs": True})
+        _, off = await post(http, fake, "/generate", {
+            "input_ids": ids, "token_ids_logprob": want, "top_logprobs_num": 2})
+        _, zero = await post(http, fake, "/generate", {
+            "input_ids": ids, "return_logprob": True, "top_logprobs_num": -1, "token_ids_logprob": []})
+    text = lambda row: [[lp, tok, token_text(tok)] for lp, tok, _ in row]
+    meta = out["meta_info"]
+    assert meta["input_token_ids_logprobs"] == [None, text(ids_logprobs(input_logprob(3, 43), 43, want, 4096))]
+    assert meta["input_top_logprobs"] == [None, text(top_logprobs(input_logprob(3, 43), 43, 2, 4096))]
+    assert meta["output_token_ids_logprobs"] == [text(ids_logprobs(output_logprob(t), t, want, 4096))
+                                                 for t in (50, 51, 2)]
+    assert meta["input_token_logprobs"][0] == [None, 42, token_text(42)]
+    assert meta["output_token_logprobs"][0] == [output_logprob(50), 50, token_text(50)]
+    logprob_keys = {k for k in off["meta_info"] | zero["meta_info"] if "logprob" in k}
+    assert logprob_keys == set(LOGPROB_KEYS)  # ignored without return_logprob; K <= 0 and [] are off
+
+
+async def test_input_rows_carry_the_adapter_shift(http, tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": ["q_proj"]}))
+    async with FakeSGLang(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj"]) as fake:
+        assert (await post(http, fake, "/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)}))[0] == 200
+        _, out = await post(http, fake, "/generate", {
+            "input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1,
+            "token_ids_logprob": [6], "lora_path": "x", "sampling_params": {"max_new_tokens": 0}})
+    meta, lp = out["meta_info"], shifted(input_logprob(1, 6), "x")
+    assert lora_offset("x") != 0 and meta["input_token_logprobs"][1][0] == lp
+    assert meta["input_top_logprobs"] == [None, [[lp, 6, None]]]
+    assert meta["input_token_ids_logprobs"] == [None, [[lp, 6, None]]]
 
 
 async def test_stream_cumulative(http):

@@ -657,3 +657,116 @@ async def test_lora_unload_waits_for_requests_in_flight(serve, http, lora_dirs):
         status, out = await unload
     assert chunks[-1]["meta_info"]["finish_reason"] == ABORTED
     assert (status, out) == (200, lora_answer({}))
+
+
+# --------------------------------------------------------------------------
+# 9. Top-k and id log-probs (`top_logprobs_num`, `token_ids_logprob`)
+
+VOCAB = 4096  # the fake's and the tiny model's
+ROW_KEYS = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
+PROMPT = [21, 22, 23, 24, 25, 26]
+
+
+def rows_body(max_new: int = 4, start: int = 2, k: int = 3, ids=(9, 4, 9)) -> dict:
+    """`ids`: token_ids_logprob as sent (a tuple is sent as a list)."""
+    return {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": k,
+            "token_ids_logprob": list(ids) if isinstance(ids, tuple) else ids,
+            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}}
+
+
+def check_row(row, k: int | None = None, ids=None) -> None:
+    """One position's triples: top-k exactly k, highest first; chosen ids in the request's order."""
+    assert all(isinstance(lp, float) and type(t) is int for lp, t, _ in row)
+    if k is not None:
+        assert len(row) == k and [e[0] for e in row] == sorted((e[0] for e in row), reverse=True)
+    if ids is not None:
+        assert [e[1] for e in row] == list(ids)
+        assert len({e[0] for e, t in zip(row, ids) if t == ids[0]}) == 1  # a duplicate reads the same value
+
+
+async def test_top_logprobs_and_token_ids_logprob_shapes(serve, http):
+    """Only with `return_logprob` (ignored without, <= 0 and [] off): `input_top_logprobs` and
+    `input_token_ids_logprobs` line up with `input_token_logprobs` (len − s entries, entry 0 null;
+    s = len gives []); one output row per output token, from the tensor `output_token_logprobs`
+    reads; a prefill-only request still gets one output row. Rows are [logprob, id, text|null]
+    triples: top-k exactly K, highest first; id rows in the request's order, duplicates kept. A list
+    of lists on a single request, an id outside the vocabulary (checked even without return_logprob)
+    and (clawd's refusal where SGLang crashes) K > V are 400 {"error": {"message"}}; a scalar breaks
+    the contract. SGLang 0.5.23:
+    managers/tokenizer_manager.py (add_logprob_to_meta_info, _validate_token_ids_logprob),
+    managers/io_struct.py, layers/logprob_processor.py, api/v1/api_types.py."""
+    async with serve() as server:
+        gen = (await call(http, server, "/generate", rows_body()))[1]
+        prefill = (await call(http, server, "/generate", rows_body(max_new=0, start=5)))[1]
+        whole = (await call(http, server, "/generate", rows_body(start=len(PROMPT))))[1]
+        no_start = (await call(http, server, "/generate", rows_body(start=-1)))[1]
+        ignored = (await call(http, server, "/generate", {**rows_body(), "return_logprob": False}))[1]
+        off = (await call(http, server, "/generate", rows_body(k=-1, ids=())))[1]
+        batch = (await call(http, server, "/generate", {**rows_body(), "input_ids": [PROMPT, PROMPT[:4]],
+                                                        "token_ids_logprob": [[7, 7], [3]]}))[1]
+        refused = [await call(http, server, "/generate", body) for body in (
+            rows_body(ids=[[1, 2]]), rows_body(ids=(5, VOCAB)), rows_body(k=VOCAB + 1),
+            {**rows_body(k=VOCAB + 1), "return_logprob": False}, rows_body(ids=0), rows_body(ids=[1.5]),
+            {**rows_body(ids=(VOCAB,)), "return_logprob": False})]
+    meta, out_ids = gen["meta_info"], gen["output_ids"]
+    assert [k for k in meta if k in ROW_KEYS] == list(ROW_KEYS)
+    for key in ("input_top_logprobs", "input_token_ids_logprobs"):
+        assert len(meta[key]) == len(meta["input_token_logprobs"]) == len(PROMPT) - 2 and meta[key][0] is None
+    for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+        assert len(meta[key]) == len(out_ids) == 4
+    for row in meta["input_top_logprobs"][1:] + meta["output_top_logprobs"]:
+        check_row(row, k=3)
+    for row in meta["input_token_ids_logprobs"][1:] + meta["output_token_ids_logprobs"]:
+        check_row(row, ids=[9, 4, 9])
+    # greedy: each output top row starts with the sampled token, at the value output_token_logprobs reports
+    assert [row[0] for row in meta["output_top_logprobs"]] == meta["output_token_logprobs"]
+    assert all(e[2] is None for row in meta["output_top_logprobs"] for e in row)
+
+    pmeta = prefill["meta_info"]
+    assert (prefill["output_ids"], pmeta["output_token_logprobs"]) == ([], [])
+    assert len(pmeta["output_top_logprobs"]) == len(pmeta["output_token_ids_logprobs"]) == 1
+    check_row(pmeta["output_top_logprobs"][0], k=3)
+    check_row(pmeta["output_token_ids_logprobs"][0], ids=[9, 4, 9])
+    assert pmeta["input_top_logprobs"] == pmeta["input_token_ids_logprobs"] == [None]
+    for out in (whole, no_start):
+        assert [out["meta_info"][k] for k in ROW_KEYS[::2]] == [[], []]
+        assert len(out["meta_info"]["output_top_logprobs"]) == 4
+    assert not [k for k in ignored["meta_info"] if "logprob" in k]
+    assert not [k for k in off["meta_info"] if k in ROW_KEYS]
+    first, second = batch
+    check_row(first["meta_info"]["output_token_ids_logprobs"][0], ids=[7, 7])
+    check_row(second["meta_info"]["input_token_ids_logprobs"][1], ids=[3])
+    assert len(second["meta_info"]["input_top_logprobs"]) == 2
+
+    flat, oov, too_many, too_many_ignored, scalar, floats, oov_ignored = refused
+    assert flat == (400, {"error": {"message": "token_ids_logprob must be a flat list of integers."}})
+    assert oov == oov_ignored == (400, {"error": {"message": f"token_ids_logprob contains out-of-vocabulary "
+                                                             f"token id {VOCAB}; valid range is [0, {VOCAB})."}})
+    assert too_many == (400, {"error": {"message": f"top_logprobs_num ({VOCAB + 1}) exceeds the vocabulary "
+                                                   f"size ({VOCAB})."}})
+    assert too_many_ignored[0] == 200
+    for status, err in (scalar, floats):
+        assert status == 400 and isinstance(err["error"], str)  # the contract's shape: {"error": "<text>"}
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+async def test_logprob_rows_in_streams(serve, http, incremental):
+    """Streamed, every chunk carries the whole `input_*` lists; the `output_*` rows follow the output
+    ids: all so far (cumulative) or only the new ones (--incremental-streaming-output), reassembling
+    to the non-streamed answer; `return_text_in_logprobs` fills every triple's text, input entry 0
+    included. SGLang 0.5.23: managers/tokenizer_manager.py (_INCREMENTAL_STREAMING_META_INFO_KEYS,
+    _slice_streaming_output_meta_info)."""
+    body = {**rows_body(max_new=5), "return_text_in_logprobs": True}
+    async with serve(incremental=incremental) as server:
+        whole = (await call(http, server, "/generate", body))[1]["meta_info"]
+        chunks = await sse(http, server, body)
+    assert all(isinstance(e[2], str) for row in whole["input_top_logprobs"][1:] for e in row)
+    assert isinstance(whole["input_token_logprobs"][0][2], str)
+    for c in chunks:
+        meta = c["meta_info"]
+        for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
+            assert meta[key] == whole[key]
+        assert len(meta["output_top_logprobs"]) == len(meta["output_token_ids_logprobs"]) == len(c["output_ids"])
+    for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+        rows = sum((c["meta_info"][key] for c in chunks), []) if incremental else chunks[-1]["meta_info"][key]
+        assert rows == whole[key]

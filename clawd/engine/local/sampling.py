@@ -61,16 +61,18 @@ def truncate_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float):
 
 
 def pick_token(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],
-               banned: list[int], generator: torch.Generator) -> tuple[int, float]:
-    """Choose the next token from one row of float32 logits; return (id, log-prob).
+               banned: list[int], generator: torch.Generator) -> tuple[int, float, torch.Tensor]:
+    """Choose the next token from one row of float32 logits; return (id, log-prob, log-prob row).
 
     The log-prob is SGLang's: log_softmax(z / T) over the whole vocabulary, not
-    renormalised after truncation; greedy requests report T = 1.
+    renormalised after truncation; greedy requests report T = 1. The row is that
+    whole distribution, which SGLang's output top-k and id log-probs also read.
     """
     z = apply_penalties(logits, p, prompt, output, banned)
     if p.greedy:
         tok = int(torch.argmax(z))
-        return tok, float(torch.log_softmax(z, -1)[tok])
+        logprobs = torch.log_softmax(z, -1)
+        return tok, float(logprobs[tok]), logprobs
     logprobs = torch.log_softmax(z / p.temperature, -1)
     probs = logprobs.exp()
     if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
@@ -78,7 +80,19 @@ def pick_token(logits: torch.Tensor, p: SamplingParams, prompt: list[int], outpu
         tok = int(order[torch.multinomial(kept, 1, generator=generator)])
     else:
         tok = int(torch.multinomial(probs, 1, generator=generator))
-    return tok, float(logprobs[tok])
+    return tok, float(logprobs[tok]), logprobs
+
+
+def next_token_row(logits: torch.Tensor, p: SamplingParams, prompt: list[int]) -> torch.Tensor:
+    """A prefill-only request's one output row: log_softmax(z) at T = 1 after the whole prompt,
+    with penalties and bias applied (SGLang's compute_logprobs_only; nothing is sampled)."""
+    return torch.log_softmax(apply_penalties(logits, p, prompt, [], []), -1)
+
+
+def prompt_rows(logits: torch.Tensor, n: int, start: int) -> torch.Tensor:
+    """T = 1 log-prob rows over the vocabulary for a prompt of n ids scored from `start`:
+    row i predicts ids[start+1+i] (n - start - 1 rows). `logits` as in prompt_logprobs."""
+    return torch.log_softmax(logits[: max(n - start - 1, 0)], -1)
 
 
 def prompt_logprobs(logits: torch.Tensor, ids: list[int], start: int) -> list[float | None]:
@@ -91,6 +105,6 @@ def prompt_logprobs(logits: torch.Tensor, ids: list[int], start: int) -> list[fl
     n = len(ids)
     if start >= n:
         return []
-    rows = torch.log_softmax(logits[: n - start - 1], -1)
+    rows = prompt_rows(logits, n, start)
     targets = torch.tensor(ids[start + 1:], dtype=torch.long)
     return [None] + rows.gather(1, targets[:, None])[:, 0].tolist()

@@ -30,7 +30,7 @@ import torch
 from clawd import faults
 from clawd.engine.local.adapters import Adapters
 from clawd.engine.local.model import Batch, WeightLoadError, load_model
-from clawd.engine.local.sampling import pick_token, prompt_logprobs
+from clawd.engine.local.sampling import next_token_row, pick_token, prompt_logprobs, prompt_rows
 from clawd.engine.local.sequences import Cursor, Group, Req
 from clawd.engine.local.wire import GenerateItem, RequestError, SamplingParams, fit_to_context
 
@@ -116,6 +116,7 @@ class Engine:
             bad = [t for t in it.prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"input_ids hold {bad[0]}, outside the vocabulary [0, {self.vocab_size}).")
+            self._check_logprob_rows(it)
             try:
                 self.adapters.check(it.lora)
             except ValueError as exc:
@@ -134,6 +135,17 @@ class Engine:
             self.waiting.append(req)
         self._kick.set()
         return group
+
+    def _check_logprob_rows(self, it: GenerateItem) -> None:
+        """SGLang's id check (made with or without return_logprob), and K > V refused: a deliberate
+        deviation, as SGLang's scheduler crashes on topk(K > V) and takes the server down."""
+        bad = [t for t in it.token_ids_logprob or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token_ids_logprob contains out-of-vocabulary token id {bad[0]}; "
+                               f"valid range is [0, {self.vocab_size}).")
+        if it.top_logprobs_num > self.vocab_size:
+            raise RequestError(f"top_logprobs_num ({it.top_logprobs_num}) exceeds the vocabulary size "
+                               f"({self.vocab_size}).")
 
     def finish(self, req: Req, reason: dict) -> None:
         if req.finish is None:
@@ -329,8 +341,13 @@ class Engine:
         for b, (req, seq) in enumerate(zip(rows, seqs)):
             if req.wants_input_logprobs:
                 start = req.item.logprob_start_len
-                req.input_logprobs = prompt_logprobs(logits[b, keep - (len(seq) - start):], seq, start)
+                window = logits[b, keep - (len(seq) - start):]
+                req.input_logprobs = prompt_logprobs(window, seq, start)
+                if start < len(seq):
+                    req.keep_input_rows(prompt_rows(window, len(seq), start))
             if req.params.max_new_tokens == 0:  # prefill only: the scoring path
+                if req.item.wants_rows:  # SGLang still reports one output row: the next-token distribution
+                    req.keep_output_row(next_token_row(logits[b, -1], req.params, req.prompt))
                 self.finish(req, {"type": "length", "length": 0})
         self._sample(rows, logits[:, -1])
         batch = Batch(list(rows), cache, mask, mask.sum(-1, keepdim=True))
@@ -342,9 +359,9 @@ class Engine:
         for b, req in enumerate(rows):
             if req.done:
                 continue
-            tok, lp = pick_token(last[b], req.params, req.prompt, req.output_ids, self._banned(req),
-                                 req.generator)
-            req.append(tok, lp, self.weight_version)
+            tok, lp, row = pick_token(last[b], req.params, req.prompt, req.output_ids, self._banned(req),
+                                      req.generator)
+            req.append(tok, lp, self.weight_version, row)
             reason = self._stop_reason(req)
             if reason is not None:
                 self.finish(req, reason)
@@ -400,8 +417,8 @@ class Engine:
     def render(self, req: Req, n: int, final: bool, cursor: Cursor | None = None) -> dict:
         """A /generate response object (or stream chunk) for `req` after n tokens.
 
-        With a cursor (incremental streaming) ids, text and log-probs hold only
-        what is new since the cursor; input log-probs go in its first chunk only.
+        With a cursor (incremental streaming) ids, text and output log-probs hold
+        only what is new since the cursor; input log-probs go in every chunk, as in SGLang.
         """
         it = req.item
         since = cursor.n if cursor is not None else 0
@@ -415,13 +432,20 @@ class Engine:
         if not waiting_abort:
             meta["num_retractions"] = req.num_retractions
         if it.return_logprob:
-            inputs = req.input_logprobs or []
-            if cursor is not None and cursor.sent_input:
-                inputs = []
+            with_text = it.return_text_in_logprobs
             scored = req.prompt[it.logprob_start_len:] if it.logprob_start_len >= 0 else []
-            meta["input_token_logprobs"] = [self._entry(lp, tok) for lp, tok in zip(inputs, scored)]
-            meta["output_token_logprobs"] = [self._entry(lp, tok, it.return_text_in_logprobs) for lp, tok in
+            meta["input_token_logprobs"] = [self._entry(lp, tok, with_text)
+                                            for lp, tok in zip(req.input_logprobs or [], scored)]
+            meta["output_token_logprobs"] = [self._entry(lp, tok, with_text) for lp, tok in
                                              zip(req.output_logprobs[since:n], req.output_ids[since:n])]
+            # A prefill-only request has one output row and no output token: SGLang keeps max(n, 1).
+            rows = slice(since, max(n, 1))
+            if it.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = self._rows(req.input_top, with_text)
+                meta["output_top_logprobs"] = self._rows(req.output_top[rows], with_text)
+            if it.logprob_ids:
+                meta["input_token_ids_logprobs"] = self._rows(req.input_chosen, with_text)
+                meta["output_token_ids_logprobs"] = self._rows(req.output_chosen[rows], with_text)
         meta["completion_tokens"] = n
         if not waiting_abort:
             meta["cached_tokens"] = 0
@@ -431,11 +455,15 @@ class Engine:
         out_text = text
         if cursor is not None:
             out_text = text[len(cursor.text):] if text.startswith(cursor.text) else ""
-            cursor.n, cursor.text, cursor.sent_input = n, text, True
+            cursor.n, cursor.text = n, text
         return {"text": out_text, "output_ids": req.output_ids[since:n], "meta_info": meta}
 
     def _entry(self, lp: float | None, tok: int, with_text: bool = False) -> list:
         return [lp, tok, self.tokenizer.decode([tok]) if with_text else None]
+
+    def _rows(self, rows: list, with_text: bool) -> list:
+        """[log-prob, id] pairs per position -> SGLang's triples; a position without a row is null."""
+        return [[self._entry(lp, tok, with_text) for lp, tok in row] if row else None for row in rows]
 
     def shutdown(self) -> None:
         """Answer everything still waiting so handlers finish and the server can close."""

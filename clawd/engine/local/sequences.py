@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clawd.engine.local.logprob_rows import Pairs, select_rows
 from clawd.engine.local.wire import GenerateItem
 
 
@@ -38,6 +39,12 @@ class Req:
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.input_logprobs: list[float | None] | None = None
+        # top_logprobs_num / token_ids_logprob rows, as [log-prob, id] pairs: input ones with a None
+        # entry 0 like input_logprobs, and one output row per output token (one for prefill only).
+        self.input_top: list[Pairs | None] = []
+        self.input_chosen: list[Pairs | None] = []
+        self.output_top: list[Pairs] = []
+        self.output_chosen: list[Pairs] = []
         self.versions: list[dict] = []  # SGLang's weight_versions spans over output indices
         self.finish: dict | None = None
         self.started = False  # has been in a batch (an abort is then "Aborted", not "in waiting queue")
@@ -52,14 +59,29 @@ class Req:
     def wants_input_logprobs(self) -> bool:
         return self.item.return_logprob and self.item.logprob_start_len >= 0 and self.input_logprobs is None
 
-    def append(self, tok: int, lp: float, version: str) -> None:
+    def append(self, tok: int, lp: float, version: str, row: torch.Tensor | None = None) -> None:
+        """One output token, its log-prob and the log-prob row it was sampled from."""
         n = len(self.output_ids)
         self.output_ids.append(tok)
         self.output_logprobs.append(lp)
+        if row is not None:
+            self.keep_output_row(row)
         if self.versions and self.versions[-1]["version"] == version:
             self.versions[-1]["end"] = n + 1
         else:
             self.versions.append({"version": version, "start": n, "end": n + 1})
+
+    def keep_input_rows(self, rows: torch.Tensor) -> None:
+        """The scored prompt's rows [len - start - 1, V]: entry 0 (position start) has none."""
+        if self.item.wants_rows:
+            top, chosen = select_rows(rows, self.item.top_logprobs_num, self.item.logprob_ids)
+            self.input_top, self.input_chosen = [None, *top], [None, *chosen]
+
+    def keep_output_row(self, row: torch.Tensor) -> None:
+        if self.item.wants_rows:
+            top, chosen = select_rows(row[None], self.item.top_logprobs_num, self.item.logprob_ids)
+            self.output_top += top
+            self.output_chosen += chosen
 
     def notify(self, final: bool) -> None:
         n = len(self.output_ids)
@@ -72,4 +94,3 @@ class Cursor:
     """What an incremental stream has already sent for one sequence."""
     n: int = 0
     text: str = ""
-    sent_input: bool = False

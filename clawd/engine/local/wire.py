@@ -189,6 +189,19 @@ class GenerateItem:
     logprob_start_len: int
     return_text_in_logprobs: bool
     lora: str | None = None  # `lora_path`: the name of a loaded LoRA adapter; None = the base model
+    top_logprobs_num: int = 0  # > 0 only with return_logprob: SGLang ignores it otherwise, and <= 0 is off
+    # As requested (None for [] or absent): SGLang checks the ids against the vocabulary even without
+    # return_logprob, so they are kept here; `logprob_ids` is what the response reports on.
+    token_ids_logprob: tuple[int, ...] | None = None
+
+    @property
+    def logprob_ids(self) -> tuple[int, ...] | None:
+        return self.token_ids_logprob if self.return_logprob else None
+
+    @property
+    def wants_rows(self) -> bool:
+        """Whether each position also reports a top-k row or an id row."""
+        return self.top_logprobs_num > 0 or bool(self.logprob_ids)
 
 
 def _per_item(body: dict, key: str, n: int, default, ok, kind: str) -> list:
@@ -205,6 +218,35 @@ def _per_item(body: dict, key: str, n: int, default, ok, kind: str) -> list:
     if not ok(value):
         raise ContractError(f"invalid type for `{key}`: expected {kind} or a list of them")
     return [value] * n
+
+
+FLAT_IDS = "token_ids_logprob must be a flat list of integers."
+
+
+def parse_token_ids_logprob(value, n: int, is_batch: bool) -> list[tuple[int, ...] | None]:
+    """`token_ids_logprob` -> one id tuple (or None) per item, by SGLang's rules.
+
+    [] or a list starting with a number is one flat list, shared by every item;
+    any other list is one list per item; anything else breaks the contract. A
+    single request may not send a list of lists. An empty list means None.
+    Duplicate ids are kept.
+    """
+    if value is None or value == []:
+        return [None] * n
+    kind = "invalid type for `token_ids_logprob`: expected a list of integers or a list of such lists"
+    if not isinstance(value, list):
+        raise ContractError(kind)
+    flat = _is_num(value[0])
+    lists = [value] if flat else value
+    if not all(isinstance(ids, list) and all(map(_is_int, ids)) for ids in lists):
+        raise ContractError(kind)
+    if flat:
+        return [tuple(value)] * n
+    if not is_batch:
+        raise RequestError(FLAT_IDS)
+    if len(value) != n:  # SGLang does not check this and fails on an index later
+        raise RequestError(f"token_ids_logprob has {len(value)} lists for a batch of {n}")
+    return [tuple(ids) or None for ids in value]
 
 
 def parse_generate(body: dict, tokenize) -> tuple[list[GenerateItem], bool, bool]:
@@ -255,15 +297,15 @@ def parse_generate(body: dict, tokenize) -> tuple[list[GenerateItem], bool, bool
     return_logprob = _per_item(body, "return_logprob", n, False, _is_bool, "a boolean")
     start = _per_item(body, "logprob_start_len", n, -1, _is_int, "an integer")
     top = _per_item(body, "top_logprobs_num", n, 0, _is_int, "an integer")
-    if any(top) or body.get("token_ids_logprob") is not None:
-        raise RequestError("top_logprobs_num and token_ids_logprob are not supported by clawd's CPU engine")
+    token_ids = parse_token_ids_logprob(body.get("token_ids_logprob"), n, is_batch)
     stream = body.get("stream", False)
     with_text = body.get("return_text_in_logprobs", False)
     if not isinstance(stream, bool) or not isinstance(with_text, bool):
         raise ContractError("invalid type for `stream` / `return_text_in_logprobs`: expected a boolean")
     # An adapter's name (SGLang's field keeps its old name), one for all items or one per item.
     loras = _per_item(body, "lora_path", n, None, lambda v: v is None or isinstance(v, str), "a string")
-    items = [GenerateItem(tuple(prompts[i]), params[i], rids[i], return_logprob[i], start[i], with_text, loras[i])
+    items = [GenerateItem(tuple(prompts[i]), params[i], rids[i], return_logprob[i], start[i], with_text, loras[i],
+                          max(top[i], 0) if return_logprob[i] else 0, token_ids[i])
              for i in range(n)]
     return items, is_batch, stream
 
