@@ -456,7 +456,8 @@ class Config:
         mode: there the reference is the policy engine's base model, asked without an adapter."""
         judge = self.judge.backend == "sglang" and self.judge.engine == "reference"
         teacher = self.scoring.mode != "rl" and self.judge.teacher_engine == "reference"
-        return (judge or teacher) and not self.train.lora
+        kl = self.train.kl_loss_coef > 0  # the KL term's log-probs are scored there, not in the trainer
+        return (judge or teacher or kl) and not self.train.lora
 
 
 def load_config(path: str | Path) -> Config:

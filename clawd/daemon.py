@@ -46,7 +46,8 @@ from clawd.safety.gate import PromotionGate
 from clawd.safety.monitors import Monitors
 from clawd.safety.versions import REJECTED, ROLLED_BACK, SERVING, Versions
 from clawd.safety.watch import Watch
-from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge, Teacher
+from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge
+from clawd.scoring.teacher import Teacher
 from clawd.scoring.scorer import Scorer
 from clawd.served import Policy
 from clawd.serving.api import CONNECTIONS, Gate, make_app
@@ -179,9 +180,9 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         if isinstance(judge, OpenAIJudge):
             await judge.start()
             exits.push_async_callback(judge.close)
-        teacher = _teacher(cfg, engine_for)
+        teacher, reference = _teachers(cfg, engine_for)
         scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records,
-                        spawn=tasks.create_task)
+                        spawn=tasks.create_task, reference=reference)
         scorer.on_write_error = disk.failed
         scorer.record_view = privacy.judge_record
         if isinstance(judge, OpenAIJudge):  # a third party: PII replaced in what it is shown
@@ -482,15 +483,14 @@ def _judge(cfg: Config, tokenizer: ChatTokenizer, engine_for: dict[str, EngineCl
                        max_new_tokens=j.max_new_tokens, policy=_call_policy(j))
 
 
-def _teacher(cfg: Config, engine_for: dict[str, EngineClient]) -> Teacher | None:
-    """The teacher that scores a response shown the hint (opd, combine); None in rl mode."""
-    if cfg.scoring.mode == "rl":
-        return None
-    if cfg.judge.teacher_engine == "policy" and not cfg.train.lora:
-        # Its own teacher: the register it learns feeds back into its targets (LoRA: the base is the reference).
+def _teachers(cfg: Config, engine_for: dict[str, EngineClient]) -> tuple[Teacher | None, Teacher | None]:
+    """The teacher of a hinted response (None in rl mode), and the reference's scorer for a full fine-tune's KL term."""
+    if cfg.scoring.mode != "rl" and cfg.judge.teacher_engine == "policy" and not cfg.train.lora:
         log.warning("judge.teacher_engine = \"policy\": the policy being trained is its own teacher; the frozen "
-                    "reference (\"reference\", the default) does not drift with it")
-    return Teacher(engine_for[cfg.judge.teacher_engine], policy=_call_policy(cfg.judge))
+                    "reference (\"reference\", the default) does not drift with it")  # LoRA: the base is frozen
+    kl = cfg.train.kl_loss_coef > 0 and not cfg.train.lora  # LoRA: the trainer turns its adapters off instead
+    on = lambda role: Teacher(engine_for[role], policy=_call_policy(cfg.judge))  # noqa: E731
+    return None if cfg.scoring.mode == "rl" else on(cfg.judge.teacher_engine), on("reference") if kl else None
 
 
 async def _expire_sessions(sessions: SessionTable, to_scoring: TurnHandover, interval: float) -> None:

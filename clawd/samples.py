@@ -5,6 +5,12 @@ One finished main turn that scoring kept becomes one `Sample` (docs/ARCHITECTURE
 produced them; `loss_mask`, `rollout_logprobs` and (with a hint)
 `teacher_logprobs` have the response's length. `has_hint = False` makes the
 OPD term of the loss exactly zero.
+
+Optional, each None when not collected (and in samples journaled before they existed):
+`reference_logprobs`, the frozen reference's T = 1 log-probs of the response (the KL term's, so
+the trainer needs no second copy of the model); `top_ids` and `teacher_top_logprobs`, the
+policy's top-k ids at each response position as the engine reported them at rollout and the
+teacher's T = 1 log-probs at those ids (top-K distillation; hinted samples only).
 """
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ class Sample:
     policy_version: int
     created: float                       # when the turn was served
     scored: float                        # when scoring finished
+    reference_logprobs: list[float] | None = None        # the frozen reference's, at T = 1, one per response token
+    top_ids: list[list[int]] | None = None               # the policy's top-k ids at each response position
+    teacher_top_logprobs: list[list[float]] | None = None  # the teacher's at T = 1 at those ids
 
     def __post_init__(self):
         problems = self.problems()
@@ -59,11 +68,35 @@ class Sample:
                 out.append("a hinted sample needs one finite teacher log-prob per response token")
         elif self.teacher_logprobs is not None:
             out.append("teacher_logprobs without has_hint")
+        if self.reference_logprobs is not None and (len(self.reference_logprobs) != n or not all(
+                math.isfinite(x) for x in self.reference_logprobs)):
+            out.append("reference_logprobs must hold one finite value per response token")
+        out += self._top_problems()
         if self.reward not in (-1.0, 0.0, 1.0):
             out.append(f"reward {self.reward} is not -1, 0 or +1")
         if not 0 < self.temperature <= 2:
             out.append(f"temperature {self.temperature} is outside (0, 2]")
         return out
+
+    def _top_problems(self) -> list[str]:
+        ids, lps, n = self.top_ids, self.teacher_top_logprobs, self.response_length
+        if ids is None and lps is None:
+            return []
+        if ids is None or lps is None or not self.has_hint:
+            return ["top_ids and teacher_top_logprobs go together, on a hinted sample"]
+        k = len(ids[0]) if ids else 0
+        if len(ids) != n or len(lps) != n or k < 1:
+            return ["top_ids and teacher_top_logprobs must hold one row per response token"]
+        if any(len(r) != k or not all(isinstance(t, int) and t >= 0 for t in r) for r in ids):
+            return [f"every top_ids row must hold {k} token ids"]
+        if any(len(r) != k or not all(math.isfinite(x) for x in r) for r in lps):
+            return [f"every teacher_top_logprobs row must hold {k} finite values"]
+        return []
+
+    @property
+    def top_k(self) -> int:
+        """The width of the top-k rows (0 without them)."""
+        return len(self.top_ids[0]) if self.top_ids else 0
 
     @property
     def prompt_ids(self) -> list[int]:

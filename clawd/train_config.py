@@ -22,6 +22,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_PER_BATCH = 4
 
 
+MAX_OPD_TOP_K = 64  # the engine returns k [log-prob, id, text] triples a token: beyond a few dozen, mostly noise
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The trainer's settings. The daemon hands this object to the trainer process as is
@@ -37,11 +40,12 @@ class TrainConfig:
     tis_cap: float = 2.0
     aggregation: typing.Literal[AGGREGATIONS] = "sample_mean"
     aggregation_tokens: int = 256        # token_sum's constant: a batch's loss is Σ tokens / (samples × this)
-    kl_loss_coef: float = 0.0            # > 0 loads a frozen reference copy of the model
+    kl_loss_coef: float = 0.0            # > 0: KL(policy ‖ reference) at T = 1 on the sampled tokens
     entropy_coef: float = 0.0
     w_rl: float = 1.0
     w_opd: float = 1.0
     opd_clip: float = 0.0                # 0 = off
+    opd_top_k: int = 0                   # OPD over the policy's k most likely ids a position; 0: the sampled id only
     reward_baseline: typing.Literal["batch_mean", "none"] = "batch_mean"  # losses.centre_rewards
     ppo_epochs: int = 1
     ppo_mini_batches: int = 1            # optimizer steps per pass over the batch: from the second on, the ratio moves
@@ -119,6 +123,8 @@ class TrainConfig:
                      "aggregation_tokens"):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 errors[name] = "must be an integer, at least 1"
+        if not (is_int(self.opd_top_k) and 0 <= self.opd_top_k <= MAX_OPD_TOP_K):
+            errors["opd_top_k"] = f"must be an integer in 0..{MAX_OPD_TOP_K} (0 = the sampled token only)"
         if not (is_int(self.warmup_steps) and self.warmup_steps >= 0):
             errors["warmup_steps"] = "must be an integer, 0 (none) or more"
         if not (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)):

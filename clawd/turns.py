@@ -41,6 +41,7 @@ class Turn:
     weight_version: str
     created: float
     excluded: str | None = None  # set at serve time: SAMPLING_PARAMS, NO_TRAIN, ...
+    response_top_ids: list[list[int]] | None = None  # each response token's top-k ids (top-K distillation)
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ import pytest
 
 from clawd.engine.client import EngineClient
 from clawd.scoring.judges import (AttemptFailed, CallPolicy, JudgeFailed, JudgeStats, OpenAIJudge, SGLangJudge,
-                                Teacher, backoff_delay, chat_content, error_message, parse_retry_after,
-                                teacher_logprobs)
+                                backoff_delay, chat_content, error_message, parse_retry_after)
+from clawd.scoring.teacher import TOP_WINDOW, Teacher, teacher_logprobs, top_logprobs
 from clawd.scoring.resolver import LookupFailed, NoLookups
 from clawd.tokenizer import ChatTokenizer
 from tests.fake_judge import FakeJudge, Reply
-from tests.fake_sglang import ABORTED, FakeSGLang, input_logprob
+from tests.fake_sglang import ABORTED, FakeSGLang, input_logprob, row_logprob
 from tests.load import free_port
 
 FAST = CallPolicy(timeout=0.3, retries=2, backoff_initial=0.01, backoff_max=0.05, concurrency=4)
@@ -420,6 +420,34 @@ async def test_teacher_scores_every_response_token_from_the_last_prompt_position
         "input_ids": p + r, "rid": "t.0", "stream": False, "return_logprob": True, "logprob_start_len": 3,
         "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}]
     assert (teacher.stats.calls, teacher.stats.ok) == (1, 1)
+
+
+async def test_teacher_scores_the_top_k_ids_a_window_of_positions_a_request(tok):
+    """Top-K distillation: the teacher's log-probs at each position's top-k ids, from `token_ids_logprob` (the
+    union of a window's ids) read back in `input_token_ids_logprobs`; TOP_WINDOW positions a request, so a row
+    never holds every id of a long answer."""
+    p = [4088, 383, 198, 1440]
+    r = [(7 * i + 11) % 4096 for i in range(TOP_WINDOW + 8)]
+    tops = [[t, (t + 3) % 4096, 5] for t in r]  # repeated ids across positions: the union is smaller
+    async with sglang(tok) as (fake, engine):
+        teacher = Teacher(engine, policy=FAST)
+        got = await teacher.scores(p, r, tops, rid="t")
+    assert got.logprobs == [input_logprob(len(p) + i, t) for i, t in enumerate(r)]
+    want = [[row_logprob(input_logprob(len(p) + i, t), t, x, 4096) for x in row] for i, (t, row) in enumerate(zip(r, tops))]
+    assert got.top == want
+    firsts = sorted(fake.requests, key=lambda b: b["logprob_start_len"])
+    assert [(b["rid"], len(b["input_ids"]), b["logprob_start_len"]) for b in firsts] == [
+        ("t.w0.0", len(p) + TOP_WINDOW, len(p) - 1), (f"t.w{TOP_WINDOW}.0", len(p) + len(r), len(p) + TOP_WINDOW - 1)]
+    assert firsts[1]["token_ids_logprob"] == sorted({x for row in tops[TOP_WINDOW:] for x in row})
+    # with the overlap: the teacher's own top-k (the fake's: the token and its next two) shares each position's token
+    async with sglang(tok) as (fake, engine):
+        both = await Teacher(engine, policy=FAST).scores(p, r, tops, rid="o", with_overlap=True)
+    assert both.top == want and both.overlap == len(r)
+    assert all(b["top_logprobs_num"] == 3 for b in fake.requests)
+    # the misaligned id rows of a window fail closed, like the sampled tokens'
+    bad = {"meta_info": {"input_token_ids_logprobs": [None, [[-0.1, 6, None]]]}}
+    with pytest.raises(AttemptFailed, match="expected id 5"):
+        top_logprobs(bad, [[5]], [5])
 
 
 async def test_teacher_misalignment_fails_closed_without_retry(tok):

@@ -9,7 +9,7 @@ import pytest
 from clawd.scoring.judging import (ASSISTANT_CLOSE, ASSISTANT_OPEN, HINT_MARKER, HINT_SYSTEM, RL_SYSTEM, Decision,
                                    Outcome, build_sample, decide, hint_judge_messages, majority, message_text,
                                    neutralise, parse_hint_vote, parse_vote, render_turn_for_judge, rl_judge_messages,
-                                   hint_scope, select_hint, teacher_messages)
+                                   candidate_hints, hint_scope, select_hint, teacher_messages)
 from clawd.scoring.rules import MAX_RULES_HINT_CHARS, guidance, is_tool_error, rules_vote
 from clawd.samples import Sample
 from clawd.turns import Turn
@@ -434,3 +434,12 @@ def test_build_sample_refuses_misuse():
         build_sample(turn, Decision(True, 1.0, False, "rl"), [-1.0, -1.0], mode="rl", sample_id="x", now=1.0)
     with pytest.raises(ValueError, match="teacher log-prob per response token"):
         build_sample(turn, Decision(True, 0.0, True, "opd"), [-1.0], mode="opd", sample_id="x", now=1.0)
+
+
+def test_candidate_hints_are_the_distinct_accepted_ones_longest_first():
+    votes = [(1, "Say it's Rome."), (-1, "A rejected vote's hint, however long it is."), (1, "Rome."),
+             (1, "Answer with the city: Rome."), (1, "Say it's Rome."), (None, None), (1, "Reply: Rome"),
+             (1, "Anyway, next question.")]  # "Rome." is too short to be a hint, the last moves on
+    assert candidate_hints(votes) == ["Answer with the city: Rome.", "Say it's Rome.", "Reply: Rome"]
+    assert select_hint(votes) == "Answer with the city: Rome."
+    assert candidate_hints([(-1, "x"), (None, None)]) == [] and select_hint([]) is None

@@ -103,7 +103,6 @@ def test_the_reference_in_lora_mode_is_the_base_model(tiny_model, tmp_path):
     the KL term starts at 0 (PEFT's B starts at zero: step 1's policy is the base)."""
     base = Trainer(tiny_model, tmp_path / "base", TrainConfig())
     trainer = Trainer(tiny_model, tmp_path / "lora", TrainConfig(**LORA, kl_loss_coef=0.1))
-    assert trainer.ref_scorer is None  # no second copy of the weights
     probe = mixed_batch()
     first = trainer.train_step(batches(1)[0], "combine")
     assert first["loss_kl"] == 0.0

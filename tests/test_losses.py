@@ -545,3 +545,51 @@ def test_grad_norm():
     assert losses.grad_norm([a, b]) == INF
     a.grad[1] = NAN
     assert math.isnan(losses.grad_norm([a, b]))
+
+
+# --- top-K distillation ----------------------------------------------------------------------
+
+def test_topk_opd_advantage_by_hand():
+    # The student's subset log-probs ln[1/2, 1/4, 1/8]: inside the subset, probabilities [4, 2, 1] / 7.
+    old = t([[[ln(0.5), ln(0.25), ln(0.125)]]])
+    teacher = t([[[ln(0.5), ln(0.25) + 3.0, ln(0.125) - 0.5]]])  # gaps [0, 3, -0.5]; clip 1 → [0, 1, -0.5]
+    adv = losses.topk_opd_advantages(old, teacher, clip=1.0)
+    assert close(adv, [[[0.0, 2 / 7, -0.5 / 7]]])
+    assert close(losses.topk_opd_advantages(old, teacher, clip=None), [[[0.0, 6 / 7, -0.5 / 7]]])
+    assert not adv.requires_grad
+
+
+def test_topk_opd_loss_by_hand_and_its_gradient_is_minus_the_advantage():
+    # two samples of two positions, K = 2; the second sample carries no top-k rows (NaN in its slots)
+    lp_new = t([[[ln(0.5), ln(0.25)], [ln(0.25), ln(0.25)]],
+                [[math.nan, math.nan], [math.nan, math.nan]]]).requires_grad_()
+    teacher = t([[[ln(0.5) + 0.5, ln(0.25) - 2.0], [ln(0.25), ln(0.25) + 0.25]],
+                 [[math.nan, math.nan], [math.nan, math.nan]]])
+    rows, mask = torch.tensor([True, False]), t([[1.0, 1.0], [1.0, 1.0]])
+    loss = losses.topk_opd_loss(lp_new, lp_new.detach(), teacher, rows, mask, clip=1.0)
+    # position 0: weights [2/3, 1/3], gaps [0.5, -1 (clipped)] → A [1/3, -1/3]; position 1: [1/2, 1/2]·[0, 0.25]
+    a = [[1 / 3, -1 / 3], [0.0, 0.125]]
+    # ratio 1: per position −Σ_k A_k = [0, −0.125]; sample_mean: (0 − 0.125) / 2 positions / 2 samples
+    assert close(loss, -0.125 / 4)
+    loss.backward()
+    assert close(lp_new.grad[0], [[-x / 4 for x in a[0]], [-x / 4 for x in a[1]]])
+    assert torch.equal(lp_new.grad[1], torch.zeros(2, 2))  # no top-k rows: nothing, NaN slots or not
+    # in total_loss it is a part of its own, weighted by w_opd
+    zero = torch.zeros(2, 2)
+    total, parts = losses.total_loss(zero, zero, zero, zero, mask, topk=losses.TopK(
+        lp_new.detach(), lp_new.detach(), teacher, rows, weight=2.0, clip=1.0))
+    assert close(total, 2 * -0.125 / 4) and math.isclose(parts["opd_topk"], -0.125 / 4, rel_tol=1e-12)
+
+
+def test_the_kl_term_reads_its_own_logprobs_on_the_rows_that_have_a_reference():
+    # the reference is at T = 1: the trainer passes its T = 1 log-probs as kl_lp, and rows without one drop out
+    lp_new = lp(0.5, 0.5, 0.5, 0.5).reshape(2, 2)
+    kl_lp = lp(0.5, 0.5, 0.5, 0.5).reshape(2, 2).requires_grad_()
+    lp_ref = t([[ln(1.0), ln(0.25)], [math.nan, math.nan]])
+    mask = torch.ones(2, 2)
+    loss, parts = losses.total_loss(lp_new, lp_new, lp_new, torch.zeros(2, 2), mask, lp_ref=lp_ref, kl_coef=1.0,
+                                    kl_lp=kl_lp, kl_rows=torch.tensor([True, False]))
+    # row 0: k3 = [1 − ln2, ln2 − 1/2], its mean 1/4; row 1 adds 0; sample_mean over 2 samples
+    assert math.isclose(parts["kl"], 0.125, rel_tol=1e-12)
+    loss.backward()
+    assert close(kl_lp.grad, [[-1 / 4, 1 / 8], [0.0, 0.0]])  # 1 − exp(d), / 2 tokens / 2 samples

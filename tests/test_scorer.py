@@ -1,5 +1,7 @@
 """The Scorer in-process with a scripted judge: every outcome counted, nothing stalls."""
 import asyncio
+import dataclasses
+import json
 
 import pytest
 
@@ -9,6 +11,7 @@ from clawd.scoring.judges import JudgeFailed
 from clawd.records import RecordWriter
 from clawd.learning.store import SampleStore
 from clawd.scoring.scorer import Scorer
+from clawd.scoring.teacher import TeacherScores
 from clawd.turns import FinishedTurn, Turn
 
 
@@ -93,6 +96,9 @@ class FixedTeacher:
     async def logprobs(self, prompt_ids, response_ids, **_):
         return [-0.1] * len(response_ids)
 
+    async def scores(self, prompt_ids, response_ids, top_ids=None, **_):
+        return TeacherScores(await self.logprobs(prompt_ids, response_ids), None)
+
 
 async def test_rules_judge_counts_the_hints_it_offers_and_accepts_like_a_hint_judge(tiny_model, tmp_path):
     """With the rules judge in combine mode, a correction's hint is both offered and accepted (the rules'
@@ -145,3 +151,68 @@ async def test_backlog_beyond_max_pending_bytes_is_excluded_and_released(tmp_pat
     assert s.stats.excluded == {"scoring_backlog": 1, "scoring_cancelled": 2}
     await store.journal.close()
     s.records.close()
+
+
+class HintJudge:
+    """A hint judge whose m votes offer three different hints."""
+
+    HINTS = ("Name the capital: Rome.", "Say it is Rome, in Italy, the capital city.", "Answer: Rome.")
+
+    def __init__(self):
+        self.calls = 0
+
+    async def complete(self, messages):
+        self.calls += 1
+        return f"\\boxed{{1}}\n[HINT_START]{self.HINTS[(self.calls - 1) % 3]}[HINT_END]"
+
+
+class OverlapTeacher:
+    """The teacher's interface with top-k rows: the overlap its top-k would have with the student's under each
+    hint is scripted (the first hint's is the largest, though the second is longer);
+    it fails under the third when asked to."""
+
+    def __init__(self, tok, fail_third=False):
+        self.tok, self.fail_third, self.asked = tok, fail_third, []
+
+    async def scores(self, prompt_ids, response_ids, top_ids=None, *, with_overlap=False, **_):
+        text = self.tok.decode(prompt_ids)
+        hint = next(i for i, h in enumerate(HintJudge.HINTS) if h in text)
+        self.asked.append((hint, with_overlap))
+        if hint == 2 and self.fail_third:
+            raise JudgeFailed("timeout", "slow teacher")
+        return TeacherScores([-0.1 * (hint + 1)] * len(response_ids), [[-1.0] * len(r) for r in top_ids],
+                             (5, 3, 4)[hint] if with_overlap else None)
+
+
+@pytest.mark.parametrize("fail_third", [False, True])
+async def test_the_hint_whose_teacher_overlaps_the_students_top_k_most_is_kept(tiny_model, tmp_path, fail_third):
+    """Top-K distillation with a model judge that offers several hints: each is scored, the one under which the
+    teacher's top-k overlaps the student's most is the sample's (the longest first among equal ones), and the
+    judge record lists every candidate's overlap (None for one the teacher could not score)."""
+    from clawd.tokenizer import ChatTokenizer
+    tok = ChatTokenizer(tiny_model)
+    cfg = config_from_dict({"scoring": {"mode": "opd", "prm_m": 3}, "judge": {"backend": "sglang"},
+                            "train": {"opd_top_k": 2}})
+    store = SampleStore(Journal(tmp_path / "journal"))
+    await store.replay()
+    teacher = OverlapTeacher(tok, fail_third)
+    s = Scorer(cfg, tokenizer=tok, judge=HintJudge(), teacher=teacher, store=store,
+               records=RecordWriter(tmp_path / "records", kind="judge"))
+    finished = _finished(0)
+    finished = FinishedTurn(dataclasses.replace(finished.turn, response_top_ids=[[4, 7], [5, 9]]), finished.next_state,
+                            None, 0.0)
+    s.submit(finished)
+    async with asyncio.timeout(10):
+        while s.stats.pending:
+            await asyncio.sleep(0.01)
+    await s.close(timeout=1)
+    (sample,) = store._waiting
+    assert sample.teacher_logprobs == [-0.1, -0.1] and sample.top_ids == [[4, 7], [5, 9]]  # the first hint's
+    assert sorted(teacher.asked) == [(0, True), (1, True), (2, True)]
+    s.records.close()
+    await store.journal.close()
+    (rec,) = [json.loads(line) for path in sorted((tmp_path / "records").glob("judge-*.jsonl"))
+              for line in path.read_text().splitlines()]
+    assert rec["hint"] == HintJudge.HINTS[0] and rec["emitted"]
+    # candidate_hints' order: the longest first
+    assert rec["hint_overlaps"] == ([3, 5, 4] if not fail_third else [3, 5, None])

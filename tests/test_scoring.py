@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from clawd.scoring import judging
-from .fake_sglang import FakeSGLang, input_logprob
+from .fake_sglang import FakeSGLang, input_logprob, row_logprob
 from .harness import Daemon, wait_ready_async
 from .test_api import Script
 
@@ -37,13 +37,17 @@ async def _wait_records(daemon, kind, n, timeout=30.0):
     raise TimeoutError(f"{kind} records: {daemon.records(kind)}")
 
 
-async def test_combine_mode_builds_a_hinted_sample_with_exact_teacher_logprobs(tiny_model, tmp_path):
+@pytest.mark.parametrize("top_k", [0, 3])
+async def test_combine_mode_builds_a_hinted_sample_with_exact_teacher_logprobs(tiny_model, tmp_path, top_k):
+    """With top_k, the reply's top-k ids come from the policy engine, the teacher's log-probs at them from the
+    reference engine, and so do the reference's own log-probs of the reply (the KL term's, kl_loss_coef > 0)."""
     policy_script, judge_script = Script(tiny_model), JudgeScript(tiny_model)
+    train = {"opd_top_k": top_k, "kl_loss_coef": 0.1} if top_k else {}
     async with FakeSGLang(responder=policy_script, eos_id=policy_script.eos) as policy, \
             FakeSGLang(responder=judge_script, eos_id=judge_script.eos) as reference:
         daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model)},
                                    "engine": {"launch": "none", "url": policy.url, "reference_url": reference.url},
-                                   "scoring": {"mode": "combine", "prm_m": 2},
+                                   "scoring": {"mode": "combine", "prm_m": 2}, "train": train,
                                    "judge": {"backend": "sglang", "engine": "reference"}}, wait_ready=False)
         try:
             await wait_ready_async(daemon)
@@ -72,12 +76,28 @@ async def test_combine_mode_builds_a_hinted_sample_with_exact_teacher_logprobs(t
     assert sample.rollout_logprobs == turn["response_logprobs"] and sample.reward == -1.0 and sample.has_hint
 
     # The teacher scored the original response ids under the hinted prompt, first token included.
-    (scoring,) = [r for r in reference.requests if r["sampling_params"].get("max_new_tokens") == 0]
+    scorings = [r for r in reference.requests if r["sampling_params"].get("max_new_tokens") == 0]
+    (scoring,) = [r for r in scorings if judging.HINT_MARKER in judge_script.decode(r["input_ids"])]
     ids, start = scoring["input_ids"], scoring["logprob_start_len"]
     response = turn["response_ids"]
     assert ids[len(ids) - len(response):] == response and start == len(ids) - len(response) - 1
-    assert judging.HINT_MARKER in judge_script.decode(ids) and HINT in judge_script.decode(ids)
+    assert HINT in judge_script.decode(ids)
     assert sample.teacher_logprobs == [input_logprob(start + 1 + i, t) for i, t in enumerate(response)]
+    if not top_k:
+        assert len(scorings) == 1 and sample.top_ids is None and sample.reference_logprobs is None
+        assert all("top_logprobs_num" not in r for r in policy.requests)
+        return
+    # each reply token's top-k ids, as the policy engine reported them (the fake: the token and its neighbours)
+    assert [r.get("top_logprobs_num") for r in policy.requests] == [top_k, top_k] and len(response) <= 32
+    want_ids = [[(t + j) % policy.vocab_size for j in range(top_k)] for t in response]
+    assert turn["response_top_ids"] == sample.top_ids == want_ids
+    assert scoring["token_ids_logprob"] == sorted({x for row in want_ids for x in row})
+    assert sample.teacher_top_logprobs == [[row_logprob(input_logprob(start + 1 + i, t), t, x, reference.vocab_size)
+                                            for x in row] for i, (t, row) in enumerate(zip(response, want_ids))]
+    # the reference's log-probs of the reply under the turn's own prompt
+    (plain,) = [r for r in scorings if r is not scoring]
+    assert plain["input_ids"] == turn["prompt_ids"] + response and plain["logprob_start_len"] == len(turn["prompt_ids"]) - 1
+    assert sample.reference_logprobs == [input_logprob(len(turn["prompt_ids"]) + i, t) for i, t in enumerate(response)]
 
 
 async def test_judge_down_fails_closed_and_serving_goes_on(tiny_model, tmp_path):

@@ -20,7 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from clawd.engine.client import EngineClient
-from clawd.scoring.judges import CallPolicy, Teacher
+from clawd.scoring.judges import CallPolicy
+from clawd.scoring import teacher as teacher_module
+from clawd.scoring.teacher import Teacher
 from clawd.tokenizer import ChatTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,3 +143,30 @@ async def test_concurrent_scorings_batched_by_the_engine_stay_aligned(engine, to
     results = await asyncio.gather(*(teacher.logprobs(p, r) for p, r in zip(prompts, responses)))
     for p, r, lps in zip(prompts, responses, results):
         assert max_diff(lps, forced(ref, p, r)) <= TOL
+
+
+def forced_rows(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
+    """log_softmax(logits) at T = 1 over the whole vocabulary at each response position: [R, V]."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + response_ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(response_ids)]
+
+
+async def test_top_k_distillation_rows_from_the_rollout_to_the_hinted_teacher(engine, tok, ref, monkeypatch):
+    """The rollout's top-k ids are the policy's k most likely at each position, and the hinted teacher's
+    log-probs at them equal a forward pass on the hinted prompt; windows of 5 positions, so the union of ids
+    and the window's offsets are exercised on the real engine."""
+    monkeypatch.setattr(teacher_module, "TOP_WINDOW", 5)
+    p, p_hint = tok.encode_chat(QUESTION, None), tok.encode_chat(hinted(QUESTION), None)
+    out = await engine.generate({"input_ids": p, "return_logprob": True, "top_logprobs_num": 4, "sampling_params": {
+        "temperature": 0.7, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5}})
+    r, tops = out["output_ids"], [[e[1] for e in row] for row in out["meta_info"]["output_top_logprobs"]]
+    assert len(tops) == len(r) == 12 and all(len(row) == 4 for row in tops)
+    policy = forced_rows(ref, p, r)
+    assert tops == policy.topk(4).indices.tolist()  # the order at T = 0.7 is that at T = 1
+    teacher = Teacher(engine, policy=CallPolicy(timeout=60.0))
+    got = await teacher.scores(p_hint, r, tops)
+    want = forced_rows(ref, p_hint, r).gather(-1, torch.tensor(tops))
+    assert max(abs(x - y) for row, wrow in zip(got.top, want.tolist()) for x, y in zip(row, wrow)) <= TOL
+    assert max_diff(got.logprobs, forced(ref, p_hint, r)) <= TOL
+    assert teacher.stats.ok == 3  # 12 positions in windows of 5

@@ -332,10 +332,76 @@ def test_an_entropy_bonus_reaches_the_weights_through_the_chunked_head(make):
     assert not torch.equal(g_plain[0], g_bonus[0])
 
 
-def test_kl_term_is_zero_at_the_reference_and_grows_after(make):
-    trainer = make(kl_loss_coef=0.5)
+def with_reference(samples: list[Sample], logprobs: list[list[float]]) -> list[Sample]:
+    return [dataclasses.replace(s, reference_logprobs=lps) for s, lps in zip(samples, logprobs)]
+
+
+def test_the_kl_term_reads_the_journaled_reference_at_t1_and_grows_from_zero(make):
+    """A full fine-tune keeps no second copy of the model: the KL's reference log-probs come with the samples
+    (the reference engine's at scoring, at T = 1), and the trainer compares its own at T = 1 with them."""
+    trainer = make(kl_loss_coef=0.5, aggregation="token_mean")
+    reference = trainer.logprobs(mixed_batch(), temperature=1.0)  # the initial weights are the reference
+    batch = with_reference(mixed_batch(), reference)
+    assert abs(trainer.train_step(batch, "combine")["loss_kl"]) <= 1e-12
+    assert trainer.train_step(batch, "combine")["loss_kl"] > 1e-6  # step 1 moved the weights
+    # samples scored without reference log-probs add no KL, however far the policy moved
     assert trainer.train_step(mixed_batch(), "combine")["loss_kl"] == 0.0
-    assert trainer.train_step(mixed_batch(), "combine")["loss_kl"] > 0.0
+
+
+def test_the_kl_term_equals_k3_of_the_t1_logprobs(make):
+    trainer = make(kl_loss_coef=1.0, aggregation="token_mean")
+    batch = mixed_batch()
+    reference = [[lp - 0.3 * (i % 3) for i, lp in enumerate(row)] for row in trainer.logprobs(batch, temperature=1.0)]
+    now = trainer.logprobs(batch, temperature=1.0)
+    kl = [math.exp(r - p) - (r - p) - 1 for s, ps, rs in zip(batch, now, reference)
+          for p, r, keep in zip(ps, rs, s.loss_mask) if keep]
+    m = trainer.train_step(with_reference(batch, reference), "combine")
+    assert m["loss_kl"] == pytest.approx(sum(kl) / len(kl), rel=1e-5)
+
+
+def with_top(s: Sample, ids: list[list[int]], teacher: list[list[float]]) -> Sample:
+    return dataclasses.replace(s, top_ids=ids, teacher_top_logprobs=teacher)
+
+
+def test_top_k_opd_is_the_subset_distillation_of_the_full_logits(make):
+    """The top-K term's value and gradient against the same formula on the model's full logits: for each
+    hinted position, A_k = softmax(lp_k)·clip(teacher_k − lp_k, ±1) over the student's top-k ids, loss −Σ_k A_k."""
+    trainer = make(opd_clip=1.0, opd_top_k=3, grad_clip=0.0)  # the gradient as computed
+    batch = [s for s in mixed_batch() if s.has_hint]
+    tops, targets = [], []
+    with torch.no_grad():
+        for s in batch:
+            logits = trainer.model(torch.tensor([s.tokens])).logits[0, :-1][-s.response_length:]
+            ids = torch.log_softmax(logits, -1).topk(3).indices
+            g = torch.Generator().manual_seed(len(s.tokens))
+            teacher = torch.log_softmax(logits, -1).gather(-1, ids) + torch.randn(ids.shape, generator=g)
+            tops.append(with_top(s, ids.tolist(), teacher.tolist()))
+    seen = grads_at_step(trainer)
+    m = trainer.train_step(tops, "opd")
+    # the same loss on full logits, by autograd, from the same starting weights
+    fresh = make("fresh", opd_clip=1.0, opd_top_k=3, grad_clip=0.0)
+    total = 0.0
+    for s in tops:
+        logits = fresh.model(torch.tensor([s.tokens])).logits[0, :-1][-s.response_length:]
+        lp_k = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.top_ids))
+        old = lp_k.detach()
+        adv = torch.softmax(old, -1) * (torch.tensor(s.teacher_top_logprobs) - old).clamp(-1, 1)
+        total = total + (-(adv * torch.exp(lp_k - old)).sum(-1)).mean() / len(tops)  # sample_mean
+    total.backward()
+    total = total.detach()
+    assert m["loss_opd_topk"] == pytest.approx(total.item(), rel=1e-5)
+    assert m["loss_policy"] == 0.0  # the hinted rows with top-k leave the token-level term
+    want = [p.grad for p in fresh.params]
+    assert max(float((a - b).abs().max() / (b.abs().max() + 1e-12)) for a, b in zip(seen, want)) < 1e-4
+
+
+def test_top_k_rows_of_another_width_fall_back_to_the_token_level_term(make):
+    trainer = make(opd_top_k=2)
+    a, b = [s for s in mixed_batch() if s.has_hint]
+    a = with_top(a, [[1, 2]] * a.response_length, [[-1.0, -2.0]] * a.response_length)
+    b = with_top(b, [[1, 2, 3]] * b.response_length, [[-1.0, -2.0, -3.0]] * b.response_length)
+    m = trainer.train_step([a, b], "opd")
+    assert m["loss_policy"] != 0.0 and m["loss_opd_topk"] != 0.0  # b (width 3) is in the top-k term, a is not
 
 
 # --- non-finite steps ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -81,6 +82,12 @@ class Chunk:
     logprob_ids: list[int]
     finish: dict[str, Any] | None
     meta: dict[str, Any]
+    top_ids: list[list[int]] = dataclasses.field(default_factory=list)  # with top_logprobs_num: each token's top-k
+
+
+def top_ids(rows: Any) -> list[list[int]]:
+    """The ids of `meta_info.output_top_logprobs` rows ([log-prob, id, text] triples, or null for none)."""
+    return [[e[1] for e in row] if isinstance(row, list) else [] for row in rows or []]
 
 
 def _error_text(body: Any) -> str:
@@ -341,11 +348,12 @@ class EngineClient:
                     ids = obj.get("output_ids") or []
                     meta = obj.get("meta_info") or {}
                     lps = meta.get("output_token_logprobs") or []
+                    tops = meta.get("output_top_logprobs") or []
                     if not self._incremental:  # cumulative chunks: keep only what is new
-                        ids, lps = ids[seen:], lps[seen:]
+                        ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
                     seen += len(ids)
                     yield Chunk(ids=ids, logprobs=[e[0] for e in lps], logprob_ids=[e[1] for e in lps],
-                                finish=meta.get("finish_reason"), meta=meta)
+                                finish=meta.get("finish_reason"), meta=meta, top_ids=top_ids(tops))
         except EngineTimeout as exc:
             if resp is not None:
                 resp.close()

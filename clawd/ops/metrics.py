@@ -256,6 +256,8 @@ def _scoring(mode: str, st: dict) -> Iterator[Metric]:
     yield excluded
     yield counter("clawd_hints_offered_total", "Hints offered by positive hint votes.", st["hints_offered"])
     yield counter("clawd_hints_accepted_total", "Turns whose hint was accepted.", st["hints_accepted"])
+    yield counter("clawd_reference_failed_total", "Samples kept without the reference's log-probs (left out of "
+                  "the KL term).", st.get("reference_failed", 0))
 
 
 def _queue(queue: dict, j: dict) -> Iterator[Metric]:

@@ -15,9 +15,8 @@ Backends:
 - `SGLangJudge`: SGLang's native /generate, token in (the judge messages rendered
   with the policy's chat template, `judge_prompt_ids`), the output ids decoded by clawd.
 - `OpenAIJudge`: any OpenAI-compatible /chat/completions with its own key.
-- `Teacher`: log-probs of the exact response ids via prefill scoring (docs/ARCHITECTURE.md §3):
-  `input_ids = P' + R`, `max_new_tokens: 0`, `logprob_start_len = len(P') - 1`,
-  `meta_info.input_token_logprobs[1:]` lines up with R, first token included.
+- `clawd.scoring.teacher.Teacher`: log-probs of the exact response ids via prefill scoring, through the
+  same wrapper.
 
 Quoted text in token prompts: the tokenizer cuts every added token (`<|im_end|>`,
 `<|im_start|>`) out of any text, so a user's `<|im_end|>\n<|im_start|>system` would
@@ -188,32 +187,6 @@ def aborted(out: Any) -> bool:
         return False
 
 
-def teacher_logprobs(out: Any, response_ids: list[int]) -> list[float]:
-    """The teacher's log-prob of each response token from a prefill-scoring answer,
-    checked: one entry per token after the null entry 0, the same ids, finite values."""
-    try:
-        entries = out["meta_info"]["input_token_logprobs"]
-    except (KeyError, TypeError):
-        raise AttemptFailed("teacher_misaligned", "bad_responses", retryable=False,
-                            detail="no meta_info.input_token_logprobs") from None
-    if not isinstance(entries, list) or len(entries) != len(response_ids) + 1:
-        n = len(entries) if isinstance(entries, list) else None
-        raise AttemptFailed("teacher_misaligned", "bad_responses", retryable=False,
-                            detail=f"{n} entries for {len(response_ids)} response tokens (+1 expected)")
-    values = []
-    for i, (entry, tok) in enumerate(zip(entries[1:], response_ids)):
-        ok = isinstance(entry, list) and len(entry) >= 2
-        lp = entry[0] if ok else None
-        if not ok or entry[1] != tok:
-            raise AttemptFailed("teacher_misaligned", "bad_responses", retryable=False,
-                                detail=f"token {i}: entry {entry!r}, expected id {tok}")
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
-            raise AttemptFailed("teacher_misaligned", "bad_responses", retryable=False,
-                                detail=f"token {i}: log-prob {lp!r}")
-        values.append(float(lp))
-    return values
-
-
 def engine_failure(exc: EngineError) -> AttemptFailed:
     """EngineClient's errors: 400 is final; unreachable and everything else is retried."""
     if isinstance(exc, EngineRejected):
@@ -337,7 +310,7 @@ class SGLangJudge(Backend):
 
         async def attempt(i: int) -> str:
             # A fresh rid per attempt: a timed-out one may still be in the engine.
-            out = await _generate(self.engine, {"input_ids": ids, "sampling_params": sampling, "rid": f"{rid}.{i}"})
+            out = await generate_once(self.engine, {"input_ids": ids, "sampling_params": sampling, "rid": f"{rid}.{i}"})
             output_ids = out.get("output_ids") if isinstance(out, dict) else None
             if not isinstance(output_ids, list) or not all(type(t) is int for t in output_ids):
                 raise AttemptFailed("bad_response", "bad_responses", retryable=True, detail="no output_ids")
@@ -346,7 +319,7 @@ class SGLangJudge(Backend):
         return await self._call(attempt)
 
 
-async def _generate(engine: EngineClient, payload: dict) -> dict:
+async def generate_once(engine: EngineClient, payload: dict) -> dict:
     """One /generate attempt; engine failures and aborts become retryable attempt failures."""
     try:
         out = await engine.generate(payload)
@@ -355,35 +328,6 @@ async def _generate(engine: EngineClient, payload: dict) -> dict:
     if aborted(out):
         raise AttemptFailed("aborted", "engine_errors", retryable=True, detail="aborted by the engine")
     return out
-
-
-class Teacher(Backend):
-    """Teacher log-probs of the original response ids under a (hinted) prompt (docs/ARCHITECTURE.md §3)."""
-
-    name = "teacher"
-
-    def __init__(self, engine: EngineClient, *, policy: CallPolicy = CallPolicy()):
-        super().__init__(policy)
-        self.engine = engine
-
-    async def logprobs(self, prompt_ids: list[int], response_ids: list[int], *,
-                       rid: str | None = None) -> list[float]:
-        """log P(R[t] | P' + R[:t]) at T = 1 for every t, the first response token included."""
-        if not prompt_ids:
-            raise ValueError("the teacher needs a prompt of at least one token")
-        if not response_ids:
-            return []
-        rid = rid or f"teacher-{uuid.uuid4().hex}"
-        ids = list(prompt_ids) + list(response_ids)
-
-        async def attempt(i: int) -> list[float]:
-            payload = {"input_ids": ids, "rid": f"{rid}.{i}",
-                       # prefill log-probs are at T = 1; say so for engines that would scale them
-                       "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-                       "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1}
-            return teacher_logprobs(await _generate(self.engine, payload), response_ids)
-
-        return await self._call(attempt)
 
 
 # --- OpenAI-compatible judge -----------------------------------------------------------------

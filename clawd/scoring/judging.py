@@ -293,12 +293,16 @@ def accept_hint(hint: str | None) -> str | None:
 
 def select_hint(hint_votes: Sequence[tuple[int | None, str | None]]) -> str | None:
     """The longest accepted hint among the +1 votes; the first of equally long ones; else None."""
-    best = None
-    for vote, hint in hint_votes:
-        hint = accept_hint(hint) if vote == 1 else None
-        if hint is not None and (best is None or len(hint) > len(best)):
-            best = hint
-    return best
+    candidates = candidate_hints(hint_votes)
+    return candidates[0] if candidates else None
+
+
+def candidate_hints(hint_votes: Sequence[tuple[int | None, str | None]]) -> list[str]:
+    """The distinct accepted hints among the +1 votes, longest first (equally long ones in vote order): with
+    top-K distillation the teacher chooses among them (`teacher.overlap`), else the first is the hint."""
+    accepted = [h for h in (accept_hint(hint) if vote == 1 else None for vote, hint in hint_votes) if h is not None]
+    distinct = list(dict.fromkeys(accepted))
+    return sorted(distinct, key=len, reverse=True)  # a stable sort: vote order among equal lengths
 
 
 # --- the teacher's prompt --------------------------------------------------------------------
@@ -414,8 +418,10 @@ class Outcome:
 # --- the sample ------------------------------------------------------------------------------
 
 def build_sample(turn: Turn, decision: Decision, teacher_logprobs: Sequence[float] | None, *, mode: str,
-                 sample_id: str, now: float) -> Sample:
-    """The sample of an emitted decision: the turn's exact tokens, every response token trained."""
+                 sample_id: str, now: float, teacher_top: list[list[float]] | None = None,
+                 reference_logprobs: Sequence[float] | None = None) -> Sample:
+    """The sample of an emitted decision: the turn's exact tokens, every response token trained. With
+    `teacher_top` (the teacher's log-probs at the turn's top-k ids) it carries those ids too."""
     if not decision.emit:
         raise ValueError(f"turn {turn.session_id}/{turn.turn_index} was excluded ({decision.reason})")
     if decision.has_hint != (teacher_logprobs is not None):
@@ -427,4 +433,6 @@ def build_sample(turn: Turn, decision: Decision, teacher_logprobs: Sequence[floa
         response_length=n, loss_mask=[1] * n, rollout_logprobs=list(turn.response_logprobs),
         temperature=turn.temperature, reward=decision.reward,
         teacher_logprobs=list(teacher_logprobs) if teacher_logprobs is not None else None,
-        has_hint=decision.has_hint, policy_version=turn.policy_version, created=turn.created, scored=now)
+        has_hint=decision.has_hint, policy_version=turn.policy_version, created=turn.created, scored=now,
+        reference_logprobs=list(reference_logprobs) if reference_logprobs is not None else None,
+        top_ids=turn.response_top_ids if teacher_top is not None else None, teacher_top_logprobs=teacher_top)

@@ -10,6 +10,7 @@ Each scored turn leaves one line in the judge records.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -21,7 +22,8 @@ from clawd import quoting
 from clawd.scoring import judging, rules
 from clawd.config import Config
 from clawd.learning.journal import JournalError
-from clawd.scoring.judges import JudgeFailed, Teacher, teacher_prompt_ids
+from clawd.scoring.judges import JudgeFailed, teacher_prompt_ids
+from clawd.scoring.teacher import Teacher, TeacherScores
 from clawd.records import RecordWriter
 from clawd.learning.store import SampleStore
 from clawd.tokenizer import ChatTokenizer, TemplateError, turn_bytes
@@ -50,6 +52,7 @@ class ScoringStats:
     votes: dict[str, int] = field(default_factory=dict)   # "+1", "0", "-1", "failed"
     hints_offered: int = 0
     hints_accepted: int = 0
+    reference_failed: int = 0  # samples kept without the reference's log-probs (out of the KL term)
 
     def exclude(self, reason: str) -> None:
         self.excluded[reason] = self.excluded.get(reason, 0) + 1
@@ -57,7 +60,8 @@ class ScoringStats:
 
 class Scorer:
     def __init__(self, cfg: Config, *, tokenizer: ChatTokenizer, judge: Judge | None, teacher: Teacher | None,
-                 store: SampleStore, records: RecordWriter, spawn: Callable[[Coroutine], asyncio.Task] | None = None):
+                 store: SampleStore, records: RecordWriter, spawn: Callable[[Coroutine], asyncio.Task] | None = None,
+                 reference: Teacher | None = None):
         self.mode = cfg.scoring.mode
         self.m = cfg.scoring.prm_m
         self.at_least_one = cfg.scoring.at_least_one
@@ -67,6 +71,7 @@ class Scorer:
         self.tok = tokenizer
         self.judge = judge          # None: the rules judge
         self.teacher = teacher      # None in rl mode
+        self.reference = reference  # the frozen reference, for the KL term's log-probs; None: not collected
         self.store = store
         self.records = records
         self.stats = ScoringStats()
@@ -164,13 +169,15 @@ class Scorer:
         except asyncio.CancelledError:  # shutdown ran out of time: say so in the records
             self._exclude(finished, SCORING_CANCELLED)
             raise
-        decision, teacher_lps = outcome.decision, None
+        decision, scores, overlaps = outcome.decision, None, None
         if decision.emit and decision.has_hint:
-            teacher_lps, decision = await self._teacher(finished, outcome)
+            scores, decision, outcome, overlaps = await self._teacher(finished, outcome)
+        reference = await self._reference(turn) if decision.emit and self.reference is not None else None
         sample_id = None
         if decision.emit:
-            sample = judging.build_sample(turn, decision, teacher_lps, mode=self.mode,
-                                    sample_id=uuid.uuid4().hex, now=time.time())
+            sample = judging.build_sample(turn, decision, scores and scores.logprobs, mode=self.mode,
+                                          sample_id=uuid.uuid4().hex, now=time.time(),
+                                          teacher_top=scores and scores.top, reference_logprobs=reference)
             try:
                 await self.store.put(sample)
             except JournalError as exc:
@@ -194,6 +201,8 @@ class Scorer:
                       reward=decision.reward, sample_id=sample_id, principal=turn.principal,
                       raw=[t[:self.text_chars] if t is not None else None for t in raw],
                       latency=round(time.monotonic() - started, 4))
+        if overlaps is not None:  # the candidate hints' overlaps, in candidate_hints' order
+            record["hint_overlaps"] = overlaps
         self._record(record)
 
     def _record(self, record: dict) -> None:
@@ -249,15 +258,45 @@ class Scorer:
             log.warning("judge call failed: %s", exc)
             return None
 
-    async def _teacher(self, finished: FinishedTurn, outcome: judging.Outcome) -> tuple[list[float] | None, judging.Decision]:
-        turn = finished.turn
+    async def _reference(self, turn: Turn) -> list[float] | None:
+        """The frozen reference's log-probs of the response under the turn's own prompt (the KL term's). A
+        failure keeps the sample without them: the trainer leaves it out of the KL term, nothing else."""
         try:
-            prompt = teacher_prompt_ids(self.tok, turn, outcome.hint)  # the hint cannot forge control tokens
-            return await self.teacher.logprobs(prompt, list(turn.response_ids)), outcome.decision
+            return await self.reference.logprobs(list(turn.prompt_ids), list(turn.response_ids))
+        except JudgeFailed as exc:
+            self.stats.reference_failed += 1
+            log.warning("session %s turn %d: reference log-probs failed: %s", turn.session_id, turn.turn_index, exc)
+            return None
+
+    async def _teacher(self, finished: FinishedTurn, outcome: judging.Outcome) \
+            -> tuple[TeacherScores | None, judging.Decision, judging.Outcome, list[int | None] | None]:
+        """The teacher's scores of the reply under the hint, the decision, the outcome (its hint the one chosen)
+        and the candidates' overlaps. With the reply's top-k ids (top-K distillation) the teacher scores those
+        too, and when a model judge offered several hints, each is scored and the one under which the teacher's
+        top-k overlaps the student's most is kept (the upstream project's "sequence optimal" choice)."""
+        turn = finished.turn
+        tops, response = turn.response_top_ids, list(turn.response_ids)
+        candidates = judging.candidate_hints(outcome.hint_votes) if tops and self.judge is not None else []
+        try:
+            if len(candidates) < 2:
+                prompt = teacher_prompt_ids(self.tok, turn, outcome.hint)  # the hint cannot forge control tokens
+                return await self.teacher.scores(prompt, response, tops), outcome.decision, outcome, None
+            tried = await asyncio.gather(*(self.teacher.scores(teacher_prompt_ids(self.tok, turn, h), response, tops,
+                                                               with_overlap=True) for h in candidates),
+                                         return_exceptions=True)
+            for exc in tried:
+                if isinstance(exc, BaseException) and not isinstance(exc, (JudgeFailed, TemplateError)):
+                    raise exc
+            overlaps = [None if isinstance(s, BaseException) else s.overlap for s in tried]
+            scored = [i for i, o in enumerate(overlaps) if o is not None]
+            if scored:
+                best = max(scored, key=lambda i: overlaps[i])  # the first of equal overlaps: the longest hint
+                return tried[best], outcome.decision, dataclasses.replace(outcome, hint=candidates[best]), overlaps
+            raise next(s for s in tried if isinstance(s, BaseException))
         except (JudgeFailed, TemplateError) as exc:
             log.warning("session %s turn %d: teacher failed: %s", turn.session_id, turn.turn_index, exc)
         # Without teacher log-probs the hint is unusable; a ±1 score still teaches (combine).
         fallback = judging.decide(self.mode, rl_vote=outcome.score, hint=None, has_next_state=True)
         if fallback.emit:
-            return None, fallback
-        return None, judging.Decision(False, 0.0, False, TEACHER_FAILED)
+            return None, fallback, outcome, None
+        return None, judging.Decision(False, 0.0, False, TEACHER_FAILED), outcome, None

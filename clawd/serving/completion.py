@@ -29,7 +29,7 @@ from clawd.serving.request import ChatRequest
 from clawd.config import Config
 from clawd.serving.connections import note_hangup
 from clawd.serving.detokenize import IncrementalDetokenizer
-from clawd.engine.client import NEUTRAL_SAMPLING, Chunk, EngineError, EngineUnavailable
+from clawd.engine.client import NEUTRAL_SAMPLING, Chunk, EngineError, EngineUnavailable, top_ids
 from clawd.engine.lora import AdapterUse
 from clawd.engine.replicas import Attempt, Replicas
 from clawd.serving.errors import ApiError, bad_request
@@ -88,6 +88,8 @@ class ChatService:
                  on_finished: Callable[[FinishedTurn], None], policy: Policy,
                  spawn: Callable[[Any], Any], adapters: AdapterUse | None = None):
         self.cfg = cfg
+        # Top-K distillation asks the engine for each reply token's top-k ids (0: not asked).
+        self.top_k = cfg.train.opd_top_k if cfg.scoring.mode != "rl" else 0
         self.adapters = adapters  # LoRA mode: the policy's adapter, named in each request and counted while used
         self.tok = tokenizer
         self.replicas = replicas
@@ -183,6 +185,8 @@ class ChatService:
                            retry_after=2)
         rid = uuid.uuid4().hex
         payload = {"input_ids": prompt_ids, "rid": rid, "sampling_params": params, "return_logprob": True}
+        if main and self.top_k:  # each token's top-k ids, for top-K distillation
+            payload["top_logprobs_num"] = self.top_k
         # LoRA: the adapter is fixed here, so the reply's version is known whichever replica serves it.
         served_as = self.policy.weight_version
         adapter = self.adapters.begin() if self.adapters is not None else None
@@ -272,7 +276,8 @@ class ChatService:
         meta = result.get("meta_info") or {}
         lps = meta.get("output_token_logprobs") or []
         out.add(Chunk(ids=list(result.get("output_ids") or []), logprobs=[e[0] for e in lps],
-                      logprob_ids=[e[1] for e in lps], finish=meta.get("finish_reason"), meta=meta))
+                      logprob_ids=[e[1] for e in lps], finish=meta.get("finish_reason"), meta=meta,
+                      top_ids=top_ids(meta.get("output_top_logprobs"))))
         if out.engine_finish == "abort":  # the engine dropped it (paused, overloaded): not an answer
             self.stats.engine_errors += 1
             raise ApiError(503, "The model engine aborted the request; retry it", code="engine_aborted",
@@ -407,6 +412,7 @@ class ChatService:
             session_id=cap.admission.session_id, turn_index=cap.admission.turn_index, principal=cap.principal,
             request_id=out.completion_id, rid=rid, prompt_ids=prompt_ids, response_ids=out.ids,
             response_logprobs=[float(lp) if lp is not None else float("nan") for lp in out.logprobs],
+            response_top_ids=self._top_ids(out),
             temperature=cap.temperature, messages=cap.req.render_messages, tools=cap.req.tools,
             reply=out.reply_message(), finish_reason=out.finish_reason, policy_version=out.version(cap.version),
             weight_version=out.weight_version or self.policy.weight_version, created=now,
@@ -415,6 +421,14 @@ class ChatService:
         if excluded:
             self.stats.excluded[excluded] = self.stats.excluded.get(excluded, 0) + 1
         self._finish(self.sessions.complete(cap.admission, turn, cap.req.session_done, now))
+
+    def _top_ids(self, out: "_Output") -> list[list[int]] | None:
+        """The reply's top-k ids at each token (top-K distillation), or None: not asked for, or not k a token
+        (an engine that leaves them out: the teacher then scores the sampled tokens only)."""
+        k = self.top_k
+        if not k or len(out.top_ids) != len(out.ids) or any(len(row) != k for row in out.top_ids):
+            return None
+        return out.top_ids
 
     def _finish(self, finished: list[FinishedTurn]) -> None:
         for ft in finished:
@@ -460,6 +474,7 @@ class _Output:
         self.ids: list[int] = []
         self.logprobs: list[float | None] = []
         self.logprob_ids: list[int] = []
+        self.top_ids: list[list[int]] = []
         self.meta: dict = {}
         self.engine_finish: str | None = None
         self.content: list[str] = []
@@ -496,6 +511,7 @@ class _Output:
         self.ids += chunk.ids
         self.logprobs += chunk.logprobs
         self.logprob_ids += chunk.logprob_ids
+        self.top_ids += chunk.top_ids
         if chunk.meta:
             self.meta = chunk.meta
         if chunk.finish is not None:

@@ -68,7 +68,13 @@ class MicroBatch:
     tokens: int                   # real input tokens (no padding)
     keep: torch.Tensor            # flat indices into [b, R] of the loss tokens (mask 1), built on the host
     needs_t1: bool                # a hinted row sampled at T != 1: the OPD term needs log-probs at T = 1
-    old: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)  # (lp_old, lp_old_t1) when ppo_epochs > 1
+    ref_lp: torch.Tensor          # [b, R]: the reference's journaled log-probs at T = 1, 0 where there are none
+    has_ref: torch.Tensor         # [b] bool: the sample carries reference_logprobs
+    top_ids: torch.Tensor | None  # [b, R, K]: the policy's top-k ids at rollout (top-K OPD); None: no row has them
+    teacher_top: torch.Tensor | None  # [b, R, K]: the teacher's log-probs at those ids
+    has_top: torch.Tensor         # [b] bool: the sample's top-k rows are in top_ids (a hinted sample of width K)
+    # (lp_old, lp_old_t1, lp_old at the `at` ids or None) when an update runs on moved weights
+    old: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(default=None)
 
 
 def micro_batch(samples: list[Sample], rows: list[int], device: torch.device) -> MicroBatch:
@@ -82,6 +88,11 @@ def micro_batch(samples: list[Sample], rows: list[int], device: torch.device) ->
     mask = torch.zeros(b, R)
     lp_rollout = torch.zeros(b, R)
     teacher_lp = torch.zeros(b, R)
+    ref_lp = torch.zeros(b, R)
+    K = max(s.top_k for s in group)
+    top_ids = torch.zeros(b, R, K, dtype=torch.long)
+    teacher_top = torch.zeros(b, R, K)
+    has_top = [s.top_k == K > 0 for s in group]  # another width (the setting changed): token-level OPD
     for r, s in enumerate(group):
         n, p = s.response_length, len(s.tokens) - s.response_length
         input_ids[r, :len(s.tokens) - 1] = torch.tensor(s.tokens[:-1])
@@ -92,6 +103,11 @@ def micro_batch(samples: list[Sample], rows: list[int], device: torch.device) ->
         lp_rollout[r, :n] = torch.tensor(s.rollout_logprobs)
         if s.has_hint:
             teacher_lp[r, :n] = torch.tensor(s.teacher_logprobs)
+        if s.reference_logprobs is not None:
+            ref_lp[r, :n] = torch.tensor(s.reference_logprobs)
+        if has_top[r]:
+            top_ids[r, :n] = torch.tensor(s.top_ids)
+            teacher_top[r, :n] = torch.tensor(s.teacher_top_logprobs)
     to = lambda x: x.to(device)
     return MicroBatch(
         rows=rows, input_ids=to(input_ids), positions=to(positions), targets=to(targets), mask=to(mask),
@@ -101,4 +117,7 @@ def micro_batch(samples: list[Sample], rows: list[int], device: torch.device) ->
         lp_rollout=to(lp_rollout), teacher_lp=to(teacher_lp),
         tokens=sum(len(s.tokens) - 1 for s in group),
         keep=to(mask.flatten().nonzero()[:, 0]),  # indexing by it later needs no device sync
-        needs_t1=any(s.has_hint and s.temperature != 1 for s in group))
+        needs_t1=any(s.has_hint and s.temperature != 1 for s in group),
+        ref_lp=to(ref_lp), has_ref=to(torch.tensor([s.reference_logprobs is not None for s in group])),
+        top_ids=to(top_ids) if K else None, teacher_top=to(teacher_top) if K else None,
+        has_top=to(torch.tensor(has_top)))

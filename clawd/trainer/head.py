@@ -3,7 +3,8 @@
 The trainer's log-probs come from here: the decoder's hidden states at the response positions go through the
 output layer and the log-softmax in chunks, and the backward recomputes a chunk's logits, so the [b, R, V]
 logits never exist (Qwen's vocabulary: 0.6 MB a position in float32). Per position the values are those of
-`clawd.trainer.losses.token_logprobs` and `entropy` on full logits. Runs in the trainer process only.
+`clawd.trainer.losses.token_logprobs` and `entropy` on full logits; `ResponseScorer` is the model's forward
+that ends in them. Runs in the trainer process only.
 """
 from __future__ import annotations
 
@@ -188,3 +189,26 @@ class _ChunkedHeadAt(torch.autograd.Function):
                 if want_b:
                     gb.add_(d.sum(0, dtype=acc))
         return gh, gw, gb, None, None, None
+
+
+class ResponseScorer(torch.nn.Module):
+    """The model's log-probs at the response positions, as one module call: the decoder's last hidden
+    states there, then `head_logprobs` over the output layer. One call, so that FSDP's root
+    (this module, holding the embeddings, the final norm and the output layer) gathers its
+    parameters before them and reduces their gradients after."""
+
+    def __init__(self, model, autocast):
+        super().__init__()
+        self.model = model
+        self.autocast = autocast
+
+    def forward(self, input_ids, positions, targets, temperature, with_t1, chunk_tokens, compute_dtype, at_ids=None):
+        with self.autocast():
+            hidden = self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        layer = self.model.get_output_embeddings()
+        lp, ent, lp1 = head_logprobs(hidden, layer.weight, targets, temperature, bias=layer.bias, with_t1=with_t1,
+                                     chunk_tokens=chunk_tokens, compute_dtype=compute_dtype)
+        at = None if at_ids is None else head_logprobs_at(hidden, layer.weight, at_ids, bias=layer.bias,
+                                                          chunk_tokens=chunk_tokens, compute_dtype=compute_dtype)
+        return lp, ent, lp1, at

@@ -37,6 +37,7 @@ positions at a time, so the [B, T, V] logits never exist (152k entries a positio
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -145,6 +146,38 @@ def advantages(mode: str, reward: Tensor, lp_old_t1: Tensor, teacher_lp: Tensor 
     return w_rl * rl + w_opd * opd  # w_opd·0.0 is 0.0 and x + 0.0 is x: exact without a hint
 
 
+def topk_opd_advantages(lp_old_k: Tensor, teacher_k: Tensor, clip: float | None = 1.0) -> Tensor:
+    """Top-K distillation's advantage of each of the student's top-k ids at each position ([..., K] → [..., K],
+    detached): the teacher − student gap at T = 1, clipped to [−clip, clip], weighted by the student's
+    probability inside its top-k subset,
+
+        A_k = softmax_k(lp_old_k) · clip(teacher_k − lp_old_k)
+
+    so an id the student barely considers moves little, and one confident disagreement cannot dominate a
+    step. Its gradient, −Σ_k A_k ∇lp_k, is that of the subset's reverse KL to the teacher (up to the clip)."""
+    old = lp_old_k.detach()
+    gap = teacher_k.detach() - old
+    if clip is not None:
+        gap = gap.clamp(-clip, clip)
+    return torch.softmax(old, dim=-1) * gap
+
+
+def topk_opd_loss(lp_new_k: Tensor, lp_old_k: Tensor, teacher_k: Tensor, rows: Tensor, mask: Tensor, *,
+                  clip: float | None = 1.0, eps_clip: float = 0.2, eps_clip_high: float = 0.28,
+                  aggregation: str = "sample_mean", normaliser: float | None = None) -> Tensor:
+    """Top-K OPD: the clipped PPO surrogate of every top-k id, summed over the k ids of a position, then
+    aggregated like the policy loss. lp_*_k and teacher_k are [B, T, K] at T = 1; `rows` [B] (bool) marks the
+    samples that carry top-k rows (the others add exactly 0, whatever their slots hold). The ratio is each
+    id's own exp(lp_new − lp_old): with one update it is 1 and the gradient is −Σ_k A_k ∇lp_k."""
+    keep = mask.bool() & torch.as_tensor(rows, dtype=torch.bool, device=mask.device)[:, None]
+    slot = keep[..., None]
+    lp_new_k = torch.where(slot, lp_new_k, 0.0)
+    lp_old_k, teacher_k = (torch.where(slot, x.detach(), 0.0) for x in (lp_old_k, teacher_k))
+    adv = topk_opd_advantages(lp_old_k, teacher_k, clip)
+    per_position = ppo_surrogate(ppo_ratio(lp_new_k, lp_old_k), adv, eps_clip, eps_clip_high).sum(-1)
+    return aggregate(torch.where(keep, per_position, 0.0), mask, aggregation=aggregation, normaliser=normaliser)
+
+
 # --- the PPO pieces --------------------------------------------------------------------------
 
 def ppo_ratio(lp_new: Tensor, lp_old: Tensor) -> Tensor:
@@ -251,42 +284,67 @@ def policy_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor,
     return aggregate(per_token, mask, aggregation=aggregation, normaliser=normaliser)
 
 
+@dataclass(frozen=True)
+class TopK:
+    """What `topk_opd_loss` reads, for total_loss: [B, T, K] log-probs at T = 1 and the [B] rows that carry them."""
+    lp_new: Tensor
+    lp_old: Tensor
+    teacher: Tensor
+    rows: Tensor
+    weight: float = 1.0          # w_opd
+    clip: float | None = 1.0     # opd_clip
+
+
 def total_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor, *,
                eps_clip: float = 0.2, eps_clip_high: float = 0.28, tis_cap: float = 2.0,
                aggregation: str = "sample_mean", normaliser: float | None = None,
-               lp_ref: Tensor | None = None, kl_coef: float = 0.0,
-               entropy: Tensor | None = None, entropy_coef: float = 0.0) -> tuple[Tensor, dict[str, float]]:
-    """policy_loss + kl_coef·aggregate(kl_k3(lp_new, lp_ref)) − entropy_coef·aggregate(entropy).
+               lp_ref: Tensor | None = None, kl_coef: float = 0.0, kl_lp: Tensor | None = None,
+               kl_rows: Tensor | None = None, entropy: Tensor | None = None, entropy_coef: float = 0.0,
+               topk: TopK | None = None) -> tuple[Tensor, dict[str, float]]:
+    """policy_loss + w_opd·topk_opd_loss + kl_coef·aggregate(kl_k3(kl_lp, lp_ref)) − entropy_coef·aggregate(entropy).
 
-    Both extra terms are off (coefficient 0) by default, and then the loss is policy_loss itself.
-    `entropy` is per token (the `entropy` function, with grad when entropy_coef > 0). The parts
-    come back as floats: this call's share of the whole batch's values (same normaliser), so the
-    parts of micro-batches add up. "kl" and "entropy" appear only when their term is on."""
+    The extra terms are off by default (no topk, coefficients 0), and then the loss is policy_loss itself.
+    The KL compares `kl_lp` (with grad; default lp_new) with the reference's `lp_ref` on the rows `kl_rows`
+    marks ([B] bool; default all): the reference's log-probs are at T = 1, journaled at scoring, so the
+    trainer passes its own at T = 1 and leaves out samples scored without them. `entropy` is per token
+    (with grad when entropy_coef > 0). The parts come back as floats: this call's share of the whole batch's
+    values (same normaliser), so the parts of micro-batches add up. "kl", "entropy" and "opd_topk" appear
+    only when their term is on."""
     loss, parts = total_loss_terms(lp_new, lp_old, lp_rollout, adv, mask, eps_clip=eps_clip,
                                    eps_clip_high=eps_clip_high, tis_cap=tis_cap, aggregation=aggregation,
-                                   normaliser=normaliser, lp_ref=lp_ref, kl_coef=kl_coef, entropy=entropy,
-                                   entropy_coef=entropy_coef)
+                                   normaliser=normaliser, lp_ref=lp_ref, kl_coef=kl_coef, kl_lp=kl_lp,
+                                   kl_rows=kl_rows, entropy=entropy, entropy_coef=entropy_coef, topk=topk)
     return loss, {k: float(v) for k, v in parts.items()}
 
 
 def total_loss_terms(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor, *,
                      eps_clip: float = 0.2, eps_clip_high: float = 0.28, tis_cap: float = 2.0,
                      aggregation: str = "sample_mean", normaliser: float | None = None,
-                     lp_ref: Tensor | None = None, kl_coef: float = 0.0,
-                     entropy: Tensor | None = None, entropy_coef: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+                     lp_ref: Tensor | None = None, kl_coef: float = 0.0, kl_lp: Tensor | None = None,
+                     kl_rows: Tensor | None = None, entropy: Tensor | None = None, entropy_coef: float = 0.0,
+                     topk: TopK | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """`total_loss` with its parts as detached 0-d tensors: reading them as floats waits for the
     device, which the trainer does once per step, not once per micro-batch."""
     kw = dict(aggregation=aggregation, normaliser=normaliser)
     pg = policy_loss(lp_new, lp_old, lp_rollout, adv, mask, eps_clip=eps_clip,
                      eps_clip_high=eps_clip_high, tis_cap=tis_cap, **kw)
     loss, parts = pg, {"policy_loss": pg.detach()}
+    if topk is not None:
+        opd = topk_opd_loss(topk.lp_new, topk.lp_old, topk.teacher, topk.rows, mask, clip=topk.clip,
+                            eps_clip=eps_clip, eps_clip_high=eps_clip_high, **kw)
+        loss = loss + topk.weight * opd
+        parts["opd_topk"] = opd.detach()
     keep = mask.bool()
     if kl_coef:
         if lp_ref is None:
             raise ValueError("kl_coef > 0 needs lp_ref")
-        kl = aggregate(kl_k3(torch.where(keep, lp_new, 0.0), torch.where(keep, lp_ref.detach(), 0.0)), mask, **kw)
+        kl_lp = lp_new if kl_lp is None else kl_lp
+        if kl_rows is not None:
+            keep = keep & torch.as_tensor(kl_rows, dtype=torch.bool, device=keep.device)[:, None]
+        kl = aggregate(kl_k3(torch.where(keep, kl_lp, 0.0), torch.where(keep, lp_ref.detach(), 0.0)), mask, **kw)
         loss = loss + kl_coef * kl
         parts["kl"] = kl.detach()
+        keep = mask.bool()
     if entropy_coef:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs entropy")

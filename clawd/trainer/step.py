@@ -10,8 +10,9 @@ One step (ppo_epochs = 1): per micro-batch, forward → log-probs at each sample
 advantages → `losses.total_loss_terms` with the whole batch's normaliser → backward; then the
 non-finite checks (the loss, then the grad norm), clipping and one AdamW step. lp_old is lp_new
 detached from the same forward; the OPD term reads log-probs at T = 1, computed without grad in the
-same pass over the logits. With ppo_epochs > 1 a no-grad pass first fixes lp_old (and lp_old at
-T = 1) for every epoch. Nothing in the micro-batch loop reads a value back from the device, so on
+same pass; the KL term (against the reference's journaled T = 1 log-probs) and top-K OPD read T = 1
+log-probs at chosen ids with grad (`head.head_logprobs_at`). With several updates a no-grad pass
+first fixes the old values. Nothing in the micro-batch loop reads a value back from the device, so on
 CUDA the host queues the next micro-batch while this one runs; the loss is read once per step.
 
 Precision: float32 master weights and optimizer state everywhere (a bf16 base model is upcast
@@ -73,28 +74,6 @@ def warmup_lr(base: float, step: int, warmup_steps: int) -> float:
     return base * max(step, 1) / warmup_steps
 
 
-# --- the trainer -----------------------------------------------------------------------------
-
-class _Scorer(torch.nn.Module):
-    """The model's log-probs at the response positions, as one module call: the decoder's last hidden
-    states there, then `head.head_logprobs` over the output layer. One call, so that FSDP's root
-    (this module, holding the embeddings, the final norm and the output layer) gathers its
-    parameters before them and reduces their gradients after."""
-
-    def __init__(self, model, autocast):
-        super().__init__()
-        self.model = model
-        self.autocast = autocast
-
-    def forward(self, input_ids, positions, targets, temperature, with_t1, chunk_tokens, compute_dtype):
-        with self.autocast():
-            hidden = self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
-        hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-        layer = self.model.get_output_embeddings()
-        return head.head_logprobs(hidden, layer.weight, targets, temperature, bias=layer.bias, with_t1=with_t1,
-                                  chunk_tokens=chunk_tokens, compute_dtype=compute_dtype)
-
-
 class Trainer:
     """The policy, its optimizer and its state on disk.
 
@@ -131,7 +110,7 @@ class Trainer:
         if cuda and cfg.memory_fraction > 0:  # before anything is allocated: an engine may share the GPU
             torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device)
 
-        def load() -> _Scorer:
+        def load() -> head.ResponseScorer:
             # sdpa named: with no attention mask it runs the causal flash kernel on CUDA. A LoRA base is
             # frozen: bf16 on CUDA (no float32 master copy to keep), float32 on CPU as the CPU engine serves it.
             base_dtype = torch.bfloat16 if cfg.lora and cuda else torch.float32
@@ -140,7 +119,7 @@ class Trainer:
             if cfg.lora:  # the adapters' random init from the seed: every rank and every run the same
                 torch.manual_seed(cfg.seed)
                 m = adapters.wrap(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
-            scorer = _Scorer(m, self._autocast)
+            scorer = head.ResponseScorer(m, self._autocast)
             if world is None:
                 return scorer.to(self.device)
             return sharding.shard(scorer, world)  # moves each rank's shards to its device
@@ -150,9 +129,6 @@ class Trainer:
         for attr in ("final_logit_softcapping", "logit_scale"):  # the head would not be the plain lm_head
             if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
                 raise NotImplementedError(f"models with {attr} are not supported by the trainer's logit path")
-        self.ref_scorer = None
-        if cfg.kl_loss_coef > 0 and not cfg.lora:  # the frozen initial policy, only for the KL term (LoRA: the base)
-            self.ref_scorer = load().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay, fused=True if cuda else None)
@@ -179,10 +155,20 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, scorer: _Scorer, mb: MicroBatch, temperature: float | torch.Tensor, with_t1: bool = False):
-        """(log-probs at temperature, entropy, log-probs at T = 1 or None), each [b, R] (`_Scorer`)."""
+    def _forward(self, scorer: head.ResponseScorer, mb: MicroBatch, temperature: float | torch.Tensor,
+                 with_t1: bool = False, at_ids: torch.Tensor | None = None):
+        """(log-probs at temperature, entropy, log-probs at T = 1 or None), each [b, R], and the T = 1 log-probs
+        at `at_ids` [b, R, K] with gradients, or None (`head.ResponseScorer`)."""
         return scorer(mb.input_ids, mb.positions, mb.targets, temperature, with_t1, self.head_chunk_tokens,
-                      self.compute_dtype)
+                      self.compute_dtype, at_ids)
+
+    def _at_ids(self, mb: MicroBatch, mode: str) -> torch.Tensor | None:
+        """The ids an update needs T = 1 log-probs at, with gradients: the sampled ids first (the KL term's: the
+        reference's log-probs are at T = 1), then the policy's top-k at rollout (top-K OPD's)."""
+        cols = [mb.targets[..., None]] if self.cfg.kl_loss_coef > 0 else []
+        if mode != "rl" and mb.top_ids is not None:
+            cols.append(mb.top_ids)
+        return torch.cat(cols, -1) if cols else None
 
     def _micro_batches(self, samples: list[Sample], share: bool = False) -> list[MicroBatch]:
         """The batch packed into micro-batches; with `share`, in a world, this rank's share of it
@@ -198,13 +184,20 @@ class Trainer:
 
     @torch.no_grad()
     def _reference_forward(self, mb: MicroBatch, temperature) -> torch.Tensor:
-        """Log-probs under the frozen reference: the base with the adapters off (LoRA), else the initial copy."""
+        """Log-probs under the frozen reference, in LoRA mode: the base with the adapters off. A full fine-tune
+        keeps no copy of the initial weights: its samples carry the reference engine's (`Sample.reference_logprobs`)."""
+        if not self.cfg.lora:
+            raise RuntimeError("a full fine-tune holds no reference model: the reference's log-probs come with "
+                               "the samples (reference_logprobs)")
+        with adapters.disabled(self.model):
+            return self._forward(self.scorer, mb, temperature)[0]
+
+    def _reference(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KL term's reference log-probs at T = 1 and the rows that have them: the base's (LoRA), or the ones
+        journaled with the samples, which a sample scored without them lacks."""
         if self.cfg.lora:
-            with adapters.disabled(self.model):
-                return self._forward(self.scorer, mb, temperature)[0]
-        if self.ref_scorer is None:
-            raise RuntimeError("no reference model: it is loaded only with kl_loss_coef > 0 or in LoRA mode")
-        return self._forward(self.ref_scorer, mb, temperature)[0]
+            return self._reference_forward(mb, 1.0), torch.ones_like(mb.has_ref)
+        return mb.ref_lp, mb.has_ref
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample], temperature: float | None = None,
@@ -220,11 +213,12 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def _fix_old(self, mb: MicroBatch) -> None:
-        """Several updates per step (ppo_epochs or ppo_mini_batches > 1): lp_old at T and at 1 from a no-grad
-        pass before any update."""
-        lp, _, lp_t1 = self._forward(self.scorer, mb, mb.temperature, with_t1=mb.needs_t1)
-        mb.old = (lp, lp if lp_t1 is None else lp_t1)  # at T = 1 they are the same numbers
+    def _fix_old(self, mb: MicroBatch, mode: str) -> None:
+        """Several updates per step (ppo_epochs or ppo_mini_batches > 1): lp_old at T, at 1 and at the `at` ids
+        from a no-grad pass before any update."""
+        lp, _, lp_t1, at = self._forward(self.scorer, mb, mb.temperature, with_t1=mb.needs_t1,
+                                         at_ids=self._at_ids(mb, mode))
+        mb.old = (lp, lp if lp_t1 is None else lp_t1, at)  # at T = 1 the first two are the same numbers
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -265,7 +259,7 @@ class Trainer:
         if len(updates) * cfg.ppo_epochs > 1:  # later updates see moved weights: lp_old is fixed before the first
             for mbs, _ in updates:
                 for mb in mbs:
-                    self._fix_old(mb)
+                    self._fix_old(mb, mode)
         done: list[dict[str, Any]] = []
         for epoch in range(cfg.ppo_epochs):
             for mbs, norm in updates:
@@ -305,7 +299,8 @@ class Trainer:
         kw = dict(eps_clip=self.cfg.eps_clip, eps_clip_high=self.cfg.eps_clip_high, tis_cap=self.cfg.tis_cap)
         metrics = losses.loss_metrics(cat["new"], cat["old"], cat["rollout"], cat["adv"],
                                       torch.ones_like(cat["adv"]), entropy=cat["entropy"], **kw)
-        names = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy"}
+        names = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy",
+                 "opd_topk": "loss_opd_topk"}
         for k in done[0]["totals"]:
             metrics[names[k]] = math.fsum(d["totals"][k] for d in done) / len(done)
         norms = [d["grad_norm"] for d in done]
@@ -332,23 +327,31 @@ class Trainer:
             faults.point("trainer.step.forward")  # mid-step: a rank dying here leaves the others in a collective
             # The OPD term compares at T = 1; only needed when some hinted row was sampled at T != 1.
             with_t1 = mb.old is None and mode != "rl" and mb.needs_t1
-            lp_new, ent, lp_t1 = self._forward(self.scorer, mb, mb.temperature, with_t1=with_t1)
+            at_ids = self._at_ids(mb, mode)
+            lp_new, ent, lp_t1, lp_at = self._forward(self.scorer, mb, mb.temperature, with_t1=with_t1, at_ids=at_ids)
             if mb.old is not None:
-                lp_old, lp_old_t1 = mb.old
+                lp_old, lp_old_t1, lp_old_at = mb.old
             else:
                 lp_old = lp_new.detach()
                 lp_old_t1 = lp_old if lp_t1 is None else lp_t1
+                lp_old_at = None if lp_at is None else lp_at.detach()
             reward = losses.centre_rewards(mb.reward, baseline) if baseline else mb.reward
-            adv = losses.advantages(mode, reward, lp_old_t1, mb.teacher_lp, mb.has_hint,
+            kl_lp = lp_ref = kl_rows = topk = None
+            if cfg.kl_loss_coef > 0:  # the sampled ids' column of the `at` log-probs
+                kl_lp, (lp_ref, kl_rows) = lp_at[..., 0], self._reference(mb)
+            if mode != "rl" and mb.top_ids is not None:  # the top-k columns; their rows leave the token-level term
+                first = 1 if cfg.kl_loss_coef > 0 else 0
+                topk = losses.TopK(lp_at[..., first:], lp_old_at[..., first:], mb.teacher_top, mb.has_top,
+                                   weight=cfg.w_opd, clip=opd_clip)
+            token_hint = mb.has_hint if topk is None else mb.has_hint & ~mb.has_top
+            adv = losses.advantages(mode, reward, lp_old_t1, mb.teacher_lp, token_hint,
                                     w_rl=cfg.w_rl, w_opd=cfg.w_opd, opd_clip=opd_clip)
             if not cfg.entropy_coef:
                 ent = ent.detach()  # a metric only: no gradient through it
-            lp_ref = None
-            if cfg.kl_loss_coef > 0:
-                lp_ref = self._reference_forward(mb, mb.temperature)
             loss, mb_parts = losses.total_loss_terms(
                 lp_new, lp_old, mb.lp_rollout, adv, mb.mask, aggregation=cfg.aggregation, normaliser=norm,
-                lp_ref=lp_ref, kl_coef=cfg.kl_loss_coef, entropy=ent, entropy_coef=cfg.entropy_coef, **kw)
+                lp_ref=lp_ref, kl_coef=cfg.kl_loss_coef, kl_lp=kl_lp, kl_rows=kl_rows, entropy=ent,
+                entropy_coef=cfg.entropy_coef, topk=topk, **kw)
             for k, v in [*mb_parts.items(), ("loss", loss.detach())]:  # summed in float64, as floats were
                 parts[k] = parts[k] + v.double() if k in parts else v.double()
             for k, x in zip(seen, (lp_new, lp_old, mb.lp_rollout, adv, ent)):
