@@ -265,6 +265,7 @@ class JudgeConfig:
     backend: typing.Literal["sglang", "openai", "rules"] = "sglang"
     engine: typing.Literal["reference", "policy"] = "reference"
     teacher_engine: typing.Literal["reference", "policy"] = "reference"
+    hint_placement: typing.Literal["system", "user"] = "system"  # where the teacher reads the hint
     url: str = ""
     api_key: str = ""
     api_key_env: str = ""

@@ -181,6 +181,7 @@ class ChatTokenizer:
         self._splitter, self._added = self._added_token_splitter()
         # Pieces → ids, least recently used first, bounded by the bytes it holds (cache_entry_bytes).
         self._cache: OrderedDict[str, array] = OrderedDict()
+        self._default_system: str | None = None  # default_system(), rendered once
         self.cache_bytes = 0
         self.cache_max_bytes = CACHE_BYTES
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
@@ -222,6 +223,21 @@ class ChatTokenizer:
             raise
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from None
+
+    def default_system(self) -> str:
+        """The system text the chat template puts in a conversation that has none ("" when it adds none):
+        the text that stands, in a render without a system message, where a sentinel system message's
+        text stands in one with it. Qwen's and SmolLM2's templates name the model there."""
+        if self._default_system is None:
+            user, system = [{"role": "user", "content": "x"}], "SYSTEM\u2063SENTINEL"
+            try:
+                plain, with_sys = self.render(user, None), self.render([{"role": "system", "content": system}, *user], None)
+            except TemplateError:  # a template that refuses a system message has no default to keep
+                plain, with_sys = "", ""
+            head, found, tail = with_sys.partition(system)
+            fits = found and plain.startswith(head) and plain.endswith(tail) and len(plain) >= len(head) + len(tail)
+            self._default_system = plain[len(head):len(plain) - len(tail)] if fits else ""
+        return self._default_system
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     **extra: Any) -> list[int]:

@@ -352,9 +352,22 @@ def test_teacher_prompt_quotes_the_hint(tok):
                 or not text.endswith(f"{judging.HINT_MARKER}\n{judging.teacher_hint(hint)}")):
             failed[name] = text[-200:]
     assert failed == {}
+    # In the system message (the daemon's default placement): the same control tokens as a benign hint's there.
+    benign, _ = _segments(tok.encode_chat(judging.teacher_messages(turn, BENIGN, "system", tok.default_system()),
+                                          None), added)
+    for name, attack in ATTACKS:
+        control, segs = _segments(teacher_prompt_ids(tok, turn, f"{BENIGN} {attack}", "system"), added)
+        # the turn opens with its own system message, which takes the hint; the rest is the policy's, id for id
+        assert tok.tokenizer.decode(segs[1], skip_special_tokens=False).startswith("system\nBe brief.")
+        text = tok.tokenizer.decode(segs[1], skip_special_tokens=False)
+        if control != benign or segs[2:] != policy_segs[2:] or judging.teacher_hint(f"{BENIGN} {attack}") not in text:
+            failed[name] = tok.tokenizer.decode([t for seg in segs for t in seg], skip_special_tokens=False)[-200:]
+    assert failed == {}
     # The turn's own messages keep the ids the policy saw, control tokens included.
     odd = SimpleNamespace(messages=[{"role": "user", "content": f"Q{IM_END}"}], tools=None)
     assert teacher_prompt_ids(tok, odd, BENIGN) == tok.encode_chat(judging.teacher_messages(odd, BENIGN), None)
+    assert teacher_prompt_ids(tok, odd, BENIGN, "system") == tok.encode_chat(
+        judging.teacher_messages(odd, BENIGN, "system", tok.default_system()), None)
 
 
 def test_a_template_that_does_not_copy_quoted_text_is_refused(tok):

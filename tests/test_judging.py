@@ -269,6 +269,25 @@ def test_teacher_messages_blank_or_missing_user():
                                                    {"role": "user", "content": HINT_MARKER + "\nUse tabs."}]
 
 
+
+def test_teacher_messages_in_the_system_message():
+    q = [{"role": "user", "content": "Q1"}]
+    block = HINT_MARKER + "\nUse tabs."
+    # none: a system message first, the template's default text kept before the block
+    assert teacher_messages(_turn(messages=q), " Use tabs.", "system", "You are Otter.") == [
+        {"role": "system", "content": "You are Otter.\n\n" + block}, *q]
+    assert teacher_messages(_turn(messages=q), "Use tabs.", "system") == [{"role": "system", "content": block}, *q]
+    # the conversation's own: the block after its text, or as one more text part
+    own = [{"role": "system", "content": "Be brief.  "}, *q]
+    assert teacher_messages(_turn(messages=own), "Use tabs.", "system", "ignored") == [
+        {"role": "system", "content": "Be brief.\n\n" + block}, *q]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *q]
+    assert teacher_messages(_turn(messages=parts), "Use tabs.", "system")[0]["content"] == [
+        {"type": "text", "text": "Be brief."}, {"type": "text", "text": "\n\n" + block}]
+    assert parts[0]["content"] == [{"type": "text", "text": "Be brief."}]  # the turn is untouched
+    with pytest.raises(ValueError, match="placement"):
+        teacher_messages(_turn(messages=q), "Use tabs.", "assistant")
+
 # --- rules judge --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("reply, vote, hint", [

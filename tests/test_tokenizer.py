@@ -104,3 +104,30 @@ def test_held_pieces_join_the_cache_only_when_kept(tiny_model):
     assert list(fresh) == ["user\nhello", "\n"] and tok._cache == {} and tok.cache_bytes == 0
     tok.keep(fresh)
     assert list(tok._cache) == ["user\nhello", "\n"] and tok.encode(text) == ids
+
+
+# A ChatML template that names the model when a conversation has no system message (as SmolLM2's and Qwen's do).
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{% if messages[0].role != 'system' %}<|im_start|>system\nYou are Otter, a helpful model.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, default", [
+    (DEFAULT_SYSTEM_TEMPLATE, "You are Otter, a helpful model."),
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}", ""),  # adds none
+    ("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}x", ""),  # refuses one
+])
+def test_default_system_is_the_text_a_template_adds_without_a_system_message(tmp_path, tiny_model, template, default):
+    import json
+    import shutil
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = ChatTokenizer(model)
+    assert tok.default_system() == default
+    if default:  # a system message holding it renders what the template renders without one
+        user = [{"role": "user", "content": "Hi"}]
+        assert tok.render([{"role": "system", "content": default}, *user], None) == tok.render(user, None)

@@ -21,7 +21,8 @@ from clawd.samples import Sample
 from clawd.trainer import losses
 from clawd.trainer.handler import train_config
 from clawd.trainer.batches import mini_batches, pack
-from clawd.trainer.step import Trainer, TrainingPaused, warmup_lr
+from clawd.trainer.step import Trainer, TrainingPaused
+from clawd.trainer.losses import warmup_lr
 from clawd.weights import restored_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -393,6 +394,20 @@ def test_top_k_opd_is_the_subset_distillation_of_the_full_logits(make):
     assert m["loss_policy"] == 0.0  # the hinted rows with top-k leave the token-level term
     want = [p.grad for p in fresh.params]
     assert max(float((a - b).abs().max() / (b.abs().max() + 1e-12)) for a, b in zip(seen, want)) < 1e-4
+
+
+def test_mini_batches_with_and_without_top_k_rows_report_the_same_parts(make):
+    """One mini-batch holds the top-k rows, the other none: each update reports every part (a rank or an update
+    without top-k rows adds 0), so the step's averages and a world's sum see the same names. This step raised
+    KeyError: 'opd_topk' and the trainer restarted on it forever in a combine run."""
+    trainer = make(opd_top_k=2, ppo_mini_batches=2, kl_loss_coef=0.1)
+    hinted, plain = [s for s in mixed_batch() if s.has_hint][0], [s for s in mixed_batch() if not s.has_hint][0]
+    hinted = with_top(hinted, [[1, 2]] * hinted.response_length, [[-1.0, -2.0]] * hinted.response_length)
+    m = trainer.train_step([hinted, plain], "combine")  # dealt round robin: one sample a mini-batch
+    assert m["updates"] == 2 and m["loss_opd_topk"] != 0.0 and not m["skipped"]
+    assert {"loss_policy", "loss_opd_topk", "loss_kl", "loss"} <= m.keys()
+    # with opd_top_k = 0 the same rows are distilled token by token
+    assert "loss_opd_topk" not in make("plain").train_step([hinted, plain], "combine")
 
 
 def test_top_k_rows_of_another_width_fall_back_to_the_token_level_term(make):

@@ -208,11 +208,12 @@ def judge_prompt_ids(tok: ChatTokenizer, messages: list[dict[str, Any]]) -> list
     return tok.encode_chat_quoted(skeleton, None, quotes)
 
 
-def teacher_prompt_ids(tok: ChatTokenizer, turn: Any, hint: str) -> list[int]:
+def teacher_prompt_ids(tok: ChatTokenizer, turn: Any, hint: str, placement: str = "user") -> list[int]:
     """The teacher's prompt P' (judging.teacher_messages): the turn's messages encoded as the policy's
     prompt was, the hint quoted (the judge wrote it, maybe copying user text)."""
     ph = f"QUOTED{secrets.token_hex(8)}HINT"
-    return tok.encode_chat_quoted(judging.teacher_messages(turn, ph), turn.tools, {ph: judging.teacher_hint(hint)})
+    messages = judging.teacher_messages(turn, ph, placement, tok.default_system() if placement == "system" else "")
+    return tok.encode_chat_quoted(messages, turn.tools, {ph: judging.teacher_hint(hint)})
 
 
 # --- the wrapper -----------------------------------------------------------------------------

@@ -316,16 +316,31 @@ def teacher_hint(hint: str) -> str:
     return normalise(hint).strip()
 
 
-def teacher_messages(turn: Turn, hint: str) -> list[dict[str, Any]]:
-    """The turn's messages with the hint added to the last user message (docs/ARCHITECTURE.md §5).
+HINT_PLACEMENTS = ("system", "user")
 
-    That message's content becomes `content.rstrip() + "\\n\\n" + HINT_MARKER +
-    "\\n" + hint` (just `HINT_MARKER + "\\n" + hint` when the content is blank).
-    Without a user message, a new user message holding the marker and the hint is
-    appended. The turn's own messages are left untouched. The hint is `teacher_hint(hint)`.
+
+def teacher_messages(turn: Turn, hint: str, placement: str = "user", default_system: str = "") -> list[dict[str, Any]]:
+    """The turn's messages with the hint block `HINT_MARKER + "\\n" + hint` added (docs/ARCHITECTURE.md §5).
+
+    "user": to the last user message, whose content becomes `content.rstrip() + "\\n\\n" + block` (just the
+    block when the content is blank); without a user message, a new user message holding it is appended.
+    "system": to the system message, the first message, after its text; without one, a system message
+    `default_system + "\\n\\n" + block` is put first, where `default_system` is what the chat template says
+    when a conversation has none (`ChatTokenizer.default_system`), so the teacher keeps it. The turn's own
+    messages are left untouched. The hint is `teacher_hint(hint)`.
     """
     block = f"{HINT_MARKER}\n{teacher_hint(hint)}"
     out = list(turn.messages)
+    if placement == "system":
+        first = out[0] if out else {}
+        if first.get("role") == "system" and isinstance(first.get("content") or "", str):
+            content = (first.get("content") or "").rstrip()
+            return [{**first, "content": f"{content}\n\n{block}" if content else block}, *out[1:]]
+        if first.get("role") == "system":  # content parts: the block is one more text part
+            return [{**first, "content": [*first["content"], {"type": "text", "text": f"\n\n{block}"}]}, *out[1:]]
+        return [{"role": "system", "content": f"{default_system}\n\n{block}" if default_system else block}, *out]
+    if placement != "user":
+        raise ValueError(f"hint placement {placement!r} is not one of {HINT_PLACEMENTS}")
     last = max((i for i, m in enumerate(out) if m.get("role") == "user"), default=None)
     if last is None:
         return out + [{"role": "user", "content": block}]

@@ -71,6 +71,7 @@ class Scorer:
         self.tok = tokenizer
         self.judge = judge          # None: the rules judge
         self.teacher = teacher      # None in rl mode
+        self.hint_placement = cfg.judge.hint_placement
         self.reference = reference  # the frozen reference, for the KL term's log-probs; None: not collected
         self.store = store
         self.records = records
@@ -279,10 +280,11 @@ class Scorer:
         candidates = judging.candidate_hints(outcome.hint_votes) if tops and self.judge is not None else []
         try:
             if len(candidates) < 2:
-                prompt = teacher_prompt_ids(self.tok, turn, outcome.hint)  # the hint cannot forge control tokens
+                # the hint cannot forge control tokens
+                prompt = teacher_prompt_ids(self.tok, turn, outcome.hint, self.hint_placement)
                 return await self.teacher.scores(prompt, response, tops), outcome.decision, outcome, None
-            tried = await asyncio.gather(*(self.teacher.scores(teacher_prompt_ids(self.tok, turn, h), response, tops,
-                                                               with_overlap=True) for h in candidates),
+            tried = await asyncio.gather(*(self.teacher.scores(teacher_prompt_ids(self.tok, turn, h, self.hint_placement),
+                                                               response, tops, with_overlap=True) for h in candidates),
                                          return_exceptions=True)
             for exc in tried:
                 if isinstance(exc, BaseException) and not isinstance(exc, (JudgeFailed, TemplateError)):

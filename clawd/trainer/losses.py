@@ -178,6 +178,15 @@ def topk_opd_loss(lp_new_k: Tensor, lp_old_k: Tensor, teacher_k: Tensor, rows: T
     return aggregate(torch.where(keep, per_position, 0.0), mask, aggregation=aggregation, normaliser=normaliser)
 
 
+def warmup_lr(base: float, step: int, warmup_steps: int) -> float:
+    """The learning rate of step `step` (1 for the first): base × step / warmup_steps over the first
+    warmup_steps steps, then base. With few informative samples per step, the first steps' Adam moments
+    come from one or two batches; a ramp keeps those steps small."""
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return base
+    return base * max(step, 1) / warmup_steps
+
+
 # --- the PPO pieces --------------------------------------------------------------------------
 
 def ppo_ratio(lp_new: Tensor, lp_old: Tensor) -> Tensor:

@@ -1,37 +1,31 @@
 """The policy-gradient trainer: one step per batch (docs/ARCHITECTURE.md §3, §6).
 
-Runs in the trainer process only (it imports torch and transformers); `clawd.trainer.handler`
-calls it with decoded `Sample`s. Plain Python in, plain Python out. Publishing and checkpoints
-are `clawd.trainer.checkpoints`; the settings are `clawd.train_config.TrainConfig`.
-
-Packing and the micro-batch tensors are `clawd.trainer.batches`.
+Runs in the trainer process only; `clawd.trainer.handler` calls it with decoded `Sample`s, plain Python in and
+out. Packing is `clawd.trainer.batches`, writes `clawd.trainer.checkpoints`, settings `TrainConfig`.
 
 One step (ppo_epochs = 1): per micro-batch, forward → log-probs at each sample's temperature →
 advantages → `losses.total_loss_terms` with the whole batch's normaliser → backward; then the
 non-finite checks (the loss, then the grad norm), clipping and one AdamW step. lp_old is lp_new
-detached from the same forward; the OPD term reads log-probs at T = 1, computed without grad in the
-same pass; the KL term (against the reference's journaled T = 1 log-probs) and top-K OPD read T = 1
-log-probs at chosen ids with grad (`head.head_logprobs_at`). With several updates a no-grad pass
-first fixes the old values. Nothing in the micro-batch loop reads a value back from the device, so on
-CUDA the host queues the next micro-batch while this one runs; the loss is read once per step.
+detached from the same forward; the OPD term reads T = 1 log-probs computed without grad in the same
+pass; the KL term (against the reference's T = 1 log-probs) and top-K OPD read T = 1 log-probs at chosen
+ids with grad (`head.head_logprobs_at`). With several updates a no-grad pass first fixes the old values.
+Nothing in the micro-batch loop reads a value back from the device; the loss is read once per update.
 
-Precision: float32 master weights and optimizer state everywhere (a bf16 base model is upcast
-exactly); on CUDA the forward runs under bf16 autocast with SDPA attention (no mask, so its flash
-kernel applies) and AdamW is fused, on CPU in float32. Published versions are cast to the served
-dtype (`clawd.weights.model_dtype`). Dropout is off (eval mode): the policy being trained is the
-one that sampled, and with ppo_epochs = 1 the ratio is exactly 1.
+Precision: float32 master weights and optimizer state (a bf16 base is upcast exactly); on CUDA bf16
+autocast with SDPA attention (no mask: its flash kernel applies) and fused AdamW. Versions are published in
+the served dtype (`clawd.weights.model_dtype`). Dropout is off: the policy trained is the one that sampled.
 
 Failures. An exception inside a step (after its arguments were checked) is `StepFailed`, `fatal`: the
 weights, gradients or optimizer state may be half updated, so the trainer process exits and is
 restarted from its last checkpoint. A write (publish, checkpoint) is separate from the step: it
 checks free space first (`min_free_bytes`, OSError ENOSPC when short), and a failed one changes
 nothing and may be tried again alone. A checkpoint is refused while the weights of the last step are
-unpublished: it records the version its weights were published as. The fault point
-`trainer.step.after_optimizer` fires right after each optimizer step, before any write; `trainer.step.forward` before each micro-batch's forward.
+unpublished: it records the version its weights were published as. Fault points:
+`trainer.step.after_optimizer` right after each optimizer step, `trainer.step.forward` before each forward.
 
-Scale-out (docs/ARCHITECTURE.md §13): nothing here assumes more than this process's model. Under
-torchrun + FSDP2 the same step runs on every rank (grad_norm would all-reduce), and publish/checkpoint
-gather the full state and write from rank 0 only; the version is a directory name.
+Scale-out (docs/ARCHITECTURE.md §13): under torchrun + FSDP2 the same step runs on every rank (the grad
+norm and the loss parts are summed over them), and publish/checkpoint gather the full state and write
+from rank 0 only; the version is a directory name.
 """
 from __future__ import annotations
 
@@ -63,15 +57,6 @@ class StepFailed(RuntimeError):
     """The step raised after it began changing state: the model is in an unknown state, and the trainer
     process must be restarted from its last checkpoint."""
     fatal = True
-
-
-def warmup_lr(base: float, step: int, warmup_steps: int) -> float:
-    """The learning rate of step `step` (1 for the first): base × step / warmup_steps over the first
-    warmup_steps steps, then base. With few informative samples per step, the first steps' Adam moments
-    come from one or two batches; a ramp keeps those steps small."""
-    if warmup_steps <= 0 or step >= warmup_steps:
-        return base
-    return base * max(step, 1) / warmup_steps
 
 
 class Trainer:
@@ -166,7 +151,7 @@ class Trainer:
         """The ids an update needs T = 1 log-probs at, with gradients: the sampled ids first (the KL term's: the
         reference's log-probs are at T = 1), then the policy's top-k at rollout (top-K OPD's)."""
         cols = [mb.targets[..., None]] if self.cfg.kl_loss_coef > 0 else []
-        if mode != "rl" and mb.top_ids is not None:
+        if self._top_k(mode) and mb.top_ids is not None:
             cols.append(mb.top_ids)
         return torch.cat(cols, -1) if cols else None
 
@@ -253,7 +238,7 @@ class Trainer:
                 norm = losses.batch_normaliser(len(group), sum(sum(s.loss_mask) for s in group), cfg.aggregation,
                                                cfg.aggregation_tokens)  # fixed before splitting
                 updates.append((self._micro_batches(group, share=True), norm))
-        lr = warmup_lr(cfg.learning_rate, self.step + 1, cfg.warmup_steps)
+        lr = losses.warmup_lr(cfg.learning_rate, self.step + 1, cfg.warmup_steps)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         if len(updates) * cfg.ppo_epochs > 1:  # later updates see moved weights: lp_old is fixed before the first
@@ -321,7 +306,9 @@ class Trainer:
         cfg = self.cfg
         kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap)
         opd_clip = cfg.opd_clip or None  # 0 = off
-        parts: dict[str, torch.Tensor] = {}
+        # The same parts in every update and on every rank, whatever rows a micro-batch holds: the ranks sum them
+        # as one tensor, and the step averages them over its updates.
+        parts = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in self._part_names(mode)}
         seen: dict[str, list[torch.Tensor]] = {k: [] for k in ("new", "old", "rollout", "adv", "entropy")}
         for mb in mbs:
             faults.point("trainer.step.forward")  # mid-step: a rank dying here leaves the others in a collective
@@ -339,7 +326,7 @@ class Trainer:
             kl_lp = lp_ref = kl_rows = topk = None
             if cfg.kl_loss_coef > 0:  # the sampled ids' column of the `at` log-probs
                 kl_lp, (lp_ref, kl_rows) = lp_at[..., 0], self._reference(mb)
-            if mode != "rl" and mb.top_ids is not None:  # the top-k columns; their rows leave the token-level term
+            if self._top_k(mode) and mb.top_ids is not None:  # the top-k columns; their rows leave the token-level term
                 first = 1 if cfg.kl_loss_coef > 0 else 0
                 topk = losses.TopK(lp_at[..., first:], lp_old_at[..., first:], mb.teacher_top, mb.has_top,
                                    weight=cfg.w_opd, clip=opd_clip)
@@ -353,7 +340,7 @@ class Trainer:
                 lp_ref=lp_ref, kl_coef=cfg.kl_loss_coef, kl_lp=kl_lp, kl_rows=kl_rows, entropy=ent,
                 entropy_coef=cfg.entropy_coef, topk=topk, **kw)
             for k, v in [*mb_parts.items(), ("loss", loss.detach())]:  # summed in float64, as floats were
-                parts[k] = parts[k] + v.double() if k in parts else v.double()
+                parts[k] = parts[k] + v.double()
             for k, x in zip(seen, (lp_new, lp_old, mb.lp_rollout, adv, ent)):
                 seen[k].append(x.detach().flatten().index_select(0, mb.keep).float())
             # Backward even when this loss is not finite: checking first would wait for the device on
@@ -383,6 +370,14 @@ class Trainer:
             cat = {k: torch.cat(per_rank) for k, per_rank in zip(cat, zip(*self.world.gather(
                 [cat[k].cpu() for k in cat])))}
         return {"totals": totals, "seen": cat, "grad_norm": gn, "skip_reason": bad}
+
+    def _top_k(self, mode: str) -> bool:
+        """Top-K distillation is on: samples with top-k rows take it (opd_top_k = 0: every hint is token-level)."""
+        return mode != "rl" and self.cfg.opd_top_k > 0
+
+    def _part_names(self, mode: str) -> list[str]:
+        on = {"opd_topk": self._top_k(mode), "kl": self.cfg.kl_loss_coef > 0, "entropy": self.cfg.entropy_coef > 0}
+        return ["policy_loss", *(k for k, v in on.items() if v), "loss"]
 
     def unpause(self) -> None:
         """Lift a pause caused by non-finite steps (the operator's `resume`)."""
