@@ -38,11 +38,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-SCRIPTS = ("serve", "pipeline", "trainer", "swap", "lora", "learning", "fuzz", "abuse", "crash", "scale", "pii",
-           "startup")
+SCRIPTS = ("serve", "pipeline", "trainer", "swap", "lora", "learning", "opd_signal", "fuzz", "abuse", "crash", "scale",
+           "pii", "startup")
 OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "lora": "--out",
             "learning": "--out", "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out",
-            "pii": "--out", "startup": "--out"}
+            "pii": "--out", "startup": "--out", "opd_signal": "--out"}
 # scale.py's full form takes ~4 min on top of serve.py's similar figures; its quick form answers "does it scale".
 ARGS = {"scale": ["--quick"]}
 if str(HERE) not in sys.path:  # run as a script it is already there; imported (by a test) it is not
@@ -185,8 +185,20 @@ def startup(r: dict) -> list[dict]:
                  "< 1", r["figures"][kind]["cpu_ratio"] < 1) for kind in ("engine", "trainer")]
 
 
+def opd_signal(r: dict) -> list[dict]:
+    step = r["one_step"]
+    return [_row("OPD teacher, right over wrong answer (nats)", r["gap"]["system_default"]["answer_right"]
+                 - r["gap"]["system_default"]["answer_wrong"], "{:+.2f}", "> 0.5",
+                 r["met"]["teacher prefers the right answer"]),
+            _row(f"top-K OPD, {r['steps']} steps: right over wrong, first token (nats)",
+                 step["system_default/topk"]["right_over_wrong"], "{:+.3f}",
+                 f"> 0 and > token-level's {step['system_default/token']['right_over_wrong']:+.3f}",
+                 r["met"]["top-K raises right over wrong"] and r["met"]["top-K beats token-level"])]
+
+
 EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "lora": lora, "learning": learning,
-           "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale, "pii": pii, "startup": startup}
+           "opd_signal": opd_signal, "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale, "pii": pii,
+           "startup": startup}
 
 
 # ---------------------------------------------------------------- provenance marks

@@ -21,9 +21,13 @@ the policy's log-probs without a hint: of the wrong answer, the right answer, an
 of the first token of each name after "The answer is" (right_over_wrong: the right one's change minus the
 wrong one's, the step's preference where the two compete).
 
-    .venv/bin/python bench/opd_signal.py [--items 8] [--lr 1e-5] [--out bench/results/opd-signal.json]
+    .venv/bin/python bench/opd_signal.py [--items 8] [--steps 4] [--lr 2e-6] [--out bench/results/opd-signal.json]
 
-Exits non-zero when it could not measure (no model, too few questions). Takes about 2 minutes on 2 cores.
+Targets (`met` in the JSON): under the daemon's placement ("system_default", judge.hint_placement = "system")
+the teacher prefers the right answer over the wrong one by more than 0.5 nats, and favours the register
+opening less than with the hint in the user's message; the top-K steps raise the right answer's first token
+against the wrong one's (right_over_wrong > 0) and by more than the token-level steps do. Exits 1 when a target
+is missed, 2 when it could not measure (no model, too few questions). About 4 minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -127,7 +131,8 @@ def measure(model_dir: Path, n_items: int, lr: float, state: Path, n_steps: int 
     items = [it for it in questions.TRAIN + questions.EVAL
              if it.kind == "fact" and it.distractors and it.answers[0] in it.fact][:n_items]
     if len(items) < n_items:
-        raise SystemExit(f"only {len(items)} fact questions with a distractor; asked for {n_items}")
+        print(f"only {len(items)} fact questions with a distractor; asked for {n_items}", file=sys.stderr)
+        raise SystemExit(2)
     cases = [Case(tok, it) for it in items]
     model = Trainer(model_dir, state / "probe", TrainConfig(seed=0)).model  # the frozen initial weights
 
@@ -198,8 +203,8 @@ def measure(model_dir: Path, n_items: int, lr: float, state: Path, n_steps: int 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--steps", type=int, default=1, help="optimizer steps on the batch (default 1)")
+    ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps on the batch (default 4)")
     ap.add_argument("--model", type=Path, default=ROOT / "state/models/SmolLM2-135M-Instruct")
     ap.add_argument("--state", type=Path, default=ROOT / "bench/results/opd-signal-state")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/opd-signal.json")
@@ -207,13 +212,23 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").is_file():
         print(f"no model at {args.model}: run `make model` first", file=sys.stderr)
         return 2
+    if args.items < 1 or args.steps < 1:
+        print("--items and --steps must be at least 1", file=sys.stderr)
+        return 2
     started, provenance = time.monotonic(), stamp()  # the code measured is the code loaded now
     result = {**measure(args.model, args.items, args.lr, args.state, args.steps), "provenance": provenance,
               "wall_s": round(time.monotonic() - started, 1)}
+    gap, step = result["gap"], result["one_step"]
+    result["met"] = {
+        "teacher prefers the right answer": gap["system_default"]["answer_right"] - gap["system_default"]["answer_wrong"] > 0.5,
+        "less register than in the user's message": gap["system_default"]["register_right"] < gap["user"]["register_right"],
+        "top-K raises right over wrong": step["system_default/topk"]["right_over_wrong"] > 0,
+        "top-K beats token-level": step["system_default/topk"]["right_over_wrong"] > step["system_default/token"]["right_over_wrong"],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
-    return 0
+    return 0 if all(result["met"].values()) else 1
 
 
 if __name__ == "__main__":

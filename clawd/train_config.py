@@ -38,17 +38,17 @@ class TrainConfig:
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
     tis_cap: float = 2.0
-    aggregation: typing.Literal[AGGREGATIONS] = "sample_mean"
+    aggregation: typing.Literal[AGGREGATIONS] = "token_sum"
     aggregation_tokens: int = 256        # token_sum's constant: a batch's loss is Σ tokens / (samples × this)
     kl_loss_coef: float = 0.0            # > 0: KL(policy ‖ reference) at T = 1 on the sampled tokens
     entropy_coef: float = 0.0
     w_rl: float = 1.0
     w_opd: float = 1.0
-    opd_clip: float = 0.0                # 0 = off
-    opd_top_k: int = 0                   # OPD over the policy's k most likely ids a position; 0: the sampled id only
+    opd_clip: float = 1.0                # 0 = off
+    opd_top_k: int = 4                   # OPD over the policy's k most likely ids a position; 0: the sampled id only
     reward_baseline: typing.Literal["batch_mean", "none"] = "batch_mean"  # losses.centre_rewards
     ppo_epochs: int = 1
-    ppo_mini_batches: int = 1            # optimizer steps per pass over the batch: from the second on, the ratio moves
+    ppo_mini_batches: int = 2            # optimizer steps per pass over the batch: from the second on, the ratio moves
     warmup_steps: int = 0                # the learning rate rises linearly over the first N steps; 0 = none
     micro_batch_tokens: int = 8192       # padded tokens (rows x longest input) per forward
     keep_versions: int = 3

@@ -7,6 +7,7 @@ writes every measured difference to the JSON file named on the command line; the
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -31,6 +32,9 @@ LR = 1e-2  # a step large enough to see: at 1e-5 any one AdamW step leaves the w
 # (the summation order differs between one rank and two). With eps 1e-8 the weights agreed to 5.8e-6;
 # at 1e-6 the entries that tiny weigh nothing and the comparison is of the steps themselves.
 ADAM_EPS = 1e-6
+# One update a batch, each sample's token mean, token-level OPD: the step the comparisons were written for (the
+# shipped defaults' mini-batches and top-K rows have their own case, "topk").
+UNIT = {"ppo_mini_batches": 1, "aggregation": "sample_mean", "opd_top_k": 0, "opd_clip": 0.0}
 
 
 def skewed_batch(mode: str) -> list:
@@ -80,7 +84,7 @@ def main() -> None:
     # between the packs of 6 samples and of each rank's share; the second config packs them.
     for mode in ("rl", "opd", "combine"):
         for budget in (1, 256):
-            cfg = TrainConfig(lr=LR, micro_batch_tokens=budget, grad_clip=1e6, eps=ADAM_EPS)
+            cfg = TrainConfig(**UNIT, lr=LR, micro_batch_tokens=budget, grad_clip=1e6, eps=ADAM_EPS)
             batch = skewed_batch(mode)
             grads: dict = {}
             fsdp = Trainer(model_dir, work / f"{mode}-{budget}-fsdp", cfg, world=world)
@@ -102,9 +106,30 @@ def main() -> None:
             world.barrier()
             del fsdp
 
+    # The shipped step: two mini-batches, token_sum, top-K rows on the hinted samples (their parts summed over ranks
+    # whether a rank's share holds top-k rows or not). The gradients compared are the last update's.
+    cfg = TrainConfig(lr=LR, micro_batch_tokens=256, grad_clip=1e6, eps=ADAM_EPS, opd_top_k=2, ppo_mini_batches=2)
+    batch = [dataclasses.replace(s, top_ids=[[1, 2]] * s.response_length,
+                                 teacher_top_logprobs=[[-1.0, -2.5]] * s.response_length) if s.has_hint else s
+             for s in skewed_batch("combine")]
+    fsdp = Trainer(model_dir, work / "topk-fsdp", cfg, world=world)
+    capture_grads(fsdp, grads := {})
+    m = fsdp.train_step(batch, "combine")
+    fsdp_grads, fsdp_after = dict(grads), full_weights(fsdp)
+    if world.writer:
+        one = Trainer(model_dir, work / "topk-one", cfg)
+        capture_grads(one, grads)
+        m1 = one.train_step(batch, "combine")
+        out["topk"] = {"loss": [m["loss"], m1["loss"]], "opd_topk": [m["loss_opd_topk"], m1["loss_opd_topk"]],
+                       "updates": [m["updates"], m1["updates"]], "grad_rel_max": worst(fsdp_grads, grads),
+                       "weights_rel_max": worst(fsdp_after, full_weights(one))}
+        del one
+    world.barrier()
+    del fsdp
+
     # The negative control: FSDP's own default, gradients averaged over ranks on top of the loss's
     # whole-batch normaliser. The comparison above must see it.
-    cfg = TrainConfig(lr=LR, micro_batch_tokens=256, grad_clip=1e6)
+    cfg = TrainConfig(**UNIT, lr=LR, micro_batch_tokens=256, grad_clip=1e6)
     control = Trainer(model_dir, work / "control", cfg, world=world)
     for module in control.scorer.modules():
         if hasattr(module, "set_gradient_divide_factor"):
@@ -123,7 +148,7 @@ def main() -> None:
     del control
 
     # Checkpoints across world sizes: 2 ranks write, 1 resumes; 1 writes, 2 resume; format 1 migrates.
-    cfg = TrainConfig(lr=LR, micro_batch_tokens=256, grad_clip=1e6)
+    cfg = TrainConfig(**UNIT, lr=LR, micro_batch_tokens=256, grad_clip=1e6)
     b1, b2 = skewed_batch("combine"), skewed_batch("rl")[::-1]
     two = Trainer(model_dir, work / "two", cfg, world=world)
     two.train_step(b1, "combine")
@@ -175,7 +200,7 @@ def _lora(model_dir: Path, work: Path, world) -> dict | None:
     adapter each publishes, and the 2-rank checkpoint resumed by one process."""
     from safetensors.torch import load_file
 
-    cfg = TrainConfig(lora_rank=4, lora_alpha=8.0, lora_lr=LR, micro_batch_tokens=256, grad_clip=1e6, eps=ADAM_EPS,
+    cfg = TrainConfig(**UNIT, lora_rank=4, lora_alpha=8.0, lora_lr=LR, micro_batch_tokens=256, grad_clip=1e6, eps=ADAM_EPS,
                       seed=5)
     grads: dict = {}
     two = Trainer(model_dir, work / "lora-two", cfg, world=world)

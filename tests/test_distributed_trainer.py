@@ -61,6 +61,17 @@ def test_a_step_on_two_ranks_equals_the_step_on_one(measured, mode, budget):
     assert m["weights_rel_max"] <= TOLERANCE
 
 
+def test_the_shipped_step_with_top_k_rows_on_two_ranks_equals_it_on_one(measured):
+    """Two mini-batches and top-K OPD rows on the hinted samples: the ranks sum the same loss parts (one rank's
+    share may hold no top-k rows), and the last update's gradients and the weights after match one process's."""
+    m = measured["topk"]
+    assert m["updates"] == [2, 2] and m["opd_topk"][1] != 0.0
+    assert abs(m["loss"][0] - m["loss"][1]) <= TOLERANCE * abs(m["loss"][1])
+    assert abs(m["opd_topk"][0] - m["opd_topk"][1]) <= TOLERANCE * abs(m["opd_topk"][1])
+    # The second update starts from weights that already differ by rounding: its gradients within 1.1e-6 measured.
+    assert m["grad_rel_max"] <= 2 * TOLERANCE and m["weights_rel_max"] <= TOLERANCE
+
+
 def test_the_comparison_catches_gradients_averaged_over_ranks(measured):
     """The negative control: FSDP's default divides the summed gradients by the world size, on top of the
     whole batch's normaliser. Every gradient comes out halved, and the comparison says so."""

@@ -148,7 +148,9 @@ async def test_a_version_trained_on_adversarial_rewards_is_rejected_on_its_canar
         "model": {"path": str(tiny_model), "max_tokens_cap": 8},
         "engine": {"launch": "local", "seed": 1, "replicas": 2},
         "learner": {"enabled": True, "rollout_batch_size": 8, "min_batch_size": 8},
-        "train": {"lr": 0.3, "checkpoint_every": 1, "seed": 1, "reward_baseline": "batch_mean"}, "versions": {"rollback_depth": 2},
+        # one update a batch, sample_mean: the step this test's canary collapse was calibrated on
+        "train": {"lr": 0.3, "checkpoint_every": 1, "seed": 1, "reward_baseline": "batch_mean", "ppo_mini_batches": 1,
+                  "aggregation": "sample_mean"}, "versions": {"rollback_depth": 2},
         "gate": {"enabled": True, "set": gate_set(tmp_path / "gate.jsonl"), "samples_per_prompt": 2,
                  "max_tokens": 8, "temperature": 1.0, "margin": 0.05}})
     # The poison: terse users thank replies of under three words whatever they say, and correct the rest;

@@ -102,7 +102,7 @@ def test_the_reference_in_lora_mode_is_the_base_model(tiny_model, tmp_path):
     """The reference log-probs (the KL term's) are the base model's, however far the adapters moved, and
     the KL term starts at 0 (PEFT's B starts at zero: step 1's policy is the base)."""
     base = Trainer(tiny_model, tmp_path / "base", TrainConfig())
-    trainer = Trainer(tiny_model, tmp_path / "lora", TrainConfig(**LORA, kl_loss_coef=0.1))
+    trainer = Trainer(tiny_model, tmp_path / "lora", TrainConfig(**LORA, kl_loss_coef=0.1, ppo_mini_batches=1))
     probe = mixed_batch()
     first = trainer.train_step(batches(1)[0], "combine")
     assert first["loss_kl"] == 0.0

@@ -19,7 +19,7 @@ from clawd.tools.sim.users import Users
 from .harness import Daemon
 
 MIN_REPLIES = 8  # a version's replies before its monitors judge it
-STEPS = 60  # at most: the control runs until two versions past the first one over the threshold
+STEPS = 60  # versions at most: the control runs until two versions past the first one over the threshold
 # (the watched run's hack showed first anywhere from v6 to v38 in 9 runs: its trajectory depends on which
 # replies come back first, so the bound leaves room past that)
 
@@ -38,7 +38,7 @@ def sections(tiny_model, monitors: bool) -> dict:
 
 
 async def drive(daemon: Daemon, until) -> Users:
-    """Terse users (form only) at 4 at a time until `until(status)` holds or STEPS steps were trained."""
+    """Terse users (form only) at 4 at a time until `until(status)` holds or STEPS versions were published."""
     checked = [0.0]
 
     def collapsed(status) -> bool:  # the control's end: two versions served past the first crossing (each 2 s)
@@ -58,7 +58,10 @@ async def drive(daemon: Daemon, until) -> Users:
     async def watch() -> None:
         while True:
             status = await asyncio.to_thread(lambda: daemon.get("/debug/process")[1])
-            if (until(status) if until else collapsed(status)) or status["learner"]["steps"] >= STEPS:
+            # Published versions, not steps: once the hack pleases every user a batch's rewards all agree and its
+            # step publishes nothing (no signal); counted as steps, those ended the users before the monitors had
+            # judged the version that crossed: the likely cause of its failure in 1 full run of 4.
+            if (until(status) if until else collapsed(status)) or status["learner"]["publishes"] >= STEPS:
                 break
             await asyncio.sleep(0.2)
         users.stop()

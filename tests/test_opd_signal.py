@@ -14,7 +14,8 @@ the answer in "The answer is X." (the OPD term there, teacher − policy, for X 
 - in the system message the teacher favours a "You're right," opening less than with the hint in the
   user's message (why the hint goes there: a teacher that reads it in the user's turn answers feedback);
 - four top-K OPD steps on the wrong replies raise the policy's first token of the right answer, asked
-  without a hint, against that of the wrong one; four token-level steps (the control) do not.
+  without a hint, against that of the wrong one; four steps from the control's teacher, whose hint does not
+  carry the answer, do not.
 bench/opd_signal.py measures the same and more (both placements, one step, the register's drift).
 
 The tiny test model has random weights and cannot read a hint; this is why OPD is shown here and
@@ -26,6 +27,7 @@ import statistics
 import types
 
 import pytest
+import torch
 
 from clawd.config import TrainConfig
 from clawd.samples import Sample
@@ -90,7 +92,7 @@ def _span_mean(lps: list[float], span: range) -> float:
     return statistics.fmean(lps[i] for i in span)
 
 
-@pytest.mark.slow  # SmolLM2 on CPU: about 40 s with the model converted
+@pytest.mark.slow  # SmolLM2 on CPU: about 80 s with the model converted
 def test_a_hint_that_carries_the_answer_moves_the_teacher_and_top_k_steps_move_the_policy(default_model, tmp_path):
     model_dir, _ = default_model
     tok = ChatTokenizer(model_dir)
@@ -99,7 +101,7 @@ def test_a_hint_that_carries_the_answer_moves_the_teacher_and_top_k_steps_move_t
              if it.kind == "fact" and it.distractors and it.answers[0] in it.fact][:8]
     assert len(items) == 8
     cases = [Case(tok, it) for it in items]
-    trainer = Trainer(model_dir, tmp_path / "control", TrainConfig(lr=2e-6, seed=0, opd_clip=1.0))
+    trainer = Trainer(model_dir, tmp_path / "probe", TrainConfig(seed=0))  # the frozen initial weights
 
     def lps(prompts: list[list[int]], kind: str, model: Trainer = trainer) -> list[list[float]]:
         return model.logprobs([_sample(i, p, c.replies[kind][1]) for i, (p, c) in enumerate(zip(prompts, cases))])
@@ -129,32 +131,31 @@ def test_a_hint_that_carries_the_answer_moves_the_teacher_and_top_k_steps_move_t
     print("OPD term on a \"You're right,\" opening, by placement:", register)
     assert register["system"] < register["user"] - 0.3  # measured 0.45 against 1.29
 
-    # Four steps on the wrong replies from the same weights: top-K against the token-level control.
-    teacher_wrong = lps(told, "wrong")
+    # Four top-K steps on the wrong replies from the same weights, each trainer's teacher under its hint: the one that
+    # names the answer, and the control's, which does not. One update a step (bench/opd_signal.py measures the
+    # shipped two), each batch built once from the frozen initial weights, which both trainers start from.
+    tops = [rows(trainer, c.prompt, c.replies["wrong"][1]).topk(K).indices for c in cases]
     moved = {}
-    for form, model in (("token", trainer), ("topk", Trainer(model_dir, tmp_path / "topk",
-                                                             TrainConfig(lr=2e-6, seed=0, opd_clip=1.0, opd_top_k=K)))):
+    for name, prompts in (("told", told), ("untold", untold)):
         batch = []
-        for i, (c, t, b) in enumerate(zip(cases, teacher_wrong, base["wrong"])):
-            top = None
-            if form == "topk":
-                ids = c.replies["wrong"][1]
-                policy, teacher = rows(model, c.prompt, ids), rows(model, told[i], ids)
-                top_ids = policy.topk(K).indices
-                top = (top_ids.tolist(), teacher.gather(-1, top_ids).tolist())
-            batch.append(_sample(i, c.prompt, c.replies["wrong"][1], teacher=t, rollout=b, top=top))
+        for i, (c, b, top) in enumerate(zip(cases, base["wrong"], tops)):
+            ids = c.replies["wrong"][1]
+            teacher = rows(trainer, prompts[i], ids)
+            batch.append(_sample(i, c.prompt, ids, teacher=teacher.gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist(),
+                                 rollout=b, top=(top.tolist(), teacher.gather(-1, top).tolist())))
+        model = Trainer(model_dir, tmp_path / name, TrainConfig(lr=2e-6, seed=0, opd_top_k=K, ppo_mini_batches=1))
         for _ in range(4):
             assert not model.train_step(batch, "opd")["skipped"]
         first = {kind: statistics.fmean(a[c.spans[kind][0]] - b[c.spans[kind][0]] for a, b, c in
                                         zip(lps(plain, kind, model), base[kind], cases)) for kind in ("right", "wrong")}
-        moved[form] = first["right"] - first["wrong"]
-    print(f"four steps: the right answer's first token against the wrong one's, without a hint: {moved}")
-    assert moved["topk"] > 0.1 and moved["token"] < moved["topk"] - 0.1  # measured +0.26 against +0.04
+        moved[name] = first["right"] - first["wrong"]
+        del model
+    print(f"four top-K steps: the right answer's first token against the wrong one's, without a hint: {moved}")
+    assert moved["told"] > 0.1 and moved["untold"] < moved["told"] - 0.1  # measured +0.27 and -0.28
 
 
 def rows(trainer: Trainer, prompt: list[int], reply: list[int]):
     """The model's T = 1 log-prob rows over the vocabulary at each reply position."""
-    import torch
     with torch.inference_mode():
         logits = trainer.model(torch.tensor([prompt + reply])).logits[0].float()
     return torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(reply)]

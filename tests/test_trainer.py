@@ -55,10 +55,15 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# The step's mechanisms one at a time: one update a batch, each sample's token mean, token-level OPD, no clip,
+# unless a test asks for more (the shipped defaults are etc/clawd.toml's, measured there).
+UNIT = {"lr": 1e-3, "ppo_mini_batches": 1, "aggregation": "sample_mean", "opd_top_k": 0, "opd_clip": 0.0}
+
+
 @pytest.fixture
 def make(tiny_model, tmp_path):
     def make(name: str = "state", **cfg) -> Trainer:
-        return Trainer(tiny_model, tmp_path / name, TrainConfig(**{"lr": 1e-3, **cfg}))
+        return Trainer(tiny_model, tmp_path / name, TrainConfig(**{**UNIT, **cfg}))
     return make
 
 
@@ -66,7 +71,8 @@ def make(tiny_model, tmp_path):
 
 def test_config_defaults_and_validation(tiny_model, tmp_path):
     cfg = TrainConfig()
-    assert cfg.betas == (0.9, 0.999) and cfg.lr == 1e-5 and cfg.micro_batch_tokens == 8192 and cfg.opd_clip == 0
+    assert cfg.betas == (0.9, 0.999) and cfg.lr == 1e-5 and cfg.micro_batch_tokens == 8192 and cfg.opd_clip == 1.0
+    assert (cfg.aggregation, cfg.ppo_mini_batches, cfg.opd_top_k) == ("token_sum", 2, 4)  # etc/clawd.toml: why
     for bad in (dict(lr=0), dict(betas=(0.9, 1.0)), dict(aggregation="mean"), dict(ppo_epochs=0),
                 dict(device="tpu"), dict(opd_clip=-1.0), dict(keep_versions=0), dict(micro_batch_tokens=1.5),
                 dict(grad_clip=math.nan), dict(checkpoint_every=0), dict(tis_cap=0.5), dict(seed=2**32)):
