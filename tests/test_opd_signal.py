@@ -13,8 +13,8 @@ the answer in "The answer is X." (the OPD term there, teacher − policy, for X 
   control) gives less of that preference: the information in the hint is what moves the teacher;
 - in the system message the teacher favours a "You're right," opening less than with the hint in the
   user's message (why the hint goes there: a teacher that reads it in the user's turn answers feedback);
-- four top-K OPD steps on the wrong replies raise the policy's first token of the right answer, asked
-  without a hint, against that of the wrong one; four steps from the control's teacher, whose hint does not
+- three top-K OPD steps on the wrong replies raise the policy's first token of the right answer, asked
+  without a hint, against that of the wrong one; three steps from the control's teacher, whose hint does not
   carry the answer, do not.
 bench/opd_signal.py measures the same and more (both placements, one step, the register's drift).
 
@@ -40,6 +40,7 @@ from clawd.trainer.step import Trainer
 PREFIX = "The answer is"
 REGISTER = "You're right,"
 K = 4
+STEPS = 3  # top-K steps on the batch of wrong replies
 
 
 def _sample(i: int, prompt: list[int], response: list[int], *, teacher: list[float] | None = None,
@@ -92,7 +93,7 @@ def _span_mean(lps: list[float], span: range) -> float:
     return statistics.fmean(lps[i] for i in span)
 
 
-@pytest.mark.slow  # SmolLM2 on CPU: about 80 s with the model converted
+@pytest.mark.slow  # SmolLM2 on CPU: about 60 s with the model converted
 def test_a_hint_that_carries_the_answer_moves_the_teacher_and_top_k_steps_move_the_policy(default_model, tmp_path):
     model_dir, _ = default_model
     tok = ChatTokenizer(model_dir)
@@ -131,7 +132,7 @@ def test_a_hint_that_carries_the_answer_moves_the_teacher_and_top_k_steps_move_t
     print("OPD term on a \"You're right,\" opening, by placement:", register)
     assert register["system"] < register["user"] - 0.3  # measured 0.45 against 1.29
 
-    # Four top-K steps on the wrong replies from the same weights, each trainer's teacher under its hint: the one that
+    # Three top-K steps on the wrong replies from the same weights, each trainer's teacher under its hint: the one that
     # names the answer, and the control's, which does not. One update a step (bench/opd_signal.py measures the
     # shipped two), each batch built once from the frozen initial weights, which both trainers start from.
     tops = [rows(trainer, c.prompt, c.replies["wrong"][1]).topk(K).indices for c in cases]
@@ -144,14 +145,14 @@ def test_a_hint_that_carries_the_answer_moves_the_teacher_and_top_k_steps_move_t
             batch.append(_sample(i, c.prompt, ids, teacher=teacher.gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist(),
                                  rollout=b, top=(top.tolist(), teacher.gather(-1, top).tolist())))
         model = Trainer(model_dir, tmp_path / name, TrainConfig(lr=2e-6, seed=0, opd_top_k=K, ppo_mini_batches=1))
-        for _ in range(4):
+        for _ in range(STEPS):
             assert not model.train_step(batch, "opd")["skipped"]
         first = {kind: statistics.fmean(a[c.spans[kind][0]] - b[c.spans[kind][0]] for a, b, c in
                                         zip(lps(plain, kind, model), base[kind], cases)) for kind in ("right", "wrong")}
         moved[name] = first["right"] - first["wrong"]
         del model
-    print(f"four top-K steps: the right answer's first token against the wrong one's, without a hint: {moved}")
-    assert moved["told"] > 0.1 and moved["untold"] < moved["told"] - 0.1  # measured +0.27 and -0.28
+    print(f"{STEPS} top-K steps: the right answer's first token against the wrong one's, without a hint: {moved}")
+    assert moved["told"] > 0.1 and moved["untold"] < moved["told"] - 0.1  # measured +0.14 and -0.27
 
 
 def rows(trainer: Trainer, prompt: list[int], reply: list[int]):
