@@ -60,10 +60,13 @@ async def drive(daemon: Daemon, until) -> Users:
     async def watch() -> None:
         while True:
             status = await asyncio.to_thread(lambda: daemon.get("/debug/process")[1])
-            # Published versions, not steps: once the hack pleases every user a batch's rewards all agree and its
-            # step publishes nothing (no signal); counted as steps, those ended the users before the monitors had
-            # judged the version that crossed: the likely cause of its failure in 1 full run of 4.
-            if (until(status) if until else collapsed(status)) or status["learner"]["publishes"] >= STEPS:
+            # Published versions bound the run, not steps: once the hack pleases every user a batch's rewards all
+            # agree and its step publishes nothing (no signal); counted as steps, those ended the users before the
+            # monitors had judged the version that crossed (the likely cause of a failure in 1 full run of 4).
+            # A policy that publishes no more (the control, collapsed) ends at 2 x STEPS steps, not the time-out.
+            learner = status["learner"]
+            if (until(status) if until else collapsed(status)) or learner["publishes"] >= STEPS \
+                    or learner["steps"] >= 2 * STEPS:
                 break
             await asyncio.sleep(0.2)
         users.stop()

@@ -35,18 +35,24 @@ def _finite(x: Any) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def _input_entries(out: Any, key: str, n: int) -> list:
+    """`meta_info[key]` of a prefill-scoring answer after its null entry 0, checked to hold n entries."""
+    try:
+        entries = out["meta_info"][key]
+    except (KeyError, TypeError):
+        raise _misaligned(f"no meta_info.{key}") from None
+    if not isinstance(entries, list) or len(entries) != n + 1:
+        got = len(entries) if isinstance(entries, list) else None
+        raise _misaligned(f"{got} entries of {key} for {n} response tokens (+1 expected)")
+    return entries[1:]
+
+
 def teacher_logprobs(out: Any, response_ids: list[int]) -> list[float]:
     """The teacher's log-prob of each response token from a prefill-scoring answer,
     checked: one entry per token after the null entry 0, the same ids, finite values."""
-    try:
-        entries = out["meta_info"]["input_token_logprobs"]
-    except (KeyError, TypeError):
-        raise _misaligned("no meta_info.input_token_logprobs") from None
-    if not isinstance(entries, list) or len(entries) != len(response_ids) + 1:
-        n = len(entries) if isinstance(entries, list) else None
-        raise _misaligned(f"{n} entries for {len(response_ids)} response tokens (+1 expected)")
     values = []
-    for i, (entry, tok) in enumerate(zip(entries[1:], response_ids)):
+    for i, (entry, tok) in enumerate(zip(_input_entries(out, "input_token_logprobs", len(response_ids)),
+                                         response_ids)):
         ok = isinstance(entry, list) and len(entry) >= 2
         lp = entry[0] if ok else None
         if not ok or entry[1] != tok:
@@ -61,15 +67,8 @@ def top_logprobs(out: Any, top_ids: list[list[int]], union: list[int]) -> list[l
     """The teacher's log-prob of each position's top-k ids from a prefill-scoring answer that asked for
     `union` in `token_ids_logprob`: one row per position after the null entry 0, each holding every id of
     the union in the request's order with a finite value."""
-    try:
-        entries = out["meta_info"]["input_token_ids_logprobs"]
-    except (KeyError, TypeError):
-        raise _misaligned("no meta_info.input_token_ids_logprobs") from None
-    if not isinstance(entries, list) or len(entries) != len(top_ids) + 1:
-        n = len(entries) if isinstance(entries, list) else None
-        raise _misaligned(f"{n} id rows for {len(top_ids)} response tokens (+1 expected)")
     rows = []
-    for i, (entry, want) in enumerate(zip(entries[1:], top_ids)):
+    for i, (entry, want) in enumerate(zip(_input_entries(out, "input_token_ids_logprobs", len(top_ids)), top_ids)):
         if not isinstance(entry, list) or len(entry) != len(union):
             raise _misaligned(f"token {i}: id row of {len(entry) if isinstance(entry, list) else entry!r} entries "
                               f"for {len(union)} ids")
