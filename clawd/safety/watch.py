@@ -62,7 +62,9 @@ class Watch:
             return []
         cfg = self.monitors.cfg
         summary = self.monitors.snapshot_of(version)
-        anchor = self.clean()[:cfg.baseline_versions]
+        # A version is never its own baseline: v0, clean on its first replies, would otherwise be judged against
+        # its own earlier summary, and a change in the traffic it serves (probes, then users) read as drift.
+        anchor = [v for v in self.clean() if v != version][:cfg.baseline_versions]
         baseline = self.monitors.baseline(version, anchor).summary()
         if (baseline.get("replies") or 0) < cfg.min_replies and anchor:  # not heard since a restart
             baseline = (self.versions.get(anchor[0]).monitors or {}).get("summary") or baseline
