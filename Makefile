@@ -63,7 +63,7 @@ model: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/all.py
 
-# Simulated users teach SmolLM2 their preferences on the CPU engine (~15 min on 2 cores);
+# Simulated users teach SmolLM2 their preference on the CPU engine (~20 min on 2 cores);
 # live progress here, then state/demo/learning.png and state/demo/summary.json.
 demo: $(STAMP) model
 	$(PY) -m clawd.tools.sim.demo $(DEMO_ARGS)

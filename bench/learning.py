@@ -75,12 +75,17 @@ RESULTS = ROOT / "bench" / "results"
 ARMS = {"rl": ("rl", "none"), "opd": ("opd", "none"), "combine": ("combine", "none"),
         "shuffled": ("rl", "shuffle_rewards"), "zero": ("rl", "zero_rewards")}
 CONTROLS = ("shuffled", "zero")
+# The control a mode arm must beat. `zero` is in no verdict: a zero advantage is a zero gradient, so it
+# cannot move anything and says nothing; `shuffled` trains on real rewards cut from their replies.
+CONTROL = "shuffled"
 TARGET_RATIO = 1.0  # satisfaction after the last step / before the first, in every judged mode arm: above it
 PROFILES = {
     "tiny": {"personas": "form:terse", "max_tokens": 8, "temperature": 1.0, "lr": 3e-2, "batch": 8, "steps": 20,
              "probes": 48, "concurrency": 4, "eval_every": 1, "arms": "rl,opd,combine,shuffled,zero"},
-    "smollm2": {"personas": "brief,plain", "max_tokens": 48, "temperature": 0.7, "lr": 5e-5, "batch": 8,
-                "steps": 8, "probes": 16, "concurrency": 4, "eval_every": 2, "arms": "rl,opd,combine,shuffled"},
+    # The style user (rewarded on one complete on-topic sentence alone) and the corrections user (the right
+    # answer alone; its probes are its own questions reworded): what RL and OPD can each honestly teach.
+    "smollm2": {"personas": "concise,corrector", "max_tokens": 48, "temperature": 0.7, "lr": 1e-5, "batch": 32,
+                "steps": 6, "probes": 64, "concurrency": 8, "eval_every": 6, "arms": "rl,opd,combine,shuffled"},
 }
 
 
@@ -289,19 +294,60 @@ def summarise_arm(runs: dict[int, dict], steps: int) -> dict:
                   if (b["persona"], b["question"]) in later]
     compared = {of: paired.compare([b[of] for b, _ in pairs], [a[of] for _, a in pairs])
                 for of in ("satisfied", "correct", "styled") if all(x[of] is not None for pair in pairs for x in pair)}
+    per_persona = {p: {of: paired.compare([b[of] for b, _ in mine], [a[of] for _, a in mine])
+                       for of in ("satisfied", "correct", "styled")
+                       if all(x[of] is not None for pair in mine for x in pair)}
+                   for p in sorted({b["persona"] for b, _ in pairs})
+                   for mine in [[(b, a) for b, a in pairs if b["persona"] == p]]}
     ev_before = degeneration.summarise(b["text"] for b, _ in pairs)
     ev_after = degeneration.summarise(a["text"] for _, a in pairs)
     return {"by_step": by_step, "before": before, "after": after, "after_by_seed": after_by_seed,
-            "ratio": after / before if before else None, "paired": compared,
+            "ratio": after / before if before else None, "paired": compared, "by_persona": per_persona,
             "degeneration": {"before": ev_before, "after": ev_after, "flags": degeneration.flags(ev_after, ev_before)},
             "runs": runs}
 
 
+def _changes(arm: dict, persona: str, of: str) -> dict[tuple, float]:
+    """{(seed, question): after - before} of one arm's held-out answers for one persona."""
+    out = {}
+    for seed, run in arm["runs"].items():
+        later = {(a["persona"], a["question"]): a for a in run["answers"]["after"]}
+        for b in run["answers"]["before"]:
+            a = later.get((b["persona"], b["question"]))
+            if b["persona"] == persona and a is not None and b[of] is not None and a[of] is not None:
+                out[(seed, b["question"])] = float(a[of]) - float(b[of])
+    return out
+
+
+def versus_control(results: dict, arm: str, persona: str, of: str) -> dict:
+    """The arm's change minus the control's, paired by (seed, question): the same prompt and draw in both arms,
+    so the interval is that of the difference the reward made (clawd.paired over the per-question changes)."""
+    mine, ctrl = _changes(results[arm], persona, of), _changes(results[CONTROL], persona, of)
+    keys = sorted(mine.keys() & ctrl.keys())
+    return paired.compare([ctrl[k] for k in keys], [mine[k] for k in keys])
+
+
+# SmolLM2's verdicts: (arm, persona, measure) whose change must beat the shuffled control's. The style user's
+# satisfaction is what RL can teach; the corrections user's correctness on its facts reworded, what OPD can.
+VERSUS = (("rl", "concise", "satisfied"), ("combine", "concise", "satisfied"),
+          ("opd", "corrector", "correct"), ("combine", "corrector", "correct"))
+
+
+def versus_table(results: dict, args: argparse.Namespace) -> dict[str, dict]:
+    """Every VERSUS comparison the run can make (its arm, the control and the persona were run)."""
+    personas = {p.name for p in args.persona_list}
+    return {f"{arm} vs {CONTROL}: {persona} {of}": versus_control(results, arm, persona, of)
+            for arm, persona, of in VERSUS if arm in results and CONTROL in results and persona in personas}
+
+
 def missed_targets(results: dict, args: argparse.Namespace) -> list[str]:
+    if args.model != "tiny":  # SmolLM2: each judged arm beats the shuffled control where it can teach
+        return [f"{name}: {paired.describe('change beyond the control', r)}"
+                for name, r in versus_table(results, args).items() if paired.verdict(r) != "up"]
     out = [f"{m}: satisfaction after / before {results[m]['ratio']}, target > {TARGET_RATIO:g}"
            for m in judged_arms(args) if results[m]["ratio"] is None or results[m]["ratio"] <= TARGET_RATIO]
-    out += [f"{m} (a control): satisfaction moved, {paired.describe('satisfied', results[m]['paired']['satisfied'])}"
-            for m in args.arm_list if m in CONTROLS and paired.verdict(results[m]["paired"]["satisfied"]) != "no change"]
+    out += [f"{m} (the control): satisfaction moved, {paired.describe('satisfied', results[m]['paired']['satisfied'])}"
+            for m in args.arm_list if m == CONTROL and paired.verdict(results[m]["paired"]["satisfied"]) != "no change"]
     return out
 
 
@@ -333,15 +379,21 @@ async def main_async(args: argparse.Namespace) -> int:
         shutil.rmtree(scratch)
     print("\nsatisfaction on the held-out evaluation set after each step (mean ± std over seeds, min–max)\n")
     print(table(results, args.arm_list, args.steps))
+    versus = versus_table(results, args)
+    if versus:
+        print("\neach arm's change beyond the shuffled control's, paired by (seed, question):")
+        for name, r in versus.items():
+            print(f"  {paired.describe(name, r)}: {paired.verdict(r)}")
     missed = missed_targets(results, args)
     out = {"provenance": prov, "model": str(args.model_dir), "profile": args.model, "personas": args.personas,
            "lora_rank": args.lora_rank, "steps": args.steps, "batch": args.batch, "lr": args.lr,
            "reward_baseline": args.baseline, "train": args.train_keys,
            "max_tokens": args.max_tokens, "temperature": args.temperature, "probes_per_persona": args.probes,
            "seeds": args.seeds, "teacher": args.teacher, "wall_s": round(time.monotonic() - started, 1),
-           "cores": os.cpu_count(), "arms": results, "failures": failures,
+           "cores": os.cpu_count(), "arms": results, "versus_control": versus, "failures": failures,
            "targets": {"ratio_above": TARGET_RATIO, "judged_arms": judged_arms(args),
-                       "controls_unchanged": [m for m in args.arm_list if m in CONTROLS]},
+                       "controls_unchanged": [m for m in args.arm_list if m == CONTROL],
+                       "versus_control": [f"{a} vs {CONTROL}: {p} {of}" for a, p, of in VERSUS]},
            "missed": missed, "pass": not failures and not missed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
@@ -350,9 +402,10 @@ async def main_async(args: argparse.Namespace) -> int:
         print("FAILED:", f, file=sys.stderr)
     for m in missed:
         print("MISSED:", m, file=sys.stderr)
-    print(f"overall: {'PASS' if out['pass'] else 'FAIL'} (after / before > {TARGET_RATIO:g} in "
-          f"{', '.join(judged_arms(args)) or 'no arm'}; no change in "
-          f"{', '.join(m for m in args.arm_list if m in CONTROLS) or 'no control'})")
+    targets = (f"beyond the {CONTROL} control in {', '.join(versus) or 'nothing'}" if args.model != "tiny" else
+               f"after / before > {TARGET_RATIO:g} in {', '.join(judged_arms(args)) or 'no arm'}; no change in "
+               f"{CONTROL if CONTROL in args.arm_list else 'no control'}")
+    print(f"overall: {'PASS' if out['pass'] else 'FAIL'} ({targets})")
     return 0 if out["pass"] else 1
 
 

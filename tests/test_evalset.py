@@ -358,8 +358,8 @@ def _sim_questions() -> set[str]:
     for catalogue in (personas.PERSONAS, personas.FORM_ONLY_PERSONAS):
         for p in catalogue.values():
             asked |= set(p.questions) | set(p.held_out_questions) | {i.question for i in p.items + p.held_out}
-    for seed in (questions.SEED, 1, 2):
-        asked |= {i.question for items in questions.bank(seed).values() for i in items}
+    for seed in (questions.SEED, 1, 2):  # and the paraphrases a corrections user is probed on
+        asked |= {q for items in questions.bank(seed).values() for i in items for q in (i.question, i.paraphrase) if q}
     for pool in (personas.FACTS, personas.TIPS, personas.GENERAL, personas.HOW_TO, personas.CHAT, personas.CODING):
         asked |= set(pool)
     return asked

@@ -410,7 +410,7 @@ def test_make_demo_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     and on the tiny model: the suite runs no demo otherwise, and a broken launcher once went unnoticed."""
     out = tmp_path / "demo"
     done = subprocess.run([sys.executable, "-m", "clawd.tools.sim.demo", "--model", str(tiny_model), "--minutes", "3",
-                           "--steps", "1", "--probes", "2", "--concurrency", "4", "--out", str(out)],
+                           "--steps", "1", "--probes", "2", "--guard", "3", "--concurrency", "4", "--out", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -419,6 +419,9 @@ def test_make_demo_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     assert summary["daemon"]["exit"] == 0 and not summary["users"]["errors"], summary
     evaluation = summary["degeneration"]["evaluation"]  # the metrics the behaviour monitors watch
     assert evaluation["before"]["replies"] == evaluation["after"]["replies"] == 2 * len(summary["personas"])
+    # each probe sampled and greedy, paired, and the guard's 3 greedy answers
+    assert summary["evaluation"]["satisfied (sampled)"]["n"] == summary["evaluation"]["satisfied (greedy)"]["n"] == 2
+    assert summary["evaluation"]["guard: correct"]["n"] == 3 and summary["headline"]["guard_n"] == 3
     # The gate and the monitors run (the demo's default): every version has a record, each new one its verdict.
     history = {v["version"]: v for v in summary["safety"]["versions"]}
     assert 0 in history and all(v["gate"] is not None for n, v in history.items() if n > 0), summary["safety"]

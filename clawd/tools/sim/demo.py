@@ -1,40 +1,44 @@
 """`make demo`: watch clawd learn from simulated users, live, then a plot and a summary.
 
-    python -m clawd.tools.sim.demo [--minutes 14] [--concurrency 8] [--seed 1] [--model DIR] ...
+    python -m clawd.tools.sim.demo [--minutes 19] [--concurrency 8] [--seed 1] [--model DIR] ...
 
 It starts clawd as `make run` would, on the default model (SmolLM2-135M-Instruct on
 clawd's CPU engine) with the `rules` judge and the learner on, on a fresh state
 directory under --out. Then:
 
-1. before: a fixed evaluation set, --probes questions per persona, each with its own
-   sampling seed, never trained on (`X-Clawd-No-Train`), all served by version 0;
+1. before: the held-out evaluation (clawd/tools/sim/evaluation.py), all served by version 0 and never
+   trained on (`X-Clawd-No-Train`): --probes questions per persona, each sampled with its own seed and
+   greedy, and the correctness guard, greedy answers to every held-out fact and definition (--guard);
 2. learning: simulated users (clawd/tools/sim/users.py) talk to clawd until the time budget
    (or --steps) is reached, while the terminal shows the policy version, training
    steps, effective samples toward the next batch, hint acceptance, and per version
    the users' satisfaction split into correctness and style, the judge's mean reward,
    the mean length and distinct-2 of the answers;
-3. after: the same evaluation set on the last version, compared with v0 question by question
-   (satisfied, correct and styled: the change and its 95% paired bootstrap interval,
-   clawd/paired.py), and a few questions drawn at random from it, v0's answer beside the last's;
+3. after: the same evaluation on the last version, compared with v0 question by question (the change
+   and its 95% paired bootstrap interval, clawd/paired.py): the style users' satisfaction, sampled (the
+   headline) and greedy, the guard's correctness (non-inferior when its lower bound is above -5
+   points), how many of the users' thanks came from retries, and four questions drawn at random,
+   v0's answer beside the last's;
 4. `learning.png` (satisfaction, correctness, style and mean reward per policy version, and the
    evaluation set before and after with the paired intervals) and `summary.json` in --out, with
    every reply in `replies.jsonl` and clawd's log in `clawd.log`.
 
 The users' satisfaction per version counts every answer served by that version, a retry after a
-correction included, and such a correction usually states the answer: the live figures flatter the
-model (the "first try" share is fairer) and are progress, not evidence. The evidence is the held-out
-evaluation set, where the prompts and the random draws are the same on both sides and the comparison
-is paired. The judge's mean reward per version is read from clawd's own records.
+correction included: the live figures flatter the model (the "first try" share is fairer) and are
+progress, not evidence. The evidence is the held-out evaluation, where the prompts and the random
+draws are the same on both sides and the comparison is paired.
 
-The personas (clawd/tools/sim/personas.py) want the right answer to a question with a known answer
-and a style; the evaluation set is held out (questions never asked in the sessions). The summary
-holds degeneration metrics (clawd/degeneration.py) of the evaluation answers before and after.
-The defaults (rl mode, lr 5e-5, 8 samples a step, 48 tokens a reply at T 0.7, personas `brief`
-and `plain`) take about 14 min on 2 cores. With the earlier form-only personas
+The default user, `concise` (clawd/tools/sim/personas.py), asks easy known-answer questions and wants
+one complete sentence that names what was asked; it rewards that style alone, whatever the answer, so
+correctness is measured beside it by the guard, never multiplied into the reward. SmolLM2 meets the
+style on about a fifth of its sampled answers at T 0.7 and half its greedy ones. The defaults (rl mode,
+a full fine-tune at lr 1e-5, 48 tokens a reply at T 0.7, gate and monitors on) take about 20 min on 2
+cores; the settings were chosen by the runs in bench/README.md. With the earlier form-only personas
 (`--personas form:brief,form:plain`) a run took the evaluation set from 38% satisfied to 100% while
 the answers collapsed ("The answer is a planet."): the documented example of a reward hack.
-`--lora` (`make demo DEMO_ARGS=--lora`): LoRA adapters of rank 16 (`--lora-rank N`) at lr 5e-4 (--lr).
+`--lora` (`make demo DEMO_ARGS=--lora`): LoRA adapters of rank 16 (`--lora-rank N`) at lr 1e-4 (--lr).
 `--no-safety`: no gate, no monitors, no rollback checkpoints (learning as before them: the control).
+`--train KEY=VALUE` sets any [train] key (kl_loss_coef=0.3).
 """
 from __future__ import annotations
 
@@ -46,24 +50,28 @@ import random
 import shutil
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from clawd import degeneration, paired
+from clawd.tools.sim import evaluation
 from clawd.tools.sim.launch import Clawd
 from clawd.tools.sim.personas import PERSONAS, persona
 from clawd.tools.sim.progress import Display, Judged, clock, fmt, pct
 from clawd.tools.sim.users import Reply, Users, by_persona, by_version, rate
 
 DEFAULT_MODEL = "state/models/SmolLM2-135M-Instruct"
-DEFAULT_PERSONAS = "brief,plain"
+DEFAULT_PERSONAS = "concise"
 EXAMPLES = 4  # evaluation questions shown before and after, drawn at random
+EVAL_BATCH = 32  # evaluation answers asked at once (and the engine's batch): on 2 cores a batch of 32 answers
+# ~1.7 a second where the users' 8 at once got ~1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m clawd.tools.sim.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})")
-    ap.add_argument("--minutes", type=float, default=14.0, help="time budget, start to plot (default 14)")
+    ap.add_argument("--minutes", type=float, default=19.0, help="time budget, start to plot (default 19)")
     ap.add_argument("--steps", type=int, default=0, help="stop the users after this many training steps (0: time only)")
     ap.add_argument("--concurrency", type=int, default=8, help="simulated users at once (default 8)")
     ap.add_argument("--seed", type=int, default=1, help="seeds the sessions, the engine and the trainer (default 1)")
@@ -73,25 +81,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--teacher", choices=("policy", "reference"), default="reference",
                     help="teacher engine in opd/combine (default reference: the frozen initial weights, clawd's "
                          "default; 'policy' makes the policy its own teacher and warns)")
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (default 5e-5; with --lora 5e-4)")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-5; with --lora 1e-4)")
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen base ([train] lora_rank)")
     ap.add_argument("--no-safety", action="store_true", help="no gate, monitors or rollback checkpoints (a control)")
     ap.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (default 16; implies --lora)")
     ap.add_argument("--batch", type=int, default=8, help="effective samples per training step (default 8)")
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per reply (default 48)")
     ap.add_argument("--temperature", type=float, default=0.7, help="the users' sampling temperature (default 0.7)")
-    ap.add_argument("--probes", type=int, default=16, help="evaluation questions per persona, before and after (default 16)")
+    ap.add_argument("--probes", type=int, default=64,
+                    help="evaluation questions per persona, each sampled and greedy, before and after (default 64)")
+    ap.add_argument("--guard", type=int, default=None,
+                    help="held-out facts and definitions in the correctness guard, greedy (default all; 0: none)")
     ap.add_argument("--tool-share", type=float, default=0.15, help="share of sessions offered a tool (default 0.15)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for clawd's engine and trainer (default 1)")
     ap.add_argument("--idle-timeout", type=float, default=20.0, help="seconds before abandoned sessions close (default 20)")
     ap.add_argument("--out", default="state/demo", help="where the plot, summary and clawd's state go (default state/demo)")
     ap.add_argument("--keep-weights", action="store_true", help="keep the weights and checkpoints (~2.7 GB for SmolLM2)")
+    ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                    help="a [train] setting, VALUE in TOML (kl_loss_coef=0.05); repeatable")
     args = ap.parse_args(argv)
+    try:
+        args.train_keys = {k.strip(): tomllib.loads(f"v = {v}")["v"] for k, _, v in (t.partition("=") for t in args.train)}
+    except tomllib.TOMLDecodeError as exc:
+        ap.error(f"--train: {exc} (strings are quoted: aggregation=\"token_sum\")")
     if args.lora_rank is not None and args.lora_rank < 1:
         ap.error("--lora-rank must be positive")
     args.lora_rank = (args.lora_rank or 16) if args.lora or args.lora_rank else 0
     # LoRA at ten times the full fine-tune's rate: at twice it, SmolLM2's adapters learnt nothing in 26 steps.
-    args.lr = (5e-4 if args.lora_rank else 5e-5) if args.lr is None else args.lr
+    args.lr = (1e-4 if args.lora_rank else 1e-5) if args.lr is None else args.lr
     args.tuning = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tune"
     for name in ("minutes", "concurrency", "batch", "max_tokens", "probes", "lr", "idle_timeout"):
         if getattr(args, name) <= 0:
@@ -113,13 +130,15 @@ def clawd_sections(args: argparse.Namespace, state_dir: Path) -> dict[str, dict[
         "model": {"path": str(Path(args.model).resolve()), "max_tokens_cap": args.max_tokens},
         # The check after a weight swap reads /model_info with a timeout of max(connect_timeout, 5 s); a CPU engine
         # re-prefilling the requests the swap retracted can take longer on 2 cores, and the swap is then redone.
-        "engine": {"launch": "local", "cpu_threads": args.threads, "seed": args.seed, "connect_timeout": 30.0},
+        "engine": {"launch": "local", "cpu_threads": args.threads, "seed": args.seed, "connect_timeout": 30.0,
+                   "max_batch_size": EVAL_BATCH},
         "scoring": {"mode": args.mode},
         "judge": {"backend": "rules", "teacher_engine": args.teacher},
         "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1},
         # A rollback returns to a checkpoint: one a version (a few seconds each for SmolLM2 and its optimizer).
         "train": {"lr": args.lr, "seed": args.seed, "checkpoint_every": 1000 if args.no_safety else 1,
-                  "keep_versions": 2, **({"lora_rank": args.lora_rank, "lora_lr": args.lr} if args.lora_rank else {})},
+                  "keep_versions": 2, **({"lora_rank": args.lora_rank, "lora_lr": args.lr} if args.lora_rank else {}),
+                  **args.train_keys},
         "sessions": {"session_idle_timeout": args.idle_timeout, "sweep_interval": 2.0},
         "state": {"dir": str(state_dir)},
         # The gate on 16 of the prompts that ship, one short answer each (all 50 take minutes a version on 2 cores,
@@ -151,19 +170,18 @@ async def run(args: argparse.Namespace) -> int:
     judged = Judged(clawd)
     try:
         t = time.monotonic()
-        before = await users.evaluate(args.probes, seed=args.seed)
+        guard = None if args.guard == 0 else evaluation.guard_persona(limit=args.guard)
+        before = await evaluation.run(users, args.persona_list, args.probes, args.seed, guard, concurrency=EVAL_BATCH)
         eval_seconds = time.monotonic() - t
-        print(f"{clock(time.monotonic() - started)}  before: {len(before)} evaluation answers on "
-              f"v{_versions(before)}, satisfied {pct(rate(before))} = correct {pct(rate(before, 'correct'))} and "
-              f"styled {pct(rate(before, 'styled'))}  | "
-              + "  ".join(f"{p} {pct(x['satisfied'])}" for p, x in by_persona(before).items()), flush=True)
+        print(f"{clock(time.monotonic() - started)}  before: {_evaluated(before)}", flush=True)
 
         display = Display(users, clawd, judged, started, args.mode)
-        # The users stop early enough for the last evaluation and the plot to fit the budget.
-        # A step still training when they stop gets time to publish: as long as the last one took.
+        # The users stop early enough for the last evaluation and the plot to fit the budget: room for the step
+        # training when they stop and one more on the samples already taken (a step is its training seconds,
+        # then a publish and the gate's check).
         def deadline() -> float:
             step = ((display.status.get("learner") or {}).get("last_metrics") or {}).get("seconds", 30.0)
-            return started + args.minutes * 60 - 1.5 * eval_seconds - step - 20
+            return started + args.minutes * 60 - 1.2 * eval_seconds - 2 * step - 60
 
         def enough() -> bool:
             steps = (display.status.get("learner") or {}).get("steps", 0)
@@ -186,18 +204,15 @@ async def run(args: argparse.Namespace) -> int:
         watcher.cancel()
         # A step may still be training on the last samples: let it publish, so one version answers all probes.
         step_seconds = ((display.status.get("learner") or {}).get("last_metrics") or {}).get("seconds", 60.0)
-        if not await clawd.settle(min(2 * step_seconds + 30, max(started + args.minutes * 60 - time.monotonic()
-                                                                  - 1.5 * eval_seconds, 5))):
+        # Past the budget if need be: an evaluation that straddles a publish compares no one version with v0.
+        if not await clawd.settle(2 * step_seconds + 90):
             print("\nthe learner was still busy: the evaluation may straddle a publish", flush=True)
         display.poll()
         display.line(force=True)
         display.done()
 
-        after = await users.evaluate(args.probes, seed=args.seed)
-        print(f"{clock(time.monotonic() - started)}  after: {len(after)} evaluation answers on "
-              f"v{_versions(after)}, satisfied {pct(rate(after))} = correct {pct(rate(after, 'correct'))} and "
-              f"styled {pct(rate(after, 'styled'))}  | "
-              + "  ".join(f"{p} {pct(x['satisfied'])}" for p, x in by_persona(after).items()), flush=True)
+        after = await evaluation.run(users, args.persona_list, args.probes, args.seed, guard, concurrency=EVAL_BATCH)
+        print(f"{clock(time.monotonic() - started)}  after: {_evaluated(after)}", flush=True)
         status = clawd.status()
         history = clawd.command("versions", last=10_000)["versions"]
     finally:
@@ -225,6 +240,20 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampled(replies: list[Reply]) -> list[Reply]:
+    """The personas' sampled evaluation answers: what the users would get (not greedy, not the guard)."""
+    return [r for r in replies if r.style == "sampled" and r.persona != evaluation.GUARD]
+
+
+def _evaluated(replies: list[Reply]) -> str:
+    sampled, guard = _sampled(replies), [r for r in replies if r.persona == evaluation.GUARD]
+    line = (f"{len(replies)} evaluation answers on v{_versions(replies)}; sampled: satisfied {pct(rate(sampled))}, "
+            f"correct {pct(rate(sampled, 'correct'))}, styled {pct(rate(sampled, 'styled'))}")
+    greedy = [r for r in replies if r.style == "greedy" and r.persona != evaluation.GUARD]
+    line += f"; greedy: satisfied {pct(rate(greedy))}"
+    return line + (f"; guard: correct {pct(rate(guard, 'correct'))} of {len(guard)}" if guard else "")
+
+
 def _versions(replies: list[Reply]) -> str:
     vs = sorted({r.version for r in replies if r.version is not None})
     return ",".join(map(str, vs)) if vs else "?"
@@ -236,7 +265,7 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
     rewards = judged.by_version()
     for v, row in versions.items():
         row["judge"] = rewards.get(v)
-    b, a = by_persona(before), by_persona(after)
+    b, a = by_persona(_sampled(before)), by_persona(_sampled(after))
     last = max(versions) if versions else 0  # the last version that answered the users
     personas = {}
     for p in args.persona_list:
@@ -248,7 +277,7 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
             "live_last": versions.get(last, {}).get("personas", {}).get(p.name),
         }
     learner = status.get("learner") or {}
-    pairs = _pairs(before, after)
+    pairs = [(x, y) for x, y in evaluation.pairs(before, after) if x.style == "sampled" and x.persona != evaluation.GUARD]
     by_name = {p.name: p for p in args.persona_list}
     # Drawn at random (seeded) from the evaluation set, not chosen: what the answers read like.
     examples = [{"persona": b.persona, "question": by_name[b.persona].probe_question(b.question),
@@ -257,14 +286,14 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
                 for b, a in random.Random(args.seed).sample(pairs, min(EXAMPLES, len(pairs)))]
     return {
         "model": str(args.model), "tuning": args.tuning, "lora_rank": args.lora_rank, "mode": args.mode,
-        "judge": "rules", "seed": args.seed, "lr": args.lr,
+        "judge": "rules", "seed": args.seed, "lr": args.lr, "train": args.train_keys,
         "batch": args.batch, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
         "temperature": args.temperature, "probes_per_persona": args.probes,
         "seconds": round(seconds, 1),
-        "evaluation": {of: paired.compare([getattr(b, of) for b, a in pairs], [getattr(a, of) for b, a in pairs])
-                       for of in ("satisfied", "correct", "styled") if all(getattr(r, of) is not None
-                                                                           for pair in pairs for r in pair)},
-        "satisfaction": {"before": rate(before), "after": rate(after), "after_version": _versions(after),
+        "evaluation": (results := evaluation.compare(before, after)),
+        "headline": evaluation.headline(results),
+        "retries": evaluation.retry_share(users.replies),
+        "satisfaction": {"before": rate(_sampled(before)), "after": rate(_sampled(after)), "after_version": _versions(after),
                          "live_v0": versions.get(0, {}).get("satisfied"), "live_last": versions.get(last, {}).get("satisfied"),
                          "live_last_version": last, "last_version": status["policy"]["version"]},
         "personas": personas,
@@ -285,12 +314,6 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
     }
 
 
-def _pairs(before: list[Reply], after: list[Reply]) -> list[tuple[Reply, Reply]]:
-    """The evaluation answers before and after, paired by (persona, question): the same prompt and seed."""
-    later = {(r.persona, r.question): r for r in after}
-    return [(r, later[(r.persona, r.question)]) for r in before if (r.persona, r.question) in later]
-
-
 def _grade(r: Reply) -> str:
     if r.correct is None:
         return "satisfied" if r.satisfied else "not satisfied"
@@ -301,8 +324,8 @@ def _degeneration(users: Users, before: list[Reply], after: list[Reply]) -> dict
     """Whether answers collapse while their form pleases: the evaluation answers before and after (the same
     held-out questions, a fair comparison) with the metrics that crossed a threshold, and the live replies per
     version (clawd.degeneration; closing and tool-call replies are not answers and are left out)."""
-    ev_before = degeneration.summarise(r.text for r in before)
-    ev_after = degeneration.summarise(r.text for r in after)
+    ev_before = degeneration.summarise(r.text for r in _sampled(before))
+    ev_after = degeneration.summarise(r.text for r in _sampled(after))
     return {"evaluation": {"before": ev_before, "after": ev_after, "flags": degeneration.flags(ev_after, ev_before)},
             "live": {str(v): row for v, row in degeneration.by_version(r.to_json() for r in users.replies).items()}}
 
@@ -389,6 +412,14 @@ def print_summary(summary: dict[str, Any], out: Path, png: Path | None) -> None:
     print(f"paired, v0 vs v{sat['after_version']} on the same held-out questions and seeds:")
     for of, result in summary["evaluation"].items():
         print(f"  {paired.describe(of, result)}: {paired.verdict(result)}")
+    head, retries = summary["headline"], summary["retries"]
+    print(f"style satisfaction up (sampled, interval above 0): {'yes' if head['style_up'] else 'no'}; guard "
+          + ("not measured" if head["guard_non_inferior"] is None else
+             f"non-inferior (correct, lower bound >= {evaluation.NON_INFERIOR:+.0%}, n {head['guard_n']}, "
+             f"{head['guard_v0_right']} right at v0): "
+             f"{'yes' if head['guard_non_inferior'] else 'no'}"))
+    print(f"live thanks from retries (the correction already in context): {retries['from_retries']} of "
+          f"{retries['thanked']}")
     print(f"live: satisfied {pct(sat['live_v0'])} of answers served by v0, {pct(sat['live_last'])} by "
           f"v{sat['live_last_version']}")
     deg = summary["degeneration"]["evaluation"]

@@ -1,14 +1,21 @@
 """Simulated users' personas: what they ask, what they want from a reply, the words they answer with (pure).
 
-Two catalogues. `PERSONAS` (the default) ask questions with known answers (clawd/tools/sim/
-questions.py) and want substance AND style: a reply satisfies only if it names the right answer
-(`questions.grade` is "correct") and meets the persona's preference. `FORM_ONLY_PERSONAS` are the
-old users who judge form alone; kept as the documented example of collapse: against them the demo's
-policy learnt answers such as "The answer is a planet." (short, no list, thanked) and went from 38 %
-to 100 % satisfied while saying nothing.
+Two catalogues. `PERSONAS` ask questions with known answers (clawd/tools/sim/questions.py):
+- `concise` (the demo's user) wants one complete sentence that names what was asked, and judges the
+  style alone: its answer is graded and reported beside, never rewarded (RL on one set of facts cannot
+  teach other facts, so a reward that multiplies correctness in cannot show learning on held-out
+  questions). The topic check makes a collapsed or wrong-topic reply fail it.
+- `corrector` wants the right answer alone and its corrections carry the answer: what on-policy
+  distillation can learn from; it is probed on paraphrases of its own questions (`probes`).
+- brief, plain, terse, curious and pythonista want substance AND style: a reply satisfies only if it
+  names the right answer (`questions.grade` is "correct") and meets the persona's preference. They
+  keep to the bank's original items (not questions.MORE's).
+`FORM_ONLY_PERSONAS` are the old users who judge form alone; kept as the documented example of
+collapse: against them the demo's policy learnt answers such as "The answer is a planet." (short, no
+list, thanked) and went from 38 % to 100 % satisfied while saying nothing.
 
 Preferences (`kind`/`param`): "under_words" N (fewer than N words), "no_lists", "ends_with_question",
-"uses_term" TERM. Every persona first wants an answer at all: a reply under `min_words` words
+"uses_term" TERM, "one_sentence" (`one_sentence`), "answer" (none: the right answer alone). Every persona first wants an answer at all: a reply under `min_words` words
 (MIN_WORDS unless said otherwise) never satisfies (an empty reply must never be the easy way to be
 thanked for brevity); `plain` wants at least 8.
 
@@ -38,8 +45,10 @@ from clawd.tools.sim.questions import CORRECT, MISSING, SEVERAL, WRONG, Item
 MIN_WORDS = 3
 NOT_AN_ANSWER = "No, that's not an answer. Please answer the question in a full sentence."
 RIGHT_BUT_SHORT = "No, that's too short. Please answer in a full sentence."
+OFF_TOPIC = "No, that doesn't answer what I asked."
 FORM_PREFIX = "form:"  # persona("form:brief") is FORM_ONLY_PERSONAS["brief"]
-KINDS = ("under_words", "no_lists", "ends_with_question", "uses_term")
+KINDS = ("under_words", "no_lists", "ends_with_question", "uses_term", "one_sentence", "answer")
+PROBES = ("held_out", "paraphrases")
 
 # A list item: a line that starts with a bullet, or with a number or letter and "." or ")".
 _LIST_ITEM = re.compile(r"^\s*(?:[-*+\u2022\u25e6\u2013]|\d{1,3}[.)]|[a-zA-Z][.)])\s+\S", re.MULTILINE)
@@ -73,6 +82,39 @@ def ends_with_question(text: str) -> bool:
     return text.rstrip(_CLOSERS).endswith("?")
 
 
+# A sentence ends at ".", "!" or "?" (closing quotes and brackets after it) followed by more text.
+_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*\s+(?=\S)")
+# Words too common to say what a question is about ("What is the capital of Spain?" is about capital, spain).
+_FUNCTION_WORDS = frozenset((
+    "what which who whom whose how many much why when where is are was were be been do does did done can could "
+    "would should will shall may might must the a an of in on at to for from by with about as into than then "
+    "and or but not no it its this that these those there their they them he she his her you your we our us "
+    "me my i call called name named word term kind type usually most some any one").split())
+
+
+def one_sentence(text: str) -> bool:
+    """Is the text a single sentence that ends as a statement: no line break, no sentence end (".", "!" or
+    "?" then more text) before the last, and a final "." or "!" (closers aside)? A reply cut off at the token
+    limit mid-sentence has no final stop, so it is not one. Abbreviations ("Dr. Seuss") read as two sentences."""
+    t = text.strip()
+    return bool(t) and "\n" not in t and t.rstrip(_CLOSERS)[-1:] in (".", "!") and not _SENTENCE_END.search(t)
+
+
+def topic_words(question: str) -> frozenset[str]:
+    """The question's content words (questions.normalise tokens): not function words, 3+ letters or a number."""
+    return frozenset(w for w in bank.normalise(question)
+                     if w not in _FUNCTION_WORDS and (len(w) >= 3 or w.isdigit()))
+
+
+def on_topic(text: str, question: str) -> bool:
+    """Does the reply name one of the question's content words (a plural "s" either way)? "A kitten is a young
+    cat." is on the topic of "What do we call a baby cat?"; "The answer is a planet." is not, nor is a reply
+    about something else: a collapsed or wrong-topic answer fails a style that wants this."""
+    said = set(bank.normalise(text))
+    said |= {w[:-1] for w in said if w.endswith("s")} | {w + "s" for w in said}
+    return bool(topic_words(question) & said)
+
+
 def uses_term(text: str, term: str) -> bool:
     """Does the text use the term as a whole word, in any case?"""
     return re.search(r"(?<!\w)" + re.escape(term) + r"(?!\w)", text, re.IGNORECASE) is not None
@@ -80,13 +122,16 @@ def uses_term(text: str, term: str) -> bool:
 
 class Grade(NamedTuple):
     """A reply judged: `answer` is questions.CORRECT/SEVERAL/WRONG/MISSING (None for a form-only persona),
-    `styled` the preference and the word floor together."""
+    `styled` the preference and the word floor together (and the topic, for a persona that wants it),
+    `wants_answer` whether the persona's thanks need the right answer too (a style-only persona's do not:
+    its answer is graded, to report beside, never multiplied into its verdict)."""
     answer: str | None
     styled: bool
+    wants_answer: bool = True
 
     @property
     def satisfied(self) -> bool:
-        return self.styled and self.answer in (None, CORRECT)
+        return self.styled and (not self.wants_answer or self.answer in (None, CORRECT))
 
 
 @dataclass(frozen=True)
@@ -94,10 +139,16 @@ class Persona:
     """One kind of user: what it asks about and what it wants from every reply.
 
     kind/param: "under_words" N (fewer than N words), "no_lists", "ends_with_question",
-    "uses_term" TERM. A reply under `min_words` words is no answer to any of them.
-    With `items` (questions with known answers) the persona also wants the right answer; its
-    `questions` are then the items' questions (pass `()`), `held_out` its evaluation items, and
-    `tells_answer` whether a correction of a wrong answer says the right one.
+    "uses_term" TERM, "one_sentence" (one complete sentence), "answer" (no style: the right answer alone).
+    A reply under `min_words` words is no answer to any of them.
+    With `items` (questions with known answers) the persona asks those (`questions` are then the items'
+    questions: pass `()`), `held_out` are its evaluation items, and it wants the right answer too unless
+    `wants_answer` is False (a style-only user: the answer is graded and reported, never rewarded);
+    `tells_answer` says whether a correction of a wrong answer says the right one. `on_topic`: the style
+    also wants the reply to name a content word of the question (`on_topic`), so that a collapsed or
+    wrong-topic reply fails it. `probes`: what `probe_question` draws from, "held_out" (questions never
+    asked) or "paraphrases" (its own items asked in other words: what a user who corrected those facts
+    can fairly expect the model to have learnt).
     """
     name: str
     kind: str
@@ -108,6 +159,9 @@ class Persona:
     held_out: tuple[Item, ...] = ()
     tells_answer: bool = True
     held_out_questions: tuple[str, ...] = ()  # a form-only persona's evaluation questions, never asked
+    wants_answer: bool = True
+    on_topic: bool = False
+    probes: str = "held_out"
 
     def __post_init__(self):
         if self.items:
@@ -131,20 +185,29 @@ class Persona:
             raise ValueError(f"persona {self.name}: uses_term needs a term")
         if not self.questions:
             raise ValueError(f"persona {self.name}: needs at least one question")
+        if self.probes not in PROBES:
+            raise ValueError(f"persona {self.name}: probes {self.probes!r} is not one of {PROBES}")
+        if (self.on_topic or self.probes == "paraphrases") and not self.items:
+            raise ValueError(f"persona {self.name}: on_topic and paraphrase probes need items")
+        if self.kind == "answer" and not (self.items and self.wants_answer):
+            raise ValueError(f"persona {self.name}: kind answer wants the right answer (items, wants_answer)")
 
     @property
     def judges_answers(self) -> bool:
         """Does this persona want the right answer (a substance persona), not only a style?"""
-        return bool(self.items)
+        return bool(self.items) and self.wants_answer
 
     @property
     def preference(self) -> str:
         """The preference in a few words, for tables and plots."""
         least = f", {self.min_words}+ words" if self.min_words > MIN_WORDS else ""
         style = {"under_words": f"under {self.param} words", "no_lists": "no lists",
-                 "ends_with_question": "ends with a question",
-                 "uses_term": f"uses the term {self.param!r}"}[self.kind] + least
-        return f"right answer, {style}" if self.items else style
+                 "ends_with_question": "ends with a question", "uses_term": f"uses the term {self.param!r}",
+                 "one_sentence": "one sentence", "answer": "any style"}[self.kind] + least
+        style += ", on topic" if self.on_topic else ""
+        if self.kind == "answer":
+            return "the right answer" + least
+        return f"right answer, {style}" if self.judges_answers else style
 
     def item(self, question: str | Item | None) -> Item:
         """The item a question names: an Item as it is, a question's text looked up in items and held_out."""
@@ -153,13 +216,16 @@ class Persona:
         if question is None:
             raise ValueError(f"persona {self.name} judges answers: pass the question")
         for it in self.items + self.held_out:
-            if it.question == question:
+            if question in (it.question, it.paraphrase):
                 return it
         raise ValueError(f"persona {self.name} does not ask {question!r}")
 
     def probe_question(self, i: int) -> str:
         """The i-th evaluation question (cycled): a held-out one, never asked in the sessions."""
-        pool = [it.question for it in self.held_out] or list(self.held_out_questions)
+        if self.probes == "paraphrases":
+            pool = [it.paraphrase for it in self.items if it.paraphrase]
+        else:
+            pool = [it.question for it in self.held_out] or list(self.held_out_questions)
         if not pool:
             raise ValueError(f"persona {self.name} has no held-out questions to evaluate on")
         return pool[i % len(pool)]
@@ -168,14 +234,22 @@ class Persona:
         """The preference alone, on a reply that is an answer."""
         return _CHECKS[self.kind](text, self.param)
 
-    def styled(self, text: str) -> bool:
-        """The word floor and the preference: everything but the answer."""
-        return word_count(text) >= self.min_words and self.prefers(text)
+    def styled(self, text: str, question: str | Item | None = None) -> bool:
+        """The word floor and the preference (and the topic, for an on_topic persona: pass the question):
+        everything but the answer."""
+        if not (word_count(text) >= self.min_words and self.prefers(text)):
+            return False
+        return not self.on_topic or on_topic(text, self._asked(question))
+
+    def _asked(self, question: str | Item | None) -> str:
+        if isinstance(question, str):
+            return question
+        return self.item(question).question
 
     def grade(self, text: str, question: str | Item | None = None) -> Grade:
-        """The reply judged for substance (substance personas only) and style."""
+        """The reply judged for substance (persona with items) and style."""
         answer = bank.grade(self.item(question), text) if self.items else None
-        return Grade(answer, self.styled(text))
+        return Grade(answer, self.styled(text, question), self.wants_answer)
 
     def satisfied(self, text: str, question: str | Item | None = None) -> bool:
         """Would this user thank this reply (to this question, for a substance persona)?"""
@@ -192,6 +266,12 @@ class Persona:
             return _CORRECTIONS[self.kind](self.param)
         item = self.item(question)
         answer = bank.grade(item, text)
+        if not self.wants_answer:  # a style-only user: what the style missed, whatever the answer
+            if words < self.min_words:
+                return too_short(self.min_words) if self.min_words > MIN_WORDS else RIGHT_BUT_SHORT
+            if self.on_topic and not on_topic(text, self._asked(question)):
+                return f"{OFF_TOPIC} {_ASKS[self.kind](self.param)}"
+            return _CORRECTIONS[self.kind](self.param)
         if answer == CORRECT:  # the style alone, as a form-only persona says it
             if words < self.min_words:
                 return RIGHT_BUT_SHORT if self.min_words <= MIN_WORDS else too_short(self.min_words)
@@ -209,12 +289,16 @@ _CHECKS: dict[str, Callable[[str, object], bool]] = {
     "no_lists": lambda text, _: not has_list(text),
     "ends_with_question": lambda text, _: ends_with_question(text),
     "uses_term": lambda text, term: uses_term(text, term),
+    "one_sentence": lambda text, _: one_sentence(text),
+    "answer": lambda text, _: True,
 }
 _CORRECTIONS: dict[str, Callable[[object], str]] = {
     "under_words": lambda n: f"No, that's too long. Please answer in under {n} words.",
     "no_lists": lambda _: "No, please don't use lists. Answer in plain sentences, without bullets or numbering.",
     "ends_with_question": lambda _: "No, you forgot to ask me something back. End your answer with a question.",
     "uses_term": lambda term: f"No, you didn't use the term {term}. Please use the word {term} in your answer.",
+    "one_sentence": lambda _: "No, please answer in one complete sentence.",
+    "answer": lambda _: "No, please answer the question.",  # never said: any style is this one
 }
 # What a substance persona says of a reply without the right answer; then the style it also misses.
 _SUBSTANCE = {MISSING: "No, that doesn't answer it", WRONG: "No, that's not right",
@@ -224,6 +308,8 @@ _ASKS: dict[str, Callable[[object], str]] = {
     "no_lists": lambda _: "Please answer in plain sentences, without bullets or numbering.",
     "ends_with_question": lambda _: "Please end your answer with a question.",
     "uses_term": lambda term: f"Please use the word {term} in your answer.",
+    "one_sentence": lambda _: "Please answer in one complete sentence.",
+    "answer": lambda _: "Please answer the question.",
 }
 
 
@@ -314,10 +400,13 @@ FORM_ONLY_PERSONAS: dict[str, Persona] = {p.name: p for p in (
 
 
 def asking(name: str, kind: str, param: int | str | None, kinds: tuple[str, ...], *, min_words: int = MIN_WORDS,
-           tells_answer: bool = True) -> Persona:
-    """A substance persona: questions.TRAIN items of these kinds to ask, questions.EVAL ones held out."""
-    return Persona(name, kind, param, (), min_words, bank.of_kinds(bank.TRAIN, kinds),
-                   bank.of_kinds(bank.EVAL, kinds), tells_answer)
+           tells_answer: bool = True, whole_bank: bool = False, **more) -> Persona:
+    """A persona with items: questions.TRAIN items of these kinds to ask, questions.EVAL ones held out; of
+    the whole bank, or (whole_bank False) without questions.MORE's."""
+    def pool(items: tuple[Item, ...]) -> tuple[Item, ...]:
+        return bank.of_kinds(items if whole_bank else tuple(i for i in items if i.question not in bank.FROM_MORE),
+                             kinds)
+    return Persona(name, kind, param, (), min_words, pool(bank.TRAIN), pool(bank.EVAL), tells_answer, **more)
 
 
 # The default users: the right answer to a known-answer question, in their style. Every correction of a
@@ -328,6 +417,14 @@ PERSONAS: dict[str, Persona] = {p.name: p for p in (
     asking("terse", "under_words", 3, ("fact", "arithmetic"), min_words=1),
     asking("curious", "ends_with_question", None, ("definition", "fact"), tells_answer=False),
     asking("pythonista", "uses_term", "Python", ("arithmetic", "conversion")),
+    # A style SmolLM2 reaches at times and can learn: a complete one-sentence answer that names what was
+    # asked (it meets it about a quarter of the time at T 0.7: bench/README.md). Style only: its answer is
+    # graded and reported beside (RL on one set of facts cannot teach others), never rewarded.
+    asking("concise", "one_sentence", None, ("fact", "definition"), min_words=4, wants_answer=False,
+           on_topic=True, whole_bank=True),
+    # The right answer alone, and a correction that carries it: what on-policy distillation can learn from.
+    # Its probes are its own questions reworded, the facts it corrected, not facts never mentioned.
+    asking("corrector", "answer", None, ("fact", "definition"), probes="paraphrases", whole_bank=True),
 )}
 
 

@@ -2,7 +2,8 @@
 
 Four kinds of `Item`: "fact" (the capital of Italy → Rome), "arithmetic" (7 times 8 → 56),
 "conversion" (3 kilometres in metres → 3000) and "definition" (frozen water → ice). Facts and
-definitions are listed here; arithmetic and conversions are generated from the seed. Each item
+definitions are listed here and in facts.jsonl (`MORE`: 627 easy ones, each with a `paraphrase`, the
+same question in other words); arithmetic and conversions are generated from the seed. Each item
 has its accepted answers (the first is canonical), `fact` (the answer in words, for a correction
 that carries it) and `distractors` (the wrong candidates a hedging reply would list).
 
@@ -30,10 +31,12 @@ Grading (`grade`) compares normalised token sequences (`normalise`):
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 import unicodedata
 from dataclasses import dataclass
+from pathlib import Path
 
 KINDS = ("fact", "arithmetic", "conversion", "definition")
 CORRECT, SEVERAL, WRONG, MISSING = "correct", "several", "wrong", "missing"
@@ -129,16 +132,19 @@ class Item:
     kind: str
     fact: str                     # "the capital of Italy is Rome": what a correction that carries the answer says
     distractors: tuple[str, ...] = ()
+    paraphrase: str = ""          # the question in other words ("Which city is Spain's capital?"), or ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"{self.question!r}: kind {self.kind!r} is not one of {KINDS}")
-        said = normalise(self.question)
+        asked = [normalise(self.question)] + ([normalise(self.paraphrase)] if self.paraphrase else [])
+        if self.paraphrase and self.paraphrase == self.question:
+            raise ValueError(f"{self.question!r}: the paraphrase is the question")
         for a in self.answers + self.distractors:
             if not normalise(a):
                 raise ValueError(f"{self.question!r}: {a!r} has no tokens")
-            if _occurs(normalise(a), said):  # echoing the question must not name an answer or a distractor
-                raise ValueError(f"{self.question!r}: the question names {a!r}")
+            if any(_occurs(normalise(a), said) for said in asked):  # an echo must not name an answer or distractor
+                raise ValueError(f"{self.question!r}: the question or its paraphrase names {a!r}")
         for d in self.distractors:
             if any(_occurs(normalise(d), normalise(a)) or _occurs(normalise(a), normalise(d)) for a in self.answers):
                 raise ValueError(f"{self.question!r}: distractor {d!r} overlaps an accepted answer")
@@ -301,7 +307,23 @@ CONVERSIONS = (
     ("minutes", "seconds", 60), ("days", "hours", 24), ("weeks", "days", 7), ("kilograms", "grams", 1000),
     ("litres", "millilitres", 1000), ("centimetres", "millimetres", 10), ("years", "months", 12),
 )
-PER_KIND = {"fact": len(FACTS), "definition": len(DEFINITIONS), "arithmetic": 40, "conversion": 40}
+GENERATED = {"arithmetic": 40, "conversion": 40}
+# More facts and definitions, each with a paraphrase: easy general knowledge (a small model answers many),
+# so that a correctness guard has enough questions the base model gets right, and a corrections user can
+# be probed on its facts reworded. One JSON object a line: kind, question, paraphrase, answers, fact, distractors.
+MORE = Path(__file__).with_name("facts.jsonl")
+
+
+def _more(path: Path = MORE) -> list[Item]:
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            row = json.loads(line)
+            if set(row) != {"kind", "question", "paraphrase", "answers", "fact", "distractors"}:
+                raise ValueError(f"{path}:{n}: keys {sorted(row)}")
+            items.append(Item(row["question"], tuple(row["answers"]), row["kind"], row["fact"],
+                              tuple(row["distractors"]), row["paraphrase"]))
+    return items
 
 
 def _numeric(question: str, n: int, kind: str, fact: str, wrong: set[int], said: set[int]) -> Item:
@@ -340,7 +362,7 @@ def _conversion(rng: random.Random) -> Item:
 def _generated(kind: str, seed: int) -> list[Item]:
     rng, items, keys = random.Random(f"{seed}:{kind}"), [], set()
     make = _arithmetic if kind == "arithmetic" else _conversion
-    while len(items) < PER_KIND[kind]:
+    while len(items) < GENERATED[kind]:
         item = make(rng)
         if item.key not in keys:
             keys.add(item.key)
@@ -353,9 +375,19 @@ def _listed(kind: str, rows: tuple[tuple[str, str, str, str], ...]) -> list[Item
 
 
 def bank(seed: int = SEED) -> dict[str, list[Item]]:
-    """Every item, by kind (facts and definitions as listed; arithmetic and conversions from the seed)."""
-    return {"fact": _listed("fact", FACTS), "arithmetic": _generated("arithmetic", seed),
-            "conversion": _generated("conversion", seed), "definition": _listed("definition", DEFINITIONS)}
+    """Every item, by kind (facts and definitions as listed here and in MORE; arithmetic and conversions
+    from the seed). Raises ValueError when two items of a kind share a canonical answer or a question."""
+    more = _more()
+    out = {"fact": _listed("fact", FACTS) + [i for i in more if i.kind == "fact"],
+           "arithmetic": _generated("arithmetic", seed), "conversion": _generated("conversion", seed),
+           "definition": _listed("definition", DEFINITIONS) + [i for i in more if i.kind == "definition"]}
+    for kind, items in out.items():
+        if len({i.key for i in items}) < len(items):
+            raise ValueError(f"two {kind} items share a canonical answer")
+    asked = [q for items in out.values() for i in items for q in (i.question, i.paraphrase) if q]
+    if len(set(asked)) < len(asked):
+        raise ValueError("a question or paraphrase is asked twice in the bank")
+    return out
 
 
 def split(seed: int = SEED) -> tuple[tuple[Item, ...], tuple[Item, ...]]:
@@ -370,6 +402,9 @@ def split(seed: int = SEED) -> tuple[tuple[Item, ...], tuple[Item, ...]]:
 
 
 TRAIN, EVAL = split(SEED)
+# The items of MORE: the style and corrections users ask them; the older substance personas keep to the
+# items listed above and generated (their catalogue and its tests predate MORE).
+FROM_MORE = frozenset(i.question for i in _more())
 
 
 def of_kinds(items: tuple[Item, ...], kinds: tuple[str, ...]) -> tuple[Item, ...]:

@@ -335,33 +335,38 @@ class Users:
 
     # ---- probes -------------------------------------------------------------------------------
 
-    async def probe(self, persona: Persona, question: int, seed: int) -> Reply:
-        """One evaluation request: the persona's question alone, a fixed sampling seed, never trained on.
+    async def probe(self, persona: Persona, question: int, seed: int, *, greedy: bool = False) -> Reply:
+        """One evaluation request: the persona's question alone, a fixed sampling seed (or greedy: temperature
+        0), never trained on. Its `style` says which: "sampled" or "greedy".
 
         A side turn (`X-Turn-Type: side`) as well as `X-Clawd-No-Train`: side turns stay out of the
         session table, so probes that repeat a question never touch the users' sessions."""
         started = time.monotonic()
-        text = persona.probe_question(question)  # held-out questions: never asked in the users' sessions
+        text = persona.probe_question(question)  # held-out questions (or paraphrases): never asked as such
         reply = await self.client.chat.completions.create(
-            model="clawd", messages=[{"role": "user", "content": text}], temperature=self.temperature,
+            model="clawd", messages=[{"role": "user", "content": text}],
+            temperature=0.0 if greedy else self.temperature,
             max_tokens=self.max_tokens, seed=seed, user="sim-probe",
             extra_headers={"X-Clawd-No-Train": "1", "X-Turn-Type": "side"})
         content = reply.choices[0].message.content or ""
         grade = persona.grade(content, text)
-        return Reply(-1, persona.name, "probe", "probe", 0, question, 0, version_of(reply.system_fingerprint),
-                     grade.satisfied, len(content.split()),
+        return Reply(-1, persona.name, "greedy" if greedy else "sampled", "probe", 0, question, 0,
+                     version_of(reply.system_fingerprint), grade.satisfied, len(content.split()),
                      reply.usage.completion_tokens if reply.usage else 0, reply.choices[0].finish_reason,
                      round(time.monotonic() - started, 3), content if self.keep_text else "", *_split(grade))
 
-    async def evaluate(self, probes_per_persona: int, *, seed: int = 7) -> list[Reply]:
-        """The fixed evaluation set: the first `probes_per_persona` questions of every persona
-        (cycled if it has fewer), each with its own fixed seed, `concurrency` at a time."""
-        limit = asyncio.Semaphore(self.concurrency)
+    async def evaluate(self, probes_per_persona: int, *, seed: int = 7, greedy: bool = False,
+                       personas: Sequence[Persona] | None = None, concurrency: int | None = None) -> list[Reply]:
+        """The fixed evaluation set: the first `probes_per_persona` questions of every persona (of
+        `personas`, default the users' own; cycled if it has fewer), each with its own fixed seed (or
+        greedy), `concurrency` (default the users') at a time."""
+        limit = asyncio.Semaphore(concurrency or self.concurrency)
 
         async def one(p: Persona, i: int) -> Reply:
             async with limit:
-                return await self.probe(p, i, seed * 100_003 + i)
-        return list(await asyncio.gather(*(one(p, i) for p in self.personas for i in range(probes_per_persona))))
+                return await self.probe(p, i, seed * 100_003 + i, greedy=greedy)
+        return list(await asyncio.gather(*(one(p, i) for p in (personas or self.personas)
+                                           for i in range(probes_per_persona))))
 
 
 # ---- summaries (pure) ---------------------------------------------------------------------------
