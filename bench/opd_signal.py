@@ -128,8 +128,7 @@ def sample(i: int, prompt: list[int], reply: list[int], teacher: list[float], to
 def measure(model_dir: Path, n_items: int, lr: float, state: Path, n_steps: int = 1) -> dict:
     from clawd.trainer.step import Trainer  # torch and transformers: loaded once the arguments are good
     tok = ChatTokenizer(model_dir)
-    items = [it for it in questions.TRAIN + questions.EVAL
-             if it.kind == "fact" and it.distractors and it.answers[0] in it.fact][:n_items]
+    items = [it for it in questions.listed_facts() if it.distractors and it.answers[0] in it.fact][:n_items]
     if len(items) < n_items:
         print(f"only {len(items)} fact questions with a distractor; asked for {n_items}", file=sys.stderr)
         raise SystemExit(2)

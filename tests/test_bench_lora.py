@@ -76,14 +76,14 @@ def model_dir(tmp_path) -> Path:
 
 def test_learning_lora_passes_the_rank_and_lora_lr_to_train(model_dir):
     args = learning.parse_args(["--model", str(model_dir), "--lora"])
-    assert (args.lora_rank, args.lr) == (16, 5e-4)  # ten times the profile's full fine-tune 5e-5
-    assert learning.lora_keys(args) == {"lora_rank": 16, "lora_lr": 5e-4}
+    assert (args.lora_rank, args.lr) == (16, 3e-4)  # thirty times the smollm2 profile's full fine-tune 1e-5
+    assert learning.lora_keys(args) == {"lora_rank": 16, "lora_lr": 3e-4}
     assert args.out.endswith("learning-lora.json")
     args = learning.parse_args(["--model", str(model_dir), "--lora-rank", "8", "--lr", "3e-4", "--out", "x.json"])
     assert (args.lora_rank, args.lr, args.out) == (8, 3e-4, "x.json")
     assert learning.lora_keys(args) == {"lora_rank": 8, "lora_lr": 3e-4}
     full = learning.parse_args(["--model", str(model_dir)])
-    assert (full.lora_rank, full.lr, learning.lora_keys(full)) == (0, 5e-5, {})
+    assert (full.lora_rank, full.lr, learning.lora_keys(full)) == (0, 1e-5, {})
     assert full.out.endswith("learning.json")
     with pytest.raises(SystemExit):
         learning.parse_args(["--model", str(model_dir), "--lora-rank", "0"])
@@ -92,13 +92,13 @@ def test_learning_lora_passes_the_rank_and_lora_lr_to_train(model_dir):
 def test_demo_lora_sets_the_train_section_and_names_it(model_dir):
     args = demo.parse_args(["--model", str(model_dir), "--lora"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
-    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (16, 5e-4, "LoRA rank 16")
+    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (16, 3e-4, "LoRA rank 16")
     args = demo.parse_args(["--model", str(model_dir), "--lora-rank", "4", "--lr", "2e-4"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
     assert (train["lora_rank"], train["lora_lr"], args.tuning) == (4, 2e-4, "LoRA rank 4")
     args = demo.parse_args(["--model", str(model_dir)])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
-    assert "lora_rank" not in train and (train["lr"], args.tuning) == (5e-5, "full fine-tune")
+    assert "lora_rank" not in train and (train["lr"], args.tuning) == (1e-5, "full fine-tune")
     with pytest.raises(SystemExit):
         demo.parse_args(["--model", str(model_dir), "--lora-rank", "-1"])
 

@@ -97,9 +97,9 @@ def _span_mean(lps: list[float], span: range) -> float:
 def test_a_hint_that_carries_the_answer_moves_the_teacher_and_top_k_steps_move_the_policy(default_model, tmp_path):
     model_dir, _ = default_model
     tok = ChatTokenizer(model_dir)
-    # Facts whose correction names the answer as the reply does ("Canberra", not "eleven" for "11").
-    items = [it for it in questions.TRAIN + questions.EVAL
-             if it.kind == "fact" and it.distractors and it.answers[0] in it.fact][:8]
+    # Facts whose correction names the answer as the reply does ("Canberra", not "eleven" for "11"); the bank's
+    # listed ones, the items this was measured on (questions.MORE's came later).
+    items = [it for it in questions.listed_facts() if it.distractors and it.answers[0] in it.fact][:8]
     assert len(items) == 8
     cases = [Case(tok, it) for it in items]
     trainer = Trainer(model_dir, tmp_path / "probe", TrainConfig(seed=0))  # the frozen initial weights

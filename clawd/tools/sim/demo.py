@@ -36,7 +36,7 @@ a full fine-tune at lr 1e-5, 48 tokens a reply at T 0.7, gate and monitors on) t
 cores; the settings were chosen by the runs in bench/README.md. With the earlier form-only personas
 (`--personas form:brief,form:plain`) a run took the evaluation set from 38% satisfied to 100% while
 the answers collapsed ("The answer is a planet."): the documented example of a reward hack.
-`--lora` (`make demo DEMO_ARGS=--lora`): LoRA adapters of rank 16 (`--lora-rank N`) at lr 1e-4 (--lr).
+`--lora` (`make demo DEMO_ARGS=--lora`): LoRA adapters of rank 16 (`--lora-rank N`) at lr 3e-4 (--lr).
 `--no-safety`: no gate, no monitors, no rollback checkpoints (learning as before them: the control).
 `--train KEY=VALUE` sets any [train] key (kl_loss_coef=0.3).
 """
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--teacher", choices=("policy", "reference"), default="reference",
                     help="teacher engine in opd/combine (default reference: the frozen initial weights, clawd's "
                          "default; 'policy' makes the policy its own teacher and warns)")
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-5; with --lora 1e-4)")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-5; with --lora 3e-4)")
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen base ([train] lora_rank)")
     ap.add_argument("--no-safety", action="store_true", help="no gate, monitors or rollback checkpoints (a control)")
     ap.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (default 16; implies --lora)")
@@ -107,8 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.lora_rank is not None and args.lora_rank < 1:
         ap.error("--lora-rank must be positive")
     args.lora_rank = (args.lora_rank or 16) if args.lora or args.lora_rank else 0
-    # LoRA at ten times the full fine-tune's rate: at twice it, SmolLM2's adapters learnt nothing in 26 steps.
-    args.lr = (1e-4 if args.lora_rank else 1e-5) if args.lr is None else args.lr
+    # LoRA at thirty times the full fine-tune's rate: at ten times it the adapters learnt too little in the
+    # budget (bench/README.md, the demo's settings).
+    args.lr = (3e-4 if args.lora_rank else 1e-5) if args.lr is None else args.lr
     args.tuning = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tune"
     for name in ("minutes", "concurrency", "batch", "max_tokens", "probes", "lr", "idle_timeout"):
         if getattr(args, name) <= 0:
@@ -379,7 +380,7 @@ def plot(summary: dict[str, Any], path: Path) -> Path | None:
 
     # Right: the held-out evaluation set, v0 and the last version on the same questions and seeds, with the
     # paired difference's 95% interval (clawd.paired) drawn around the last version's bar.
-    metrics = list(summary["evaluation"])
+    metrics = [m for m, r in summary["evaluation"].items() if r["n"]]  # a guard with no v0-right answer: no bar
     xs = range(len(metrics))
     ev = summary["evaluation"]
     right.bar([x - 0.2 for x in xs], [ev[m]["before"] for m in metrics], width=0.4, color="tab:gray", label="v0")

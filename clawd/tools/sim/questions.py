@@ -402,6 +402,14 @@ def split(seed: int = SEED) -> tuple[tuple[Item, ...], tuple[Item, ...]]:
 
 
 TRAIN, EVAL = split(SEED)
+
+
+def listed_facts(seed: int = SEED) -> list[Item]:
+    """The facts listed here (not MORE's) in the order `split` dealt them before MORE existed: what the OPD
+    signal measurements (tests/test_opd_signal.py, bench/opd_signal.py) were taken on, kept comparable."""
+    order = _listed("fact", FACTS)
+    random.Random(f"{seed}:split:fact").shuffle(order)
+    return order
 # The items of MORE: the style and corrections users ask them; the older substance personas keep to the
 # items listed above and generated (their catalogue and its tests predate MORE).
 FROM_MORE = frozenset(i.question for i in _more())
