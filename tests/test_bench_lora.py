@@ -76,8 +76,8 @@ def model_dir(tmp_path) -> Path:
 
 def test_learning_lora_passes_the_rank_and_lora_lr_to_train(model_dir):
     args = learning.parse_args(["--model", str(model_dir), "--lora"])
-    assert (args.lora_rank, args.lr) == (16, 3e-4)  # thirty times the smollm2 profile's full fine-tune 1e-5
-    assert learning.lora_keys(args) == {"lora_rank": 16, "lora_lr": 3e-4}
+    assert (args.lora_rank, args.lr) == (16, 5e-4)  # the demo's default LoRA rate (its settings runs)
+    assert learning.lora_keys(args) == {"lora_rank": 16, "lora_lr": 5e-4}
     assert args.out.endswith("learning-lora.json")
     args = learning.parse_args(["--model", str(model_dir), "--lora-rank", "8", "--lr", "3e-4", "--out", "x.json"])
     assert (args.lora_rank, args.lr, args.out) == (8, 3e-4, "x.json")
@@ -92,15 +92,18 @@ def test_learning_lora_passes_the_rank_and_lora_lr_to_train(model_dir):
 def test_demo_lora_sets_the_train_section_and_names_it(model_dir):
     args = demo.parse_args(["--model", str(model_dir), "--lora"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
-    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (16, 3e-4, "LoRA rank 16")
+    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (16, 5e-4, "LoRA rank 16")
     args = demo.parse_args(["--model", str(model_dir), "--lora-rank", "4", "--lr", "2e-4"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
     assert (train["lora_rank"], train["lora_lr"], args.tuning) == (4, 2e-4, "LoRA rank 4")
-    args = demo.parse_args(["--model", str(model_dir)])
+    args = demo.parse_args(["--model", str(model_dir)])  # LoRA is the demo's default (its settings runs)
+    assert demo.clawd_sections(args, model_dir / "state")["train"]["lora_rank"] == 16
+    args = demo.parse_args(["--model", str(model_dir), "--full"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
     assert "lora_rank" not in train and (train["lr"], args.tuning) == (1e-5, "full fine-tune")
-    with pytest.raises(SystemExit):
-        demo.parse_args(["--model", str(model_dir), "--lora-rank", "-1"])
+    for bad in (["--lora-rank", "-1"], ["--full", "--lora"]):
+        with pytest.raises(SystemExit):
+            demo.parse_args(["--model", str(model_dir), *bad])
 
 
 def test_the_trainer_worker_publishes_adapters_or_a_model_and_counts_them(tiny_model, tmp_path):
