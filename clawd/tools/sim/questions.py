@@ -31,6 +31,7 @@ Grading (`grade`) compares normalised token sequences (`normalise`):
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -314,7 +315,8 @@ GENERATED = {"arithmetic": 40, "conversion": 40}
 MORE = Path(__file__).with_name("facts.jsonl")
 
 
-def _more(path: Path = MORE) -> list[Item]:
+@functools.cache  # read once: bank(), every split and FROM_MORE share it (Items are frozen)
+def _more(path: Path = MORE) -> tuple[Item, ...]:
     items = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -323,7 +325,7 @@ def _more(path: Path = MORE) -> list[Item]:
                 raise ValueError(f"{path}:{n}: keys {sorted(row)}")
             items.append(Item(row["question"], tuple(row["answers"]), row["kind"], row["fact"],
                               tuple(row["distractors"]), row["paraphrase"]))
-    return items
+    return tuple(items)
 
 
 def _numeric(question: str, n: int, kind: str, fact: str, wrong: set[int], said: set[int]) -> Item:
