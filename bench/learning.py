@@ -35,6 +35,13 @@ warmup_steps, ...), recorded in the JSON.
     .venv/bin/python bench/learning.py --arms rl,shuffled --seeds 1 --steps 5
     .venv/bin/python bench/learning.py --model smollm2 --seeds 1 --out bench/results/learning-smollm2.json
     .venv/bin/python bench/learning.py --model smollm2 --arms rl --seeds 1 --lora   # writes learning-lora.json
+    .venv/bin/python bench/learning.py --model smollm2 --lora --seeds 2 --jobs 2 --resume
+
+Every finished run (one arm, one seed) is saved beside the output, in `<out>.runs/<arm>-<seed>.json` with the
+settings it ran under; `--resume` reuses the saved runs whose settings match and runs only the rest, so an
+interrupted SmolLM2 bench (about 25 minutes a run) loses one run, not hours. `--jobs 2` runs two at a time: a run
+in lockstep keeps about one core busy (its engine, then its trainer, each on `--threads` 1), so two share 2 cores
+with little waiting. The figures are learning, not speed, so running side by side changes none of them.
 
 `--lora` trains LoRA adapters instead of the whole model (`[train] lora_rank`, 16 or `--lora-rank N`; the
 default alpha and target modules): the runs then take `--lr` as `lora_lr` (default: ten times the profile's
@@ -115,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters ([train] lora_rank), lr as lora_lr")
     ap.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (default 16; implies --lora)")
     ap.add_argument("--out", help="default bench/results/learning.json (learning-lora.json with --lora)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1; 2 on 2 cores: a run keeps about one busy)")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the finished runs saved in <out>.runs/ whose settings match; run the rest")
     args = ap.parse_args(argv)
     if args.lora_rank is not None and args.lora_rank < 1:
         ap.error("--lora-rank must be at least 1")
@@ -134,8 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.arm_list = [m.strip() for m in args.arms.split(",") if m.strip()]
     if not args.arm_list or any(m not in ARMS for m in args.arm_list):
         ap.error(f"--arms must name some of {', '.join(ARMS)}")
-    if min(args.seeds, args.steps, args.batch, args.probes, args.concurrency, args.max_tokens, args.eval_every) < 1:
-        ap.error("--seeds, --steps, --batch, --probes, --concurrency, --max-tokens and --eval-every must be at least 1")
+    if min(args.seeds, args.steps, args.batch, args.probes, args.concurrency, args.max_tokens, args.eval_every,
+           args.jobs) < 1:
+        ap.error("--seeds, --steps, --batch, --probes, --concurrency, --max-tokens, --eval-every and --jobs must be at least 1")
     try:
         args.persona_list = [persona(p.strip()) for p in args.personas.split(",") if p.strip()]
     except ValueError as exc:
@@ -201,6 +212,44 @@ async def one_run(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) 
     return {"points": points, "answers": answers, "exit": code, "errors": users.errors,
             "sessions": len(users.sessions), "ended": users.ended, "scoring": status["scoring"],
             "learner": status["learner"]}
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(arm, seed) in the order they start: seed by seed, so an interrupted bench has whole seeds."""
+    return [(arm, seed) for seed in range(1, args.seeds + 1) for arm in args.arm_list]
+
+
+# What a saved run's figures depend on: a run is reused only under the same values of all of them.
+SETTINGS = ("model_dir", "personas", "steps", "batch", "lr", "lora_rank", "baseline", "teacher", "train_keys",
+            "max_tokens", "temperature", "probes", "concurrency", "eval_every", "threads")
+
+
+def settings(args: argparse.Namespace) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in ((k, getattr(args, k)) for k in SETTINGS)}
+
+
+def save_run(folder: Path, arm: str, seed: int, settings_: dict, run: dict) -> None:
+    """One finished run, written whole (a temporary file renamed) with the settings it ran under."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{arm}-{seed}.json.tmp"
+    tmp.write_text(json.dumps({"settings": settings_, "run": run}) + "\n")
+    os.replace(tmp, folder / f"{arm}-{seed}.json")
+
+
+def load_run(folder: Path, arm: str, seed: int, settings_: dict) -> dict | None:
+    """A saved run of this arm and seed under the same settings (JSON's round trip applied to them), else None."""
+    path = folder / f"{arm}-{seed}.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    if saved["settings"] != json.loads(json.dumps(settings_)):
+        print(f"{arm:9s} seed {seed}: the saved run in {path} ran under other settings: running it again", flush=True)
+        return None
+    return saved["run"]
+
+
+def curve(run: dict) -> str:
+    return " ".join("-" if p["satisfied"] is None else f"{p['satisfied']:.2f}" for p in run["points"])
 
 
 def lora_keys(args: argparse.Namespace) -> dict:
@@ -361,23 +410,39 @@ async def main_async(args: argparse.Namespace) -> int:
           f"samples, lr {args.lr:g}, reward baseline {args.baseline}, teacher {args.teacher}, "
           f"[train] {args.train_keys or 'defaults'}, max_tokens {args.max_tokens}, "
           f"T {args.temperature}, {args.probes} held-out probes/persona, arms {', '.join(args.arm_list)}, "
-          f"seeds 1..{args.seeds}, load {os.getloadavg()[0]:.1f}", flush=True)
-    results, failures = {}, []
+          f"seeds 1..{args.seeds}, {args.jobs} at a time, load {os.getloadavg()[0]:.1f}", flush=True)
+    saved = Path(args.out).with_suffix(".runs")
+    done: dict[tuple[str, int], dict] = {}
+    limit = asyncio.Semaphore(args.jobs)
+
+    async def run_one(arm: str, seed: int) -> None:
+        if args.resume and (run := load_run(saved, arm, seed, settings(args))) is not None:
+            done[arm, seed] = run
+            print(f"{arm:9s} seed {seed}: {curve(run)}  (saved {run['provenance']['date']}, commit "
+                  f"{str(run['provenance']['commit'])[:7]})", flush=True)
+            return
+        async with limit:
+            t = time.monotonic()
+            run = await one_run(args, arm, seed, scratch / f"{arm}-{seed}")
+        run["provenance"] = provenance.stamp()
+        save_run(saved, arm, seed, settings(args), run)
+        done[arm, seed] = run
+        print(f"{arm:9s} seed {seed}: {curve(run)}  ({time.monotonic() - t:.0f} s, {run['sessions']} sessions, "
+              f"{len(run['errors'])} errors, exit {run['exit']})", flush=True)
+
     try:
-        for arm in args.arm_list:
-            runs = {}
-            for seed in range(1, args.seeds + 1):
-                t = time.monotonic()
-                run = await one_run(args, arm, seed, scratch / f"{arm}-{seed}")
-                runs[seed] = run
-                curve = " ".join("-" if p["satisfied"] is None else f"{p['satisfied']:.2f}" for p in run["points"])
-                print(f"{arm:9s} seed {seed}: {curve}  ({time.monotonic() - t:.0f} s, "
-                      f"{run['sessions']} sessions, {len(run['errors'])} errors, exit {run['exit']})", flush=True)
-                if run["exit"] != 0 or run["errors"]:
-                    failures.append(f"{arm} seed {seed}: exit {run['exit']}, errors {run['errors'][:3]}")
-            results[arm] = summarise_arm(runs, args.steps)
+        async with asyncio.TaskGroup() as runs:  # one run failing to measure cancels (and stops) the others
+            for arm, seed in plan(args):
+                runs.create_task(run_one(arm, seed))
     finally:
         shutil.rmtree(scratch)
+    results, failures = {}, []
+    for arm in args.arm_list:
+        for seed in range(1, args.seeds + 1):
+            run = done[arm, seed]
+            if run["exit"] != 0 or run["errors"]:
+                failures.append(f"{arm} seed {seed}: exit {run['exit']}, errors {run['errors'][:3]}")
+        results[arm] = summarise_arm({seed: done[arm, seed] for seed in range(1, args.seeds + 1)}, args.steps)
     print("\nsatisfaction on the held-out evaluation set after each step (mean ± std over seeds, min–max)\n")
     print(table(results, args.arm_list, args.steps))
     versus = versus_table(results, args)
@@ -390,7 +455,7 @@ async def main_async(args: argparse.Namespace) -> int:
            "lora_rank": args.lora_rank, "steps": args.steps, "batch": args.batch, "lr": args.lr,
            "reward_baseline": args.baseline, "train": args.train_keys,
            "max_tokens": args.max_tokens, "temperature": args.temperature, "probes_per_persona": args.probes,
-           "seeds": args.seeds, "teacher": args.teacher, "wall_s": round(time.monotonic() - started, 1),
+           "seeds": args.seeds, "jobs": args.jobs, "teacher": args.teacher, "wall_s": round(time.monotonic() - started, 1),
            "cores": os.cpu_count(), "arms": results, "versus_control": versus, "failures": failures,
            "targets": {"ratio_above": TARGET_RATIO, "judged_arms": judged_arms(args),
                        "controls_unchanged": [m for m in args.arm_list if m == CONTROL],

@@ -127,9 +127,9 @@ def test_the_split_is_disjoint_and_deterministic():
 
 def test_the_bank_size_per_kind_and_split():
     train, held = Counter(i.kind for i in questions.TRAIN), Counter(i.kind for i in questions.EVAL)
-    assert train == {"fact": 244, "arithmetic": 20, "conversion": 20, "definition": 107}
-    assert held == {**train, "definition": 108}  # an odd count: the extra one is held out
-    assert len(questions.FROM_MORE) == 627  # 444 facts and 183 definitions, each with a paraphrase
+    assert train == {"fact": 339, "arithmetic": 20, "conversion": 20, "definition": 133}
+    assert held == {**train, "fact": 340}  # an odd count: the extra one is held out
+    assert len(questions.FROM_MORE) == 869  # 635 facts and 234 definitions, each with a paraphrase
 
 
 def test_generated_items_are_integers_with_their_operands_allowed():
