@@ -14,6 +14,7 @@ variable CLAWD_FAULTS, read once per process, so a daemon or trainer started by 
     enospc  raise OSError(ENOSPC), as a full disk does
     eio     raise OSError(EIO)
     hang    block the calling thread for an hour (a hung dependency: only its watchdog ends it)
+    slow    block the calling thread for SLOW_SECONDS, then go on (a busy step: a long prefill, a loaded machine)
 
 An unknown action or a malformed spec raises at the first point: a test that meant to inject a fault
 must not pass because the fault never fired.
@@ -28,7 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 ENV = "CLAWD_FAULTS"
-ACTIONS = ("kill", "enospc", "eio", "hang")
+ACTIONS = ("kill", "enospc", "eio", "hang", "slow")
+SLOW_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.action == "hang":
         time.sleep(3600)
+    elif fault.action == "slow":
+        time.sleep(SLOW_SECONDS)
     else:
         code = errno.ENOSPC if fault.action == "enospc" else errno.EIO
         raise OSError(code, f"{os.strerror(code)} (fault point {name})")

@@ -351,6 +351,7 @@ class FakeSGLang:
         self._updating = 0  # updates holding the writer lock
         self._abort_seen = asyncio.Event()
         self._stuck = False  # the scheduler makes no progress: calls are held before and between steps
+        self.health_check_timeout = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT: /health_generate's own wait
         self._front_stuck: asyncio.Event | None = None  # set: /model_info and /server_info answer again
         self._runner: web.AppRunner | None = None
 
@@ -1071,7 +1072,14 @@ class FakeSGLang:
         return web.Response(text=FLUSHED)
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        """/health and /health_generate (one handler in 0.5.23): 200 as soon as the scheduler puts anything
+        out; a stuck one puts out nothing, so 503 after the wait (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s; here
+        `health_check_timeout`). A front end stuck too answers nothing."""
+        await self._front_end()
+        if not self._stuck:
+            return web.Response(status=200)
+        await asyncio.sleep(self.health_check_timeout)
+        return web.Response(status=503 if self._stuck else 200)
 
     async def _ready(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self._paused else 200)

@@ -4,7 +4,10 @@ of a second, so each test takes seconds; the outer `asyncio.timeout`s only guard
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
+import time
+import urllib.request
 
 import openai
 import pytest
@@ -113,6 +116,18 @@ def _remote(fake: FakeSGLang, **engine) -> EngineSupervisor:
                                               idle_timeout=keys["idle_timeout"]), "policy")
 
 
+async def _a_call_ends_when_found_hung(sup: EngineSupervisor, fake: FakeSGLang, reason: str) -> None:
+    """On the stuck fake, a non-streamed call (only request_timeout, 600 s, bounds it) ends when the engine is
+    found hung for `reason`; once unstuck, the engine counts as ready again."""
+    call = asyncio.create_task(sup.client.generate(PROMPT))
+    await _until(lambda: sup.state is EngineState.HUNG)
+    assert reason in sup.hang_reason, sup.hang_reason
+    with pytest.raises(EngineTimeout, match="abandoned"):
+        await asyncio.wait_for(call, 5)
+    fake.unstick()
+    await _until(lambda: sup.is_ready)
+
+
 async def _until(predicate, timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
@@ -152,6 +167,30 @@ async def test_a_remote_engine_whose_scheduler_hangs_is_marked_hung_from_call_ti
             await sup.client.close()
 
 
+async def test_a_non_streamed_call_on_a_stuck_scheduler_is_ended_by_the_progress_check():
+    """The front end answers and the call is non-streamed (its answer comes whole, so no byte deadline applies
+    and only request_timeout, 600 s, bounds it): after health_interval x health_failures with no byte,
+    /health_generate waits for scheduler output (0.3 s here), gets none and answers 503, so the engine is hung
+    and the call is abandoned. A scheduler that is slow but moving answers the same check 200: not hung."""
+    async with FakeSGLang(token_delay=0.05) as fake:
+        fake.health_check_timeout = 0.3
+        sup = _remote(fake, first_byte_timeout=2.0)
+        await sup.client.start()
+        task = asyncio.create_task(sup.run())
+        try:
+            await _until(lambda: sup.is_ready)
+            t0 = time.monotonic()
+            await sup.client.generate({**PROMPT, "rid": "slow"})  # 32 tokens at 0.05 s: no byte for 1.6 s
+            assert time.monotonic() - t0 > 1.0 and sup.hangs == 0 and sup.is_ready
+            fake.stick()
+            await _a_call_ends_when_found_hung(sup, fake, "no progress: calls waited")
+            assert sup.hangs == 1
+        finally:
+            await sup.stop()
+            task.cancel()
+            await sup.client.close()
+
+
 async def test_a_remote_engine_that_stops_answering_is_marked_hung_and_its_calls_end_then_recovers():
     async with FakeSGLang() as fake:
         sup = _remote(fake)
@@ -160,13 +199,7 @@ async def test_a_remote_engine_that_stops_answering_is_marked_hung_and_its_calls
         try:
             await _until(lambda: sup.is_ready)
             fake.stick(front_end=True)
-            call = asyncio.create_task(sup.client.generate(PROMPT))  # only request_timeout (600 s) bounds it
-            await _until(lambda: sup.state is EngineState.HUNG)
-            assert "2 liveness polls in a row failed" in sup.hang_reason
-            with pytest.raises(EngineTimeout, match="abandoned"):
-                await asyncio.wait_for(call, 5)
-            fake.unstick()
-            await _until(lambda: sup.is_ready)
+            await _a_call_ends_when_found_hung(sup, fake, "2 liveness polls in a row failed")
         finally:
             await sup.stop()
             task.cancel()
@@ -212,10 +245,12 @@ async def test_a_publish_holding_the_engine_is_not_a_hang_but_a_publish_call_tha
 @pytest.mark.slow
 async def test_a_chat_against_a_hung_engine_gets_a_503_not_a_wait(tiny_model, tmp_path):
     """Through the daemon: a streamed chat ends at first_byte_timeout with a 503 and Retry-After; once the
-    engine counts as hung, chat is refused at once; a stream that stops mid-way ends with an error event."""
+    engine counts as hung, chat is refused at once; a stream that stops mid-way ends with an error event.
+    (Polls every second: the progress check, after 2 s of waiting with no byte, comes after the 1 s
+    first-byte deadlines this test is about.)"""
     async with FakeSGLang(token_delay=0.05) as fake:
         daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 64},
-                                   "engine": {"launch": "none", "url": fake.url, "health_interval": 0.2,
+                                   "engine": {"launch": "none", "url": fake.url, "health_interval": 1.0,
                                               "health_failures": 2, "first_byte_timeout": 1.0,
                                               "idle_timeout": 1.0}},
                         wait_ready=False)
@@ -260,14 +295,18 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_a_launched_engine_that_hangs_is_killed_and_restarted_and_serves_again(tiny_model, tmp_path, monkeypatch):
-    """The real CPU engine, hung by a fault point on its second prefill (which blocks its event loop, so
-    /model_info goes unanswered too): after health_failures polls it is killed with its process group and
-    restarted through the dead-engine path; the call that was waiting on it ends with a 503."""
+def test_a_launched_engine_whose_step_never_returns_is_killed_and_restarted_and_serves_again(tiny_model, tmp_path,
+                                                                                             monkeypatch):
+    """The real CPU engine, its second prefill stuck by a fault point. Its HTTP loop still answers /model_info
+    (the step runs on its compute thread), as SGLang's front end does while its scheduler is stuck, so the
+    evidence is progress: the call waits with no byte, /health_generate sees no layer run in its wait (1 s
+    here, SGLang's variable), and the engine is killed with its process group and restarted through the
+    dead-engine path; the call that was waiting on it ends with a 503."""
     monkeypatch.setenv("CLAWD_FAULTS", "engine.local.prefill=hang@2")
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 4},
                                "engine": {"launch": "local", "restart_backoff_initial": 0.2, "health_interval": 0.2,
-                                          "health_failures": 2}})
+                                          "health_failures": 2, "first_byte_timeout": 5.0}})
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
@@ -284,5 +323,39 @@ def test_a_launched_engine_that_hangs_is_killed_and_restarted_and_serves_again(t
     finally:
         assert daemon.stop() == 0
     hung = [line for line in daemon.lines if "policy engine at" in line and "is hung" in line]
-    assert len(hung) == 1 and "2 liveness polls in a row failed" in hung[0] and "killing its process group" in hung[0]
+    assert len(hung) == 1 and "no progress" in hung[0] and "killing its process group" in hung[0]
     assert not [line for line in daemon.lines if "engine exited with" in line]  # one line says it all
+
+
+@pytest.mark.slow
+def test_a_launched_engine_busy_in_a_step_longer_than_the_liveness_window_is_not_hung(tiny_model, tmp_path,
+                                                                                       monkeypatch):
+    """Busy is not hung: a prefill that takes 2 s (a long prompt on a loaded machine), ten times the liveness
+    window (0.2 s polls, 2 in a row). The engine answers its health checks during the step itself, the call
+    completes, and nothing is restarted. Before the step left the HTTP loop, the polls went unanswered for the
+    whole step and the engine was killed under its callers."""
+    monkeypatch.setenv("CLAWD_FAULTS", "engine.local.prefill=slow@2")
+    daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 4},
+                               "engine": {"launch": "local", "health_interval": 0.2, "health_failures": 2}})
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        engine = daemon.get("/debug/process")[1]["engines"]["policy"]
+        assert client.chat.completions.create(**chat).choices[0].message.role == "assistant"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(client.chat.completions.create, **chat)
+            answered = []  # the engine's liveness answer, each given 0.5 s, while the slow call runs
+            while not slow.done():
+                t0 = time.monotonic()
+                with urllib.request.urlopen(engine["url"] + "/model_info", timeout=0.5) as resp:
+                    answered.append((resp.status, slow.done(), time.monotonic() - t0))
+                time.sleep(0.1)
+            assert slow.result().choices[0].message.role == "assistant"
+        during = [a for a in answered if not a[1]]
+        assert len(during) >= 5 and all(status == 200 for status, _, _ in during), answered
+        after = daemon.get("/debug/process")[1]["engines"]["policy"]
+        assert after["restarts"] == 0 and after["hangs"] == 0 and after["pid"] == engine["pid"]
+        assert after["state"] == "ready"
+    finally:
+        assert daemon.stop() == 0
+    assert not [line for line in daemon.lines if "is hung" in line]

@@ -13,9 +13,11 @@ and the supervisor ends it sooner by `abandon`ing the calls of an engine it decl
 time only the waits for the engine (not a slow consumer between chunks), and a deadline that fires ends
 the call with `EngineTimeout` (503, Retry-After) and drops its connection, so the engine frees the request.
 
-The client also keeps the evidence the supervisor's hang detector reads (`stalls`, `publishing`,
-`control_timed_out`): calls that timed out in a row with no byte from any call in between, and whether a
-weight publish (pause to continue) is under way, during which held calls prove nothing.
+The client also keeps the evidence the supervisor's hang detector reads (`stalls`, `quiet_for`, `publishing`,
+`control_timed_out`): calls that timed out in a row with no byte from any call in between, how long calls
+have waited on the engine with no byte from any of them, and whether a weight publish (pause to continue)
+is under way, during which held calls prove nothing. `health_generate` asks the engine itself whether its
+scheduler is making progress, for waits no byte of ours can judge (a non-streamed call's answer comes whole).
 """
 from __future__ import annotations
 
@@ -173,6 +175,7 @@ class EngineClient:
         self._abandon_epoch = 0
         self._abandoned = ""
         self._waits: set[asyncio.Timeout] = set()  # the deadlines of calls waiting on the engine now
+        self._progress_at = 0.0  # loop time of the last byte from any call, or of a wait begun when none was
 
     async def start(self) -> None:
         # Engines are addressed by IP literal, so aiohttp never calls its threaded resolver.
@@ -214,6 +217,13 @@ class EngineClient:
             if not deadline.expired():  # one that already fired cannot be moved (and ends its call anyway)
                 deadline.reschedule(now)
 
+    def quiet_for(self) -> float:
+        """Seconds that generation calls have waited on the engine with no byte from any of them; 0 when none
+        waits. A busy engine that answers anything resets it."""
+        if not self._waits:
+            return 0.0
+        return asyncio.get_running_loop().time() - self._progress_at
+
     def _begin(self) -> _Call:
         return _Call(self._abandon_epoch, self._control_epoch)
 
@@ -224,6 +234,8 @@ class EngineClient:
             raise EngineTimeout(f"engine call abandoned: {self._abandoned}")
         try:
             async with asyncio.timeout_at(when) as deadline:
+                if not self._waits:  # the engine owes nothing until now: the quiet starts here
+                    self._progress_at = asyncio.get_running_loop().time()
                 self._waits.add(deadline)
                 try:
                     yield
@@ -237,6 +249,7 @@ class EngineClient:
 
     def _answered(self) -> None:
         self.stalls = 0
+        self._progress_at = asyncio.get_running_loop().time()
 
     def _stalled(self, call: _Call, exc: EngineTimeout) -> None:
         """A timed-out call is evidence of a hang unless it was abandoned or a publish overlapped it."""
@@ -445,6 +458,26 @@ class EngineClient:
         except (aiohttp.ClientError, ConnectionError, OSError, ValueError) as exc:
             raise EngineUnavailable(f"engine unreachable: {exc}") from None
         return info if isinstance(info, dict) else None
+
+    async def health_generate(self, timeout: float) -> bool:
+        """Whether the engine's scheduler is making progress: SGLang's /health_generate answers 200 as soon
+        as the scheduler puts out anything (a token of any request; idle, its own one-token request) and 503
+        when nothing comes within its own wait (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s). False on 503 or when
+        `timeout` passes; True also counts as progress for `quiet_for`."""
+        try:
+            async with self.session.get(self.url + "/health_generate", headers=self._headers,
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    self._progress_at = asyncio.get_running_loop().time()
+                    return True
+                if resp.status == 503:
+                    return False
+                raise EngineUnavailable(f"/health_generate answered {resp.status}")
+        except asyncio.TimeoutError:  # before OSError: on 3.11 TimeoutError is one
+            return False
+        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+            raise EngineUnavailable(f"engine unreachable: {exc}") from None
 
     async def model_info(self, timeout: float | None = None) -> dict:
         """Liveness and what the engine serves; `timeout` for a caller that expects it busy (or a short poll)."""

@@ -8,19 +8,21 @@ a thread per child on Python 3.11). With `launch = "none"` it only polls the
 configured URL. Liveness is `/model_info`, never `/health` (docs/ARCHITECTURE.md §14).
 
 A ready engine, launched or not, is polled every `health_interval` (each poll waits as long, at least
-1 s, so a loaded machine does not make a healthy engine miss one). It counts as hung on any of:
-`health_failures` polls in a row that fail; `health_failures` generation calls in a row that ran past
-their first-byte, idle or total deadline with no byte from any call in between (SGLang's HTTP front end
-answers /model_info while its scheduler is stuck, so the polls alone would miss that hang; the real calls
-are the probe, and a busy engine that serves anything resets the count); or a control call that ran past
-its own timeout. While a weight publish is under way (a control call in flight, or paused and not yet
+1 s, so a loaded machine does not make a healthy engine miss one). Busy is not hung: a hang is no progress.
+It counts as hung on any of: `health_failures` polls in a row that fail; `health_failures` generation
+calls in a row that ran past their first-byte, idle or total deadline with no byte from any call in
+between (SGLang's HTTP front end answers /model_info while its scheduler is stuck, so the polls alone
+would miss that hang; a busy engine that serves anything resets the count); calls that have waited
+`health_interval` x `health_failures` with no byte from any of them while the engine's /health_generate
+(which answers as soon as its scheduler puts out anything, and 503 when nothing comes in its own wait)
+says nothing moves; or a control call that ran past its own timeout. While a weight publish is under way (a control call in flight, or paused and not yet
 continued) neither polls nor calls count, since it legitimately holds generation for up to
 `learner.publish_timeout`; a publish call that times out is itself the evidence. A hung launched engine
 has its calls abandoned and its process group killed, and is restarted like a dead one (backoff, restart
 counter; its state shows "hung" until the restart). A hung remote engine is marked "hung" (not ready, so
 chat gets a quick 503) and counts as ready again once /model_info and a one-token generation both answer.
-The CPU engine runs its model on its HTTP loop: `health_interval` x `health_failures` must exceed its
-longest single step (one prefill), or a long prompt reads as a hang.
+The CPU engine runs each model step on a compute thread, so its HTTP loop answers the polls during a long
+prefill, and its /health_generate counts each decoder layer run as progress.
 
 An engine that becomes ready is told `/continue_generation` (a publish cut short may have left it
 paused; harmless otherwise), and its input limit is read from `/server_info` so over-long prompts get
@@ -297,7 +299,19 @@ class EngineSupervisor:
             if self.client.stalls >= eng.health_failures:
                 return (f"{self.client.stalls} engine calls in a row timed out with no answer in between; "
                         f"last: {self.client.last_stall}")
+            # Its front end answers (polls failing are the rule above); is its scheduler moving?
+            quiet = self.client.quiet_for()
+            if failures == 0 and quiet >= eng.health_interval * eng.health_failures and not await self._progressing():
+                return (f"no progress: calls waited {quiet:.1f}s with no byte, and /health_generate saw the "
+                        f"scheduler put out nothing")
         return None
+
+    async def _progressing(self) -> bool:
+        """Calls have waited a while with no byte: ask the engine whether its scheduler is moving (a
+        non-streamed answer comes whole, so our own bytes cannot tell a long one from a hang). A publish that
+        began meanwhile holds generation legitimately, so it counts as moving."""
+        moving = await self.client.health_generate(timeout=self.cfg.engine.first_byte_timeout)
+        return moving or self.client.publishing or self._stopping
 
     async def _watch_remote(self) -> None:
         eng = self.cfg.engine

@@ -119,6 +119,9 @@ class Adapters:
         self.users: collections.Counter[str] = collections.Counter()  # name -> requests in flight on it
         self._idle: dict[str, asyncio.Event] = {}  # set when an unloading adapter has no users left
         self._lock = asyncio.Lock()  # loads and unloads one at a time, as SGLang's lora_update_lock
+        # Held while a model step runs on the engine's compute thread: PEFT changes the model's modules in
+        # place when it adds or drops an adapter, so that waits for the step, and the next step for it.
+        self.stepping = asyncio.Lock()
         self.peft = None  # peft.PeftModel around the served model while an adapter is present
         # PEFT's own name for each present adapter: module keys cannot hold ".", and PEFT misreads
         # names that are part of "lora_"; clients may name adapters as they like.
@@ -218,12 +221,13 @@ class Adapters:
             if name in self.present:
                 raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
             check_adapter_config(name, read_adapter_config(name, path), self.max_rank, self.targets)
-            try:
-                self.peft = self._attach(model, name, path)
-            except Exception as exc:  # a broken directory is the caller's 400; the served model is unchanged
-                log.warning("loading LoRA adapter %s from %s failed: %s", name, path, exc)
-                self._drop(name, model)
-                raise AdapterError(f"Failed to load LoRA adapter {name} from {path}: {exc}") from None
+            async with self.stepping:
+                try:
+                    self.peft = self._attach(model, name, path)
+                except Exception as exc:  # a broken directory is the caller's 400; the served model is unchanged
+                    log.warning("loading LoRA adapter %s from %s failed: %s", name, path, exc)
+                    self._drop(name, model)
+                    raise AdapterError(f"Failed to load LoRA adapter {name} from {path}: {exc}") from None
             self.registered[name] = self.present[name] = path
             log.info("LoRA adapter %s loaded from %s", name, path)
             return self.answer()
@@ -249,7 +253,8 @@ class Adapters:
                 await self._idle[name].wait()
             finally:
                 del self._idle[name]
-        self._drop(name)
+        async with self.stepping:
+            self._drop(name)
         log.info("LoRA adapter %s unloaded", name)
 
     def _drop(self, name: str, model=None) -> None:

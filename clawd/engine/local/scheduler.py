@@ -1,8 +1,10 @@
 """The local engine's scheduler: requests in flight and the batch loop that runs the model.
 
-One process, one event loop, no Python threads. The model runs on the loop one
-step at a time and yields between decode steps, so aborts, health checks and
-new arrivals are served while a batch runs. Requests queued when the engine is
+One process, one event loop, and one compute thread. Each model step (a prefill,
+a decode step) runs on the compute thread while the loop awaits it, so the HTTP
+side answers liveness, aborts and arrivals during the step itself: a long prefill
+on a loaded machine is busy, not hung (torch releases the GIL in its kernels).
+The loop still owns every piece of state; the thread only runs the forward. Requests queued when the engine is
 ready to start work run as one left-padded batch sharing a KV cache, each
 sequence stopping on its own; requests arriving while it runs are prefilled
 and join it at a step boundary while there is room (continuous batching).
@@ -22,7 +24,9 @@ import collections
 import inspect
 import logging
 import os
+import queue
 import random
+import threading
 import time
 
 import torch
@@ -42,6 +46,50 @@ ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
 TIMED_OUT = {"type": "abort", "status_code": 503, "message": "Request waiting timeout reached."}
 WAITING_TIMEOUT_ENV = "SGLANG_REQ_WAITING_TIMEOUT"
+HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"  # SGLang's name and default: how long /health_generate waits
+HEALTH_TIMEOUT = 20.0
+HEALTH_POLL = 0.05  # how often a health check looks at the progress count the compute thread moves
+
+
+# --------------------------------------------------------------------------
+# The compute thread
+
+class Compute:
+    """One daemon thread that runs the model's steps in order, one at a time.
+
+    A daemon thread, so a step stuck for good (the hang this engine's supervisor must find) does not keep
+    the process from exiting; concurrent.futures' pools are joined at exit."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._work, name="engine-compute", daemon=True).start()
+
+    async def run(self, fn, *args):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._jobs.put((loop, fut, fn, args))
+        return await fut
+
+    def _work(self) -> None:
+        while True:
+            loop, fut, fn, args = self._jobs.get()
+            try:
+                outcome = (fn(*args), None)
+            except BaseException as exc:  # handed to the awaiting task, which re-raises it
+                outcome = (None, exc)
+            try:
+                loop.call_soon_threadsafe(_settle, fut, *outcome)
+            except RuntimeError:  # the loop closed: the engine is exiting, nobody awaits the step
+                return
+
+
+def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
+    if fut.done():  # its task was cancelled (shutdown)
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
 
 # --------------------------------------------------------------------------
@@ -66,6 +114,8 @@ class Engine:
         self.parked = asyncio.Event()  # the loop is waiting at a step boundary, not computing
         self._seeds = random.Random(args.seed)
         self.adapters = Adapters(args)  # LoRA: names, in-flight counts, the PEFT wrapper
+        self.compute = Compute()
+        self.progress = 0  # decoder layers run so far (moved on the compute thread): what /health_generate watches
         timeout = float(os.environ.get(WAITING_TIMEOUT_ENV) or 0)
         self.waiting_timeout = timeout if timeout > 0 else None
 
@@ -88,10 +138,38 @@ class Engine:
         # transformers 5.x renamed the cache argument; accept either spelling.
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._count_progress(self.model)
         self.loaded.set()
         log.info("loaded %s (%s, vocab %d, context %d, eos %s) in %.1f s", self.args.model,
                  cfg.model_type, self.vocab_size, self.context_len, sorted(self.eos_ids),
                  time.perf_counter() - t0)
+
+    def _count_progress(self, model) -> None:
+        """Each decoder layer that finishes counts as progress (each whole step, for a model whose layers are
+        not at model.model.layers), so a long prefill reads as advancing, not stuck."""
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        for module in layers if isinstance(layers, torch.nn.ModuleList) else [model]:
+            module.register_forward_hook(self._advance)
+
+    def _advance(self, *_) -> None:
+        self.progress += 1
+
+    async def progressing(self) -> bool:
+        """SGLang's health check: whether the model computes anything within HEALTH_TIMEOUT. At once when
+        nothing is owed (no request live: nothing to be stuck on), and False at once while paused (the
+        held requests cannot move; SGLang's own one-token request would wait out its timeout)."""
+        if not self.live:
+            return True
+        if self.paused:
+            return False
+        timeout = float(os.environ.get(HEALTH_TIMEOUT_ENV) or HEALTH_TIMEOUT)
+        start, loop = self.progress, asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:  # a poll: the count moves on the compute thread, up to 30 times a step
+            await asyncio.sleep(HEALTH_POLL)
+            if self.progress != start:
+                return True
+        return False
 
     # ---- requests
 
@@ -224,6 +302,7 @@ class Engine:
                             "message": f"Failed to update weights: {exc}. Rolled back to the previous weights."})
         else:
             self.model, self.model_path = model, path
+            self._count_progress(model)
             message = "Succeeded to update model weights."
             if version is not None:
                 self.weight_version = version
@@ -273,11 +352,18 @@ class Engine:
                         self.finish(req, {"type": "abort", "message": f"Internal error: {exc}",
                                           "status_code": 500, "err_type": "InternalServerError"})
 
-    def _forward(self, rows: list[Req], ids, mask, pos, cache, keep: int) -> torch.Tensor:
-        with torch.inference_mode():  # each row with its own adapter (or none)
-            out = self.adapters.forward(self.model, [r.item.lora for r in rows], input_ids=ids,
-                                        attention_mask=mask, position_ids=pos, use_cache=True,
-                                        logits_to_keep=keep, **{self._cache_kw: cache})
+    async def _forward(self, rows: list[Req], ids, mask, pos, cache, keep: int, prefill: bool = False) -> torch.Tensor:
+        """One model step on the compute thread; the PEFT wrapper cannot change under it (adapters.stepping)."""
+        names = [r.item.lora for r in rows]
+        async with self.adapters.stepping:
+            return await self.compute.run(self._step, names, ids, mask, pos, cache, keep, prefill)
+
+    def _step(self, names, ids, mask, pos, cache, keep: int, prefill: bool) -> torch.Tensor:
+        if prefill:
+            faults.point("engine.local.prefill")  # tests: a step that is slow, or never returns
+        with torch.inference_mode():  # each row with its own adapter (or none); thread-local, so set here
+            out = self.adapters.forward(self.model, names, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                        use_cache=True, logits_to_keep=keep, **{self._cache_kw: cache})
         return out.logits.float()
 
     async def _run_batch(self, members: list[Req]) -> None:
@@ -285,7 +371,7 @@ class Engine:
 
         Requests that join are appended to `members`, so the caller can fail them all.
         """
-        batch = self._prefill(members)
+        batch = await self._prefill(members)
         while batch.rows:
             await asyncio.sleep(0)  # serve aborts, health checks and arrivals between steps
             if self.paused == "in_place":
@@ -307,23 +393,22 @@ class Engine:
                 newcomers = self.adapters.take(self.waiting, room, batch.rows)
                 members.extend(newcomers)
                 if newcomers:
-                    batch.extend(self._prefill(newcomers))
+                    batch.extend(await self._prefill(newcomers))
             self._expire_waiting()
             if not batch.rows:
                 return
             tokens = torch.tensor([[r.output_ids[-1]] for r in batch.rows], dtype=torch.long)
             batch.mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], dim=1)
-            last = self._forward(batch.rows, tokens, batch.mask, batch.next_pos, batch.cache, 1)[:, -1]
+            last = (await self._forward(batch.rows, tokens, batch.mask, batch.next_pos, batch.cache, 1))[:, -1]
             batch.next_pos = batch.next_pos + 1
             self._sample(batch.rows, last)
 
-    def _prefill(self, rows: list[Req]) -> Batch:
+    async def _prefill(self, rows: list[Req]) -> Batch:
         """Run the prompts (plus any output so far, after a retraction) and sample each first token.
 
         Rows are left-padded and right-aligned. The logits kept are the ones input
         log-probs need (the last len - logprob_start_len positions) plus the last.
         """
-        faults.point("engine.local.prefill")  # tests: a step that never returns hangs the whole engine
         from transformers import DynamicCache
         for req in rows:
             req.started = True
@@ -337,7 +422,7 @@ class Engine:
         keep = max(max(1, len(seq) - r.item.logprob_start_len) if r.wants_input_logprobs else 1
                    for r, seq in zip(rows, seqs))
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(rows, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, keep)
+        logits = await self._forward(rows, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, keep, prefill=True)
         for b, (req, seq) in enumerate(zip(rows, seqs)):
             if req.wants_input_logprobs:
                 start = req.item.logprob_start_len

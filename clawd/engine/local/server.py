@@ -249,7 +249,10 @@ async def handle_unload_lora(request: web.Request, engine: Engine, body: dict) -
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    return web.Response(status=200 if request.app[ENGINE].loaded.is_set() else 503)
+    """/health and /health_generate, one handler as in SGLang 0.5.23: 200 once the model is making progress
+    (Engine.progressing), 503 while loading or when nothing moves."""
+    engine = request.app[ENGINE]
+    return web.Response(status=200 if engine.loaded.is_set() and await engine.progressing() else 503)
 
 
 async def handle_ready(request: web.Request) -> web.Response:
