@@ -159,3 +159,16 @@ async def wait_ready_async(daemon: Daemon, timeout: float = 60) -> None:
                 raise RuntimeError("daemon exited:\n" + "".join(daemon.lines[-30:]))
             await asyncio.sleep(0.1)
     raise TimeoutError("daemon not ready:\n" + "".join(daemon.lines[-30:]))
+
+
+@contextlib.asynccontextmanager
+async def serving(app):
+    """An aiohttp `app` on 127.0.0.1 at a free port, for a test's own stand-in server; yields its base URL."""
+    from aiohttp import web
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

@@ -9,6 +9,7 @@ from aiohttp.http_exceptions import LineTooLong
 
 from clawd.engine.client import EngineClient, EngineUnavailable
 from tests.fake_sglang import FakeSGLang
+from tests.harness import serving
 
 
 async def test_refuse_fails_new_calls_at_once_and_lets_calls_in_flight_finish():
@@ -55,26 +56,21 @@ async def test_a_cumulative_stream_line_longer_than_aiohttp_reads_is_read_whole(
 
     app = web.Application()
     app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    client = EngineClient(url, incremental_stream=False)
-    await client.start()
-    try:
-        got, logprobs, finish = [], [], None
-        async for chunk in client.stream({"input_ids": [1], "sampling_params": {"max_new_tokens": n}}):
-            got += chunk.ids
-            logprobs += chunk.logprobs
-            finish = chunk.finish or finish
-        assert got == ids and logprobs == [-0.5] * n and finish == {"type": "length", "length": n}
-        # The control: aiohttp's own line iteration cannot read that line.
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/generate", json={}) as resp:
-                with pytest.raises(LineTooLong):
-                    async for _ in resp.content:
-                        pass
-    finally:
-        await client.close()
-        await runner.cleanup()
+    async with serving(app) as url:
+        client = EngineClient(url, incremental_stream=False)
+        await client.start()
+        try:
+            got, logprobs, finish = [], [], None
+            async for chunk in client.stream({"input_ids": [1], "sampling_params": {"max_new_tokens": n}}):
+                got += chunk.ids
+                logprobs += chunk.logprobs
+                finish = chunk.finish or finish
+            assert got == ids and logprobs == [-0.5] * n and finish == {"type": "length", "length": n}
+            # The control: aiohttp's own line iteration cannot read that line.
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url + "/generate", json={}) as resp:
+                    with pytest.raises(LineTooLong):
+                        async for _ in resp.content:
+                            pass
+        finally:
+            await client.close()

@@ -15,10 +15,10 @@ import pytest
 from clawd.scoring import judging, rules
 from clawd.tools.sim import personas
 from clawd.tomlfile import to_toml
-from clawd.tools.sim.users import (STYLES, TOOLS, Reply, Users, by_persona, by_version, plan_sessions, rate, tool_result,
-                             version_of)
+from clawd.tools.sim.users import (RETRY_AFTER_MAX, STYLES, TOOLS, Reply, Users, by_persona, by_version, plan_sessions,
+                             rate, retry_after, tool_result, version_of)
 
-from .harness import Daemon
+from .harness import Daemon, serving
 
 # ---- checkers -----------------------------------------------------------------------------------
 
@@ -425,3 +425,34 @@ def test_make_demo_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     # The gate and the monitors run (the demo's default): every version has a record, each new one its verdict.
     history = {v["version"]: v for v in summary["safety"]["versions"]}
     assert 0 in history and all(v["gate"] is not None for n, v in history.items() if n > 0), summary["safety"]
+
+
+def test_retry_after_reads_the_header_with_a_default_and_a_cap():
+    assert [retry_after(h) for h in ({"retry-after": "2"}, {}, {"retry-after": "3600"},
+                                     {"retry-after": "Wed, 21 Oct 2026 07:28:00 GMT"}, {"retry-after": "-5"})] \
+        == [2.0, 1.0, RETRY_AFTER_MAX, 1.0, 0.0]
+
+
+async def test_users_told_to_come_back_later_wait_before_the_next_session():
+    """A 503 with Retry-After (what clawd answers while its engine restarts): each user waits it out before its
+    next session, so two users over 1.5 s make 4 requests, not the hundreds that once turned a 12-second engine
+    restart into 3,330 errors."""
+    from aiohttp import web
+    hits = []
+
+    async def busy(request: web.Request) -> web.Response:
+        hits.append(asyncio.get_running_loop().time())
+        return web.json_response({"error": {"message": "The model engine is not ready", "type": "server_error",
+                                            "param": None, "code": "engine_unavailable"}},
+                                 status=503, headers={"Retry-After": "1"})
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", busy)
+    async with serving(app) as url:
+        users = Users(url, [personas.form_only("brief", "under_words", 5, personas.FACTS)], seed=1, concurrency=2)
+        try:
+            end = asyncio.get_running_loop().time() + 1.5
+            await asyncio.wait_for(users.run(until=lambda: asyncio.get_running_loop().time() > end), 10)
+        finally:
+            await users.close()
+    assert len(hits) == 4 and users.ended == {"error": 4} and len(users.errors) == 4
+    assert min(b - a for a, b in zip(sorted(hits)[::2], sorted(hits)[2::2])) >= 0.95  # each waited its second

@@ -33,7 +33,7 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import openai
 
@@ -176,6 +176,19 @@ class _Served:
     seconds: float
 
 
+RETRY_AFTER_MAX = 30.0  # seconds a user waits at most when told to come back later
+
+
+def retry_after(headers: Mapping[str, str]) -> float:
+    """How long a 429 or 503 with these (case-insensitive) headers asks a client to wait: its Retry-After
+    seconds, 1 without one, at most RETRY_AFTER_MAX."""
+    try:
+        wait = float(headers.get("retry-after", 1))
+    except ValueError:  # an HTTP date: not what clawd sends
+        wait = 1.0
+    return min(max(wait, 0.0), RETRY_AFTER_MAX)
+
+
 class Users:
     """Simulated users against one clawd: `run` drives sessions until told to stop.
 
@@ -231,7 +244,9 @@ class Users:
         await self.client.close()
 
     async def session(self, plan: SessionPlan) -> None:
-        """One whole session; an API error ends it (counted in `errors`), it never raises."""
+        """One whole session; an API error ends it (counted in `errors`), it never raises. Told to come back
+        later (429, 503), the user waits its Retry-After before the next session, as a person would: users
+        that hammer a restarting engine turn seconds of downtime into thousands of errors."""
         self.sessions.append(plan)
         try:
             self._end(await self._converse(plan))
@@ -239,6 +254,8 @@ class Users:
             self.errors.append(f"session {plan.index}: {type(exc).__name__}: {exc}")
             log.warning("session %d: %s", plan.index, exc)
             self._end("error")
+            if getattr(exc, "status_code", None) in (429, 503):  # told to come back later: a person waits
+                await asyncio.sleep(retry_after(exc.response.headers))
 
     def _end(self, how: str) -> None:
         self.ended[how] = self.ended.get(how, 0) + 1
