@@ -39,10 +39,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 SCRIPTS = ("serve", "pipeline", "trainer", "swap", "lora", "learning", "opd_signal", "fuzz", "abuse", "crash", "scale",
-           "pii", "startup")
+           "pii", "startup", "liveness")
 OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "lora": "--out",
             "learning": "--out", "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out",
-            "pii": "--out", "startup": "--out", "opd_signal": "--out"}
+            "pii": "--out", "startup": "--out", "opd_signal": "--out", "liveness": "--out"}
 # scale.py's full form takes ~4 min on top of serve.py's similar figures; its quick form answers "does it scale".
 ARGS = {"scale": ["--quick"]}
 if str(HERE) not in sys.path:  # run as a script it is already there; imported (by a test) it is not
@@ -185,6 +185,16 @@ def startup(r: dict) -> list[dict]:
                  "< 1", r["figures"][kind]["cpu_ratio"] < 1) for kind in ("engine", "trainer")]
 
 
+def liveness(r: dict) -> list[dict]:
+    this = r["results"]["this"]
+    rows = [_row("CPU engine: worst liveness poll / longest step", this["worst_ratio"], "{:.3f}", "< 0.1",
+                 this["worst_ratio"] < 0.1)]
+    if "throughput_ratio" in r["results"]:
+        rows.append(_row("  tokens/s over the compared tree's", r["results"]["throughput_ratio"], "{:.2f}", ">= 0.9",
+                         r["results"]["throughput_ratio"] >= 0.9))
+    return rows
+
+
 def opd_signal(r: dict) -> list[dict]:
     step = r["one_step"]
     return [_row("OPD teacher, right over wrong answer (nats)", r["gap"]["system_default"]["answer_right"]
@@ -198,7 +208,7 @@ def opd_signal(r: dict) -> list[dict]:
 
 EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "lora": lora, "learning": learning,
            "opd_signal": opd_signal, "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale, "pii": pii,
-           "startup": startup}
+           "startup": startup, "liveness": liveness}
 
 
 # ---------------------------------------------------------------- provenance marks

@@ -16,6 +16,7 @@ as scripts, so this file's folder is on their `sys.path`.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -73,3 +74,11 @@ def stamp(result: dict | None = None, root: Path = ROOT) -> dict:
     if result is not None:
         result["provenance"] = prov
     return prov
+
+
+def write(result: dict, path: Path) -> int:
+    """Write a bench's result JSON (making its folder), say where, and give its exit status: 0 when it passed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0 if result["pass"] else 1

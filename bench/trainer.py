@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import math
 import os
 import random
@@ -390,10 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average (1 min) {res['load_average_1m'][0]:.2f} at the start, {res['load_average_1m'][1]:.2f} "
           f"at the end, on {os.cpu_count()} cores")
     print(f"\noverall: {'PASS' if res['pass'] else 'FAIL'} in {res['wall_s']:.0f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0 if res["pass"] else 1
+    return provenance.write(res, args.out)
 
 
 if __name__ == "__main__":

@@ -24,15 +24,14 @@ import collections
 import inspect
 import logging
 import os
-import queue
 import random
-import threading
 import time
 
 import torch
 
 from clawd import faults
 from clawd.engine.local.adapters import Adapters
+from clawd.engine.local.compute import Compute, Progress
 from clawd.engine.local.model import Batch, WeightLoadError, load_model
 from clawd.engine.local.sampling import next_token_row, pick_token, prompt_logprobs, prompt_rows
 from clawd.engine.local.sequences import Cursor, Group, Req
@@ -46,50 +45,6 @@ ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
 TIMED_OUT = {"type": "abort", "status_code": 503, "message": "Request waiting timeout reached."}
 WAITING_TIMEOUT_ENV = "SGLANG_REQ_WAITING_TIMEOUT"
-HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"  # SGLang's name and default: how long /health_generate waits
-HEALTH_TIMEOUT = 20.0
-HEALTH_POLL = 0.05  # how often a health check looks at the progress count the compute thread moves
-
-
-# --------------------------------------------------------------------------
-# The compute thread
-
-class Compute:
-    """One daemon thread that runs the model's steps in order, one at a time.
-
-    A daemon thread, so a step stuck for good (the hang this engine's supervisor must find) does not keep
-    the process from exiting; concurrent.futures' pools are joined at exit."""
-
-    def __init__(self):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._work, name="engine-compute", daemon=True).start()
-
-    async def run(self, fn, *args):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._jobs.put((loop, fut, fn, args))
-        return await fut
-
-    def _work(self) -> None:
-        while True:
-            loop, fut, fn, args = self._jobs.get()
-            try:
-                outcome = (fn(*args), None)
-            except BaseException as exc:  # handed to the awaiting task, which re-raises it
-                outcome = (None, exc)
-            try:
-                loop.call_soon_threadsafe(_settle, fut, *outcome)
-            except RuntimeError:  # the loop closed: the engine is exiting, nobody awaits the step
-                return
-
-
-def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
-    if fut.done():  # its task was cancelled (shutdown)
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
 
 
 # --------------------------------------------------------------------------
@@ -115,7 +70,7 @@ class Engine:
         self._seeds = random.Random(args.seed)
         self.adapters = Adapters(args)  # LoRA: names, in-flight counts, the PEFT wrapper
         self.compute = Compute()
-        self.progress = 0  # decoder layers run so far (moved on the compute thread): what /health_generate watches
+        self.progress = Progress()  # what /health_generate watches
         timeout = float(os.environ.get(WAITING_TIMEOUT_ENV) or 0)
         self.waiting_timeout = timeout if timeout > 0 else None
 
@@ -138,38 +93,19 @@ class Engine:
         # transformers 5.x renamed the cache argument; accept either spelling.
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._count_progress(self.model)
+        self.progress.watch(self.model)
         self.loaded.set()
         log.info("loaded %s (%s, vocab %d, context %d, eos %s) in %.1f s", self.args.model,
                  cfg.model_type, self.vocab_size, self.context_len, sorted(self.eos_ids),
                  time.perf_counter() - t0)
 
-    def _count_progress(self, model) -> None:
-        """Each decoder layer that finishes counts as progress (each whole step, for a model whose layers are
-        not at model.model.layers), so a long prefill reads as advancing, not stuck."""
-        layers = getattr(getattr(model, "model", None), "layers", None)
-        for module in layers if isinstance(layers, torch.nn.ModuleList) else [model]:
-            module.register_forward_hook(self._advance)
-
-    def _advance(self, *_) -> None:
-        self.progress += 1
-
     async def progressing(self) -> bool:
-        """SGLang's health check: whether the model computes anything within HEALTH_TIMEOUT. At once when
-        nothing is owed (no request live: nothing to be stuck on), and False at once while paused (the
+        """SGLang's health check: whether the model computes anything in its wait (Progress.moving). At once
+        when nothing is owed (no request live: nothing to be stuck on), and False at once while paused (the
         held requests cannot move; SGLang's own one-token request would wait out its timeout)."""
         if not self.live:
             return True
-        if self.paused:
-            return False
-        timeout = float(os.environ.get(HEALTH_TIMEOUT_ENV) or HEALTH_TIMEOUT)
-        start, loop = self.progress, asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while loop.time() < deadline:  # a poll: the count moves on the compute thread, up to 30 times a step
-            await asyncio.sleep(HEALTH_POLL)
-            if self.progress != start:
-                return True
-        return False
+        return False if self.paused else await self.progress.moving()
 
     # ---- requests
 
@@ -302,7 +238,7 @@ class Engine:
                             "message": f"Failed to update weights: {exc}. Rolled back to the previous weights."})
         else:
             self.model, self.model_path = model, path
-            self._count_progress(model)
+            self.progress.watch(model)
             message = "Succeeded to update model weights."
             if version is not None:
                 self.weight_version = version

@@ -14,8 +14,9 @@ shapes, so clawd runs unchanged on either engine (docs/ARCHITECTURE.md §10):
 This module is the HTTP side and the process. The package's layers, each using
 only the ones before it: wire (the request schema), sampling (token math),
 model (loading, KV cache), adapters (LoRA with PEFT), sequences (a request's
-state), scheduler (the queue and the batch loop), auth (API keys, the --config
-file), server.
+state), compute (the thread the model's steps run on, and their progress),
+scheduler (the queue and the batch loop), auth (API keys, the --config file),
+server.
 
     python -m clawd.engine.local --model DIR [--fd N | --host 127.0.0.1 --port P]
         [--weight-version 0] [--seed 0] [--threads N] [--max-batch-size 8]
