@@ -92,7 +92,7 @@ def test_learning_lora_passes_the_rank_and_lora_lr_to_train(model_dir):
 def test_demo_lora_sets_the_train_section_and_names_it(model_dir):
     args = demo.parse_args(["--model", str(model_dir), "--lora"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
-    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (16, 5e-4, "LoRA rank 16")
+    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (16, 3e-4, "LoRA rank 16")
     args = demo.parse_args(["--model", str(model_dir), "--lora-rank", "4", "--lr", "2e-4"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
     assert (train["lora_rank"], train["lora_lr"], args.tuning) == (4, 2e-4, "LoRA rank 4")

@@ -32,7 +32,7 @@ The default user, `concise` (clawd/tools/sim/personas.py), asks easy known-answe
 one complete sentence that names what was asked; it rewards that style alone, whatever the answer, so
 correctness is measured beside it by the guard, never multiplied into the reward. SmolLM2 meets the
 style on about a fifth of its sampled answers at T 0.7 and half its greedy ones. The defaults (rl mode,
-LoRA adapters of rank 16 at lr 5e-4, 48 tokens a reply at T 0.7, gate and monitors on) take about 20 min on 2
+LoRA adapters of rank 16 at lr 3e-4, 48 tokens a reply at T 0.7, gate and monitors on) take about 20 min on 2
 cores; the settings were chosen by the runs in bench/README.md. With the earlier form-only personas
 (`--personas form:brief,form:plain`) a run took the evaluation set from 38% satisfied to 100% while
 the answers collapsed ("The answer is a planet."): the documented example of a reward hack.
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--teacher", choices=("policy", "reference"), default="reference",
                     help="teacher engine in opd/combine (default reference: the frozen initial weights, clawd's "
                          "default; 'policy' makes the policy its own teacher and warns)")
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (default 5e-4; with --full 1e-5)")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-4; with --full 1e-5)")
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen base (the default)")
     ap.add_argument("--full", action="store_true", help="a full fine-tune instead of LoRA adapters")
     ap.add_argument("--no-safety", action="store_true", help="no gate, monitors or rollback checkpoints (a control)")
@@ -109,11 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--lora-rank must be positive")
     if args.full and (args.lora or args.lora_rank):
         ap.error("--full and --lora/--lora-rank exclude each other")
-    # LoRA rank 16 at lr 5e-4 by default: of the settings measured (bench/README.md, the demo's settings) the
-    # one that raised the style with its interval above 0 and kept the guard non-inferior; a full fine-tune
-    # at 1e-5 learnt the style as well but its guard missed the bound by a point.
+    # LoRA rank 16 at lr 3e-4 by default: of the settings measured on the grown bank (bench/README.md, the
+    # demo's settings) it lost least on the guard while raising the style well above its aim (run 8 against
+    # run 7's 5e-4, same seed); no setting yet keeps the guard's lower bound above -5 there.
     args.lora_rank = 0 if args.full else (args.lora_rank or 16)
-    args.lr = (5e-4 if args.lora_rank else 1e-5) if args.lr is None else args.lr
+    args.lr = (3e-4 if args.lora_rank else 1e-5) if args.lr is None else args.lr
     args.tuning = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tune"
     for name in ("minutes", "concurrency", "batch", "max_tokens", "probes", "lr", "idle_timeout"):
         if getattr(args, name) <= 0:
