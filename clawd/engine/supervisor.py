@@ -15,9 +15,9 @@ between (SGLang's HTTP front end answers /model_info while its scheduler is stuc
 would miss that hang; a busy engine that serves anything resets the count); calls that have waited
 `health_interval` x `health_failures` with no byte from any of them while the engine's /health_generate
 (which answers as soon as its scheduler puts out anything, and 503 when nothing comes in its own wait)
-says nothing moves; or a control call that ran past its own timeout. While a weight publish is under way (a control call in flight, or paused and not yet
-continued) neither polls nor calls count, since it legitimately holds generation for up to
-`learner.publish_timeout`; a publish call that times out is itself the evidence. A hung launched engine
+says nothing moves; or a control call that ran past its own timeout. While a weight publish is under way
+(a control call in flight, or paused and not yet continued) neither polls nor calls count, since it
+legitimately holds generation for up to `learner.publish_timeout`; a publish call that times out is itself the evidence. A hung launched engine
 has its calls abandoned and its process group killed, and is restarted like a dead one (backoff, restart
 counter; its state shows "hung" until the restart). A hung remote engine is marked "hung" (not ready, so
 chat gets a quick 503) and counts as ready again once /model_info and a one-token generation both answer.

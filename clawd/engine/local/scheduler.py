@@ -1,10 +1,8 @@
 """The local engine's scheduler: requests in flight and the batch loop that runs the model.
 
-One process, one event loop, and one compute thread. Each model step (a prefill,
-a decode step) runs on the compute thread while the loop awaits it, so the HTTP
-side answers liveness, aborts and arrivals during the step itself: a long prefill
-on a loaded machine is busy, not hung (torch releases the GIL in its kernels).
-The loop still owns every piece of state; the thread only runs the forward. Requests queued when the engine is
+One event loop owns every piece of state; each model step runs on the compute
+thread (compute.py) while the loop awaits it, so liveness, aborts and arrivals
+are answered during the step. Requests queued when the engine is
 ready to start work run as one left-padded batch sharing a KV cache, each
 sequence stopping on its own; requests arriving while it runs are prefilled
 and join it at a step boundary while there is room (continuous batching).
