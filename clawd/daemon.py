@@ -293,7 +293,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                 """The stages stop in reverse: serving, then scoring, learning, the trainer, the engines."""
                 log.info("stopping: draining requests for up to %.0fs", cfg.server.drain_timeout)
                 announce.cancel()
-                gate.accepting = False
+                gate.close()
                 await runner.cleanup()  # stops listening, waits for in-flight handlers
                 for finished in sessions.close_all(time.time(), SHUTDOWN):
                     to_scoring(finished)
@@ -344,7 +344,7 @@ async def _cut_short(draining: asyncio.Task, trainer: TrainerSupervisor | None, 
     # reply with 502); the drain then goes on by itself.
     await asyncio.wait([draining], timeout=_FORCED_STOP_GRACE)
     if not draining.done() and runner.server is not None:
-        # Still open: requests that wait on their client (a body never finished, a stream not read). Cut
+        # Still open: requests that wait on their client (a reply it does not read). Cut
         # their connections; aiohttp ends their handlers as for a client that hung up. Cancelling its
         # shutdown while a handler still runs would instead make it log an InvalidStateError traceback.
         for connection in runner.server.connections:

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from clawd.config import config_from_dict
 from clawd.daemon import Shutdown, run
 from clawd.serving import connections as conns_module
-from clawd.serving.api import CONNECTIONS, make_app
+from clawd.serving.api import CONNECTIONS, GATE, make_app
 from clawd.serving.connections import OTHER_FILES, QuietLog, ServerLog, TrackedSite
 
 from .fake_sglang import FakeSGLang
@@ -213,6 +213,34 @@ async def test_stalled_uploads_hold_no_slot_and_get_408_within_body_timeout():
             assert json.loads(body)["error"]["type"] == "timeout_error"
             assert await closed(reader, SLACK)
             writer.close()
+
+
+async def test_a_body_still_arriving_when_the_drain_begins_is_turned_away_at_once():
+    """aiohttp stops reading every connection once its shutdown starts, so a body still arriving when the drain
+    begins can never arrive: its request is answered 503 shutting_down with Retry-After at once, not 408 after
+    body_timeout, and it does not hold the drain. (The daemon's drain: close the gate, then clean the runner up.)"""
+    cfg = config_from_dict({"server": {"port": 0, "body_timeout": 30}})
+    app = make_app(cfg, FakeChat())
+    connections = app[CONNECTIONS]
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=30, **connections.runner_options())
+    await runner.setup()
+    await TrackedSite(runner, connections, "127.0.0.1", 0).start()
+    reader, writer = await connect(runner.addresses[0][1])
+    half = len(BODY) // 2
+    writer.write(chat_request(BODY[:half], length=len(BODY)))
+    await until(lambda: connections.phases()["body"] == 1, "the request waiting for its body")
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    app[GATE].close()
+    drain = asyncio.create_task(runner.cleanup())
+    await asyncio.sleep(0.1)
+    writer.write(BODY[half:])  # too late: nothing more is read
+    status, headers, body = await asyncio.wait_for(response(reader), SLACK)
+    assert status == 503 and headers["retry-after"] == "5" and headers["connection"] == "close", (status, body)
+    assert json.loads(body)["error"]["code"] == "shutting_down"
+    await asyncio.wait_for(drain, SLACK)
+    assert loop.time() - began < SLACK
+    writer.close()
 
 
 async def test_half_a_header_line_is_closed_after_header_timeout():

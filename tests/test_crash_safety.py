@@ -147,7 +147,11 @@ def test_random_sigkills_lose_no_acknowledged_sample(tiny_model, tmp_path, monke
         load.stop()
         drained = wait_until(lambda: (lambda d: d and d["scoring"]["pending"] == 0 and d["queue"]["journal_live"] == 0
                                       and d["learner"]["waiting_since"] is not None)(_debug(daemon)), 120, 0.2)
-        assert drained, _debug(daemon)
+        if not drained:  # what held it, in full (pytest shortens a long assertion message)
+            state_now = _debug(daemon) or {}
+            held = {k: state_now.get(k) for k in ("scoring", "queue", "learner", "trainer", "engines", "safety")}
+            print("not drained:", json.dumps(held, default=str))
+            raise AssertionError(f"not drained: {json.dumps(held, default=str)[:2000]}")
         assert daemon.stop() == 0
         _check_life(daemon, expect)
     finally:

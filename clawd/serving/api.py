@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
@@ -52,11 +51,22 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return resp
 
 
-@dataclass
 class Gate:
-    """Who may come in: cleared when the drain starts; counts the chat requests holding a slot."""
-    accepting: bool = True
-    in_flight: int = 0
+    """Who may come in: closed when the drain starts; counts the chat requests holding a slot."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self._closed = asyncio.Event()
+
+    @property
+    def accepting(self) -> bool:
+        return not self._closed.is_set()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    async def closed(self) -> None:
+        await self._closed.wait()
 
 
 class Slot:
@@ -127,12 +137,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(503, "clawd is paused by its operator (clawctl resume)", code="paused", retry_after=30)
     # The whole body before a slot: a client that stalls mid-upload must not hold one of the slots.
     try:
-        async with asyncio.timeout(cfg.server.body_timeout):
-            body = await request.read()
+        body = await _body(request, gate, cfg.server.body_timeout)
     except TimeoutError:
         resp = ApiError(408, f"The request body did not arrive within {cfg.server.body_timeout:g}s",
                         code="request_timeout").response()
         resp.force_close()  # the rest of that body is not worth waiting for
+        return resp
+    except _Draining:
+        resp = ApiError(503, "clawd is shutting down", code="shutting_down", retry_after=5).response()
+        resp.force_close()
         return resp
     except web.RequestPayloadError:  # a body its Content-Encoding does not decode
         resp = ApiError(400, "The request body could not be decoded; check its Content-Encoding",
@@ -153,6 +166,31 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     finally:
         # A whole (non-streamed) reply is written by aiohttp after this returns: after the release, too.
         slot.release()
+
+
+class _Draining(Exception):
+    """The drain began while a request body was still arriving."""
+
+
+async def _body(request: web.Request, gate: Gate, timeout: float) -> bytes:
+    """The request body within `timeout` (else TimeoutError), or _Draining if the drain begins first: aiohttp
+    stops reading every connection once its shutdown starts, so the rest of that body would never arrive and
+    the client would wait out the timeout for a 408 instead of being told to come back."""
+    if request.content.is_eof():  # the whole body is already here (nearly every request)
+        return await request.read()
+    read = asyncio.ensure_future(request.read())
+    closing = asyncio.ensure_future(gate.closed())
+    try:
+        await asyncio.wait([read, closing], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        closing.cancel()
+        if not read.done():
+            read.cancel()
+    if read.done() and not read.cancelled():
+        return read.result()
+    if closing.done() and not closing.cancelled():
+        raise _Draining
+    raise TimeoutError
 
 
 async def models(request: web.Request) -> web.Response:
