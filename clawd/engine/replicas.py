@@ -5,7 +5,8 @@ supervisors' state; no I/O happens here except in `Balanced`, the judge's and te
 policy engine.
 
 - A session's requests go to its home replica (prefix-cache reuse, one weight version per session where
-  possible) while that replica is in rotation.
+  possible) while that replica is in rotation and not draining; while it drains for a swap they go to
+  the least loaded other one, and come home after.
 - A new session, a side turn, a judge or teacher call goes to the least loaded replica in rotation: fewest
   requests in flight, then fewest sessions, then the lowest index. A replica being swapped onto new weights
   (`draining`) takes new work only when no other one can.
@@ -40,12 +41,13 @@ class Load:
 
 
 def choose(loads: Sequence[Load], home: int | None = None, exclude: frozenset[int] = frozenset()) -> int | None:
-    """The replica for one request: its session's home while usable, else the least loaded usable one
-    (in flight, then sessions, then index), a draining one only if nothing else is usable; None if none is."""
-    if home is not None and 0 <= home < len(loads) and home not in exclude and loads[home].usable:
-        return home
+    """The replica for one request: its session's home while usable and not draining, else the least loaded
+    usable one (in flight, then sessions, then index), a draining one only if nothing else is usable; None if
+    none is. A session does not wait out its home's swap (the engine is paused through it)."""
     usable = [i for i, load in enumerate(loads) if load.usable and i not in exclude]
     settled = [i for i in usable if not loads[i].draining] or usable
+    if home in settled:
+        return home
     return min(settled, key=lambda i: (loads[i].in_flight, loads[i].sessions, i), default=None)
 
 
@@ -183,7 +185,9 @@ class Attempt:
             i = min(range(len(self.replicas)), key=lambda j: (self.replicas.counts[j].in_flight, j))
         if i is None:
             return None
-        if self.rehome is not None and i != self.home:
+        # A session moves for good only when its home left rotation or failed it; a home that is merely
+        # draining for a swap gets the session back on its next request (sessions stay spread).
+        if self.rehome is not None and i != self.home and not self._home_draining(skip):
             if self.home is not None:
                 self.replicas.rehomed += 1
             self.rehome(i)
@@ -193,6 +197,11 @@ class Attempt:
         self._held = self.replica = i
         self.attempts += 1
         return i
+
+    def _home_draining(self, skip: frozenset[int]) -> bool:
+        home = self.home
+        return (home is not None and home not in skip and 0 <= home < len(self.replicas)
+                and self.replicas.usable(home) and self.replicas.counts[home].draining)
 
     def end(self) -> None:
         if self._held is not None:

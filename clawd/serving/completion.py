@@ -258,10 +258,10 @@ class ChatService:
         elif capture:
             self._capture(capture, rid, prompt_ids, out)
         # One structured line per completion: enough to follow a turn from client to records.
-        log.info("chat id=%s rid=%s session=%s turn=%s version=%d replica=%s served=%s type=%s stream=%s prompt=%d "
-                 "completion=%d finish=%s", out.completion_id, rid, capture.admission.session_id if capture else "-",
-                 capture.admission.turn_index if capture else "-", self.policy.version, route.replica,
-                 out.weight_version, "main" if capture else "side", req.stream, len(prompt_ids), len(out.ids),
+        log.info("chat id=%s rid=%s session=%s turn=%s version=%d replica=%s home=%s served=%s type=%s stream=%s "
+                 "prompt=%d completion=%d finish=%s", out.completion_id, rid,
+                 capture.admission.session_id if capture else "-", capture.admission.turn_index if capture else "-",
+                 self.policy.version, route.replica, "-" if route.home is None else route.home, out.weight_version, "main" if capture else "side", req.stream, len(prompt_ids), len(out.ids),
                  out.finish_reason)
         return resp
 
