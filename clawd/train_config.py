@@ -22,6 +22,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_PER_BATCH = 4
 
 
+RECOMPUTE = ("auto", "on", "off")  # clawd.trainer.recompute.wanted
+
 MAX_OPD_TOP_K = 64  # the engine returns k [log-prob, id, text] triples a token: beyond a few dozen, mostly noise
 
 
@@ -51,6 +53,7 @@ class TrainConfig:
     ppo_mini_batches: int = 2            # optimizer steps per pass over the batch: from the second on, the ratio moves
     warmup_steps: int = 0                # the learning rate rises linearly over the first N steps; 0 = none
     micro_batch_tokens: int = 8192       # padded tokens (rows x longest input) per forward
+    recompute: typing.Literal[RECOMPUTE] = "auto"  # decoder layers redone in the backward; auto: on CUDA only
     keep_versions: int = 3
     checkpoint_every: int = 10           # checkpoint every N publishes (12 bytes/parameter each)
     device: str = "cpu"                  # "cuda" when gpus is set and device is not written
@@ -119,6 +122,8 @@ class TrainConfig:
             errors["betas"] = "must be two numbers in [0, 1)"
         if self.aggregation not in AGGREGATIONS:
             errors["aggregation"] = f"must be one of {', '.join(map(repr, AGGREGATIONS))}"
+        if self.recompute not in RECOMPUTE:
+            errors["recompute"] = f"must be one of {', '.join(map(repr, RECOMPUTE))}"
         for name in ("ppo_epochs", "ppo_mini_batches", "micro_batch_tokens", "keep_versions", "checkpoint_every",
                      "aggregation_tokens"):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):

@@ -21,7 +21,7 @@ startup.loading()  # while torch and clawd's trainer import, as in clawd's own r
 import torch  # noqa: E402
 
 from clawd.train_config import TrainConfig  # noqa: E402
-from clawd.trainer import sharding  # noqa: E402
+from clawd.trainer import recompute, sharding  # noqa: E402
 from clawd.trainer.step import Trainer  # noqa: E402
 from tests.test_trainer import sample  # noqa: E402
 
@@ -66,6 +66,12 @@ def capture_grads(trainer: Trainer, into: dict) -> None:
     trainer.optimizer.step = recording
 
 
+def recomputed(trainer: Trainer) -> bool:
+    """Whether every decoder layer's forward is the recomputing one (after sharding, for the world)."""
+    return all(isinstance(layer.__dict__.get("forward"), recompute._Recomputed)
+               for layer in recompute.decoder_layers(trainer.model))
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
 
@@ -87,7 +93,10 @@ def main() -> None:
             cfg = TrainConfig(**UNIT, lr=LR, micro_batch_tokens=budget, grad_clip=1e6, eps=ADAM_EPS)
             batch = skewed_batch(mode)
             grads: dict = {}
-            fsdp = Trainer(model_dir, work / f"{mode}-{budget}-fsdp", cfg, world=world)
+            # Packed, the world also recomputes its layers in the backward (applied before fully_shard, as
+            # on CUDA) against one process that does not: the same step either way.
+            fsdp_cfg = dataclasses.replace(cfg, recompute="on") if budget == 256 else cfg
+            fsdp = Trainer(model_dir, work / f"{mode}-{budget}-fsdp", fsdp_cfg, world=world)
             capture_grads(fsdp, grads)
             m = fsdp.train_step(batch, mode)
             fsdp_grads, fsdp_after = dict(grads), full_weights(fsdp)
@@ -101,6 +110,7 @@ def main() -> None:
                     "grad_norm_rel": abs(m["grad_norm"] - m1["grad_norm"]) / m1["grad_norm"],
                     "grad_rel_max": worst(fsdp_grads, grads), "weights_rel_max": worst(fsdp_after, full_weights(one)),
                     "params_with_grad": len(grads), "tokens": [m["tokens"], m1["tokens"]],
+                    "recomputed": [recomputed(fsdp), recomputed(one)],
                     "forward_tokens": [m["forward_tokens"], m1["forward_tokens"]]}
                 del one
             world.barrier()

@@ -41,7 +41,7 @@ import torch
 from clawd import faults
 from clawd.train_config import TrainConfig
 from clawd.samples import MODES, Sample
-from clawd.trainer import adapters, checkpoints, head, losses, sharding
+from clawd.trainer import adapters, checkpoints, head, losses, recompute, sharding
 from clawd.trainer.batches import MicroBatch, micro_batch, mini_batches, pack
 from clawd.trainer.sharding import World
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
@@ -104,6 +104,8 @@ class Trainer:
             if cfg.lora:  # the adapters' random init from the seed: every rank and every run the same
                 torch.manual_seed(cfg.seed)
                 m = adapters.wrap(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+            if recompute.wanted(cfg.recompute, self.device):  # before sharding: FSDP's hooks go around it
+                recompute.apply(m)
             scorer = head.ResponseScorer(m, self._autocast)
             if world is None:
                 return scorer.to(self.device)
