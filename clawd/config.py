@@ -319,10 +319,12 @@ class LearnerConfig:
     trainer_ready_timeout: float = 600.0
     publish_timeout: float = 600.0
     control: typing.Literal["none", "shuffle_rewards", "zero_rewards"] = "none"  # clawd.learning.controls
+    max_sample_tokens: int = 0  # longer samples are never trained (clawd.learning.limits); 0: [train] micro_batch_tokens
 
     def check(self) -> dict[str, str]:
         errors = not_positive(self, "stall_warn_interval", "train_timeout", "trainer_ready_timeout",
-                               "publish_timeout", "backlog_batches") | below(self, 0, "rollout_timeout", "max_staleness")
+                               "publish_timeout", "backlog_batches") | below(self, 0, "rollout_timeout", "max_staleness",
+                                                                            "max_sample_tokens")
         if self.rollout_batch_size < 1:
             errors["rollout_batch_size"] = "must be at least 1"
         if not 1 <= self.min_batch_size <= self.rollout_batch_size:
@@ -450,6 +452,11 @@ class Config:
     @property
     def model_path(self) -> Path:
         return Path(self.model.path)
+
+    @property
+    def max_sample_tokens(self) -> int:
+        """The longest sample trained: `[learner] max_sample_tokens`, else the trainer's micro-batch budget."""
+        return self.learner.max_sample_tokens or self.train.micro_batch_tokens
 
     @property
     def reference_engine_needed(self) -> bool:

@@ -196,8 +196,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                                   adapters=adapters, base_dir=str(cfg.model_path))
             publisher.before_load = share_weights  # [privacy] weights_group: an engine run as another user
             learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir, control_seed=cfg.train.seed,
-                              pauses=pauses, versions=versions, lora=cfg.train.lora,
-                              gate=_gate(cfg, tokenizer, Balanced(replicas), judge))
+                              pauses=pauses, versions=versions, lora=cfg.train.lora, gate=_gate(cfg, tokenizer,
+                              Balanced(replicas), judge), max_sample_tokens=cfg.max_sample_tokens)
             def on_step(trained_from: int, trained, batch) -> None:
                 steps.add(trained, batch)
                 if monitors is not None:  # the step's metrics describe the policy its samples came from

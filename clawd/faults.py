@@ -15,6 +15,7 @@ variable CLAWD_FAULTS, read once per process, so a daemon or trainer started by 
     eio     raise OSError(EIO)
     hang    block the calling thread for an hour (a hung dependency: only its watchdog ends it)
     slow    block the calling thread for SLOW_SECONDS, then go on (a busy step: a long prefill, a loaded machine)
+    oom     raise MemoryError, as an allocation the device (or host) cannot satisfy does
 
 An unknown action or a malformed spec raises at the first point: a test that meant to inject a fault
 must not pass because the fault never fired.
@@ -29,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 ENV = "CLAWD_FAULTS"
-ACTIONS = ("kill", "enospc", "eio", "hang", "slow")
+ACTIONS = ("kill", "enospc", "eio", "hang", "slow", "oom")
 SLOW_SECONDS = 2.0
 
 
@@ -97,6 +98,8 @@ def point(name: str) -> None:
         time.sleep(3600)
     elif fault.action == "slow":
         time.sleep(SLOW_SECONDS)
+    elif fault.action == "oom":
+        raise MemoryError(f"out of memory (fault point {name})")
     else:
         code = errno.ENOSPC if fault.action == "enospc" else errno.EIO
         raise OSError(code, f"{os.strerror(code)} (fault point {name})")

@@ -80,7 +80,7 @@ def test_a_zero_reward_batch_leaves_the_weights_exactly_as_they_were(tiny_model,
 
 
 def test_the_learner_trains_a_batch_in_an_order_of_its_own():
-    from clawd.learning.learner import canonical
+    from clawd.learning.limits import canonical
 
     b = [dataclasses.replace(s, tokens=[9 - i % 3] + s.tokens[1:]) for i, s in enumerate(batch())]
     assert [s.sample_id for s in canonical(b)] == ["s2", "s1", "s4", "s0", "s3"]  # by tokens, then id

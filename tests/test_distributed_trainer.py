@@ -106,12 +106,14 @@ def test_lora_adapters_train_publish_and_checkpoint_in_the_world(measured):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["kill", "hang"])
+@pytest.mark.parametrize("fault", ["kill", "hang", "oom"])
 async def test_a_rank_that_dies_or_hangs_mid_step_is_recovered_with_no_sample_lost(tiny_model, tmp_path, fault_env,
                                                                                    monkeypatch, fault):
-    """Rank 1 of 2 dies (SIGKILL) or hangs at its first forward. The world is torn down (torchrun stops the
-    other rank, or its collective times out), the supervisor starts a new world from the last checkpoint
-    and sends the batch again: one optimizer step for it, every sample trained once."""
+    """Rank 1 of 2 dies (SIGKILL), hangs or runs out of memory at its first forward. The world is torn down
+    (torchrun stops the other rank, or its collective times out), the supervisor starts a new world from the
+    last checkpoint and sends the batch again: one optimizer step for it, every sample trained once. Out of
+    memory, rank 1 tells the coordinator, which tells the daemon ("oom", what rank 0 waiting in a collective
+    could not): the batch comes back split, a step per half."""
     fault_env(f"trainer.step.forward={fault}@1")
     monkeypatch.setenv("CLAWD_FAULTS_RANKS", "1")
     async with learning(tiny_model, tmp_path, nproc_per_node=2, collective_timeout=5.0) as (learner, store, fake,
@@ -119,7 +121,10 @@ async def test_a_rank_that_dies_or_hangs_mid_step_is_recovered_with_no_sample_lo
         await fault_env.first_child_only(trainer)
         assert trainer.ready.world_size == 2
         await put(store, learner, 0, 1)  # one batch (rollout_batch_size 2)
-        await until(lambda: learner.policy.version == 1 and store.depth == 0, timeout=240)
-        assert trainer.restarts == 1 and trainer.state["step"] == 1 and trainer.ready.world_size == 2
-    (line,) = [x for x in ledger(tmp_path) if x["step"] == 1]
-    assert sorted(line["samples"]) == ["s0", "s1"] and line["version"] == 1
+        steps = 2 if fault == "oom" else 1
+        await until(lambda: learner.policy.version == steps and store.depth == 0, timeout=240)
+        assert trainer.restarts == 1 and trainer.state["step"] == steps and trainer.ready.world_size == 2
+        assert learner.limits.oom_steps == (fault == "oom") and not learner.limits.excluded
+    lines = sorted((x for x in ledger(tmp_path) if x["step"] >= 1), key=lambda x: x["step"])
+    assert [(sorted(x["samples"]), x["version"]) for x in lines] == (
+        [(["s0"], 1), (["s1"], 2)] if fault == "oom" else [(["s0", "s1"], 1)])

@@ -33,7 +33,7 @@ async def until(predicate, timeout: float = 30.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def learning(tmp_path, *, script=None, batch=2, control="none", backlog=1):
+async def learning(tmp_path, *, script=None, batch=2, control="none", backlog=1, max_sample_tokens=8192):
     """A running learner; yields (learner, store, fake engine, trainer supervisor)."""
     async with FakeSGLang() as fake:
         engine = EngineClient(fake.url)
@@ -45,7 +45,8 @@ async def learning(tmp_path, *, script=None, batch=2, control="none", backlog=1)
                                     backoff_initial=0.05)
         cfg = LearnerConfig(rollout_batch_size=batch, min_batch_size=1, stall_warn_interval=60, control=control,
                             backlog_batches=backlog)
-        learner = Learner(cfg, store, trainer, Publisher(engine, 10), Policy(), tmp_path / "state", control_seed=7)
+        learner = Learner(cfg, store, trainer, Publisher(engine, 10), Policy(), tmp_path / "state", control_seed=7,
+                          max_sample_tokens=max_sample_tokens)
         tasks = [asyncio.create_task(trainer.run()), asyncio.create_task(learner.run())]
         try:
             yield learner, store, fake, trainer
@@ -274,3 +275,33 @@ async def test_a_rollback_asked_during_a_step_keeps_that_steps_version_from_ever
         assert [u["weight_version"] for u in fake.weight_updates] == ["1", "2", "4"]  # v3 never reached the engine
         assert [learner.versions.get(v).status for v in (2, 3)] == ["rolled_back", "rolled_back"]
         assert learner.versions.get(4).restored_from == 1
+
+
+@pytest.mark.parametrize("fatal", [False, True])
+async def test_a_step_out_of_memory_comes_back_split_and_a_sample_that_cannot_fit_alone_is_excluded(tmp_path, fatal):
+    """A bad batch, never a loop: 4 samples run out of memory, then 2 of them, then 1 alone (excluded, reason
+    oom); the other one of that pair trains, then the other pair. With a fatal out-of-memory (a world whose
+    ranks must restart) the child is restarted each time and the batch still comes back split, not whole."""
+    action = "oom_fatal" if fatal else "oom"
+    async with learning(tmp_path, batch=4, script={"1": action, "2": action, "3": action}) as (
+            learner, store, fake, trainer):
+        await put(store, 0, 4)
+        await until(lambda: learner.stats.samples_trained == 3)
+        await learner.stop(10)
+    assert [c["n"] for c in calls(tmp_path)] == [4, 2, 1, 1, 2]
+    assert learner.limits.snapshot() == {"max_sample_tokens": 8192, "excluded": {"oom": 1}, "oom_steps": 3,
+                                         "capped": 0}
+    assert learner.stats.failed_steps == 3 and learner.stats.steps == 2
+    assert len({c["pid"] for c in calls(tmp_path)}) == (4 if fatal else 1)
+    # Never trained, and acknowledged with the checkpoint that followed: a restart does not replay it.
+    assert store.in_flight == 0 and store.waiting == 0 and store.depth == 0
+
+
+async def test_a_sample_longer_than_max_sample_tokens_is_excluded_and_never_sent(tmp_path):
+    async with learning(tmp_path, batch=2, max_sample_tokens=8) as (learner, store, fake, trainer):
+        for i, n in enumerate([4, 6, 5, 4]):  # 7, 9 (too long), 8 and 7 tokens
+            await store.put(make_sample(i, response_length=n))
+        await until(lambda: learner.stats.samples_trained == 3)
+        await learner.stop(10)
+    assert [c["n"] for c in calls(tmp_path)] == [1, 2]  # the first batch trains without it
+    assert learner.limits.excluded == {"too_long": 1} and store.depth == 0

@@ -23,7 +23,7 @@ the step on one (tests/test_distributed_trainer.py); the suite runs both seeds o
 world's 3 processes cost 23 of the seed's 58 CPU-s. With 16 steps neither seed met MARGIN (arm
 0.30 -> 0.575 and 0.55). With torch's default threads the same seeds gave 0.85 / 0.325 and 0.875 / 0.425: the
 thread count changes float sums, and so the walk. A run is deterministic: the learner trains each
-batch in a canonical order (learner.canonical) and the control deals its permutation in one too, so
+batch in a canonical order (limits.canonical) and the control deals its permutation in one too, so
 neither follows the order concurrent scorings reached the store. Before that, the control's end point
 moved from run to run (0.30 -> 0.30 up to 0.65 over CI runs), and twice crossed the bound below; a
 different seed's walk may still land anywhere in that range. The control is not flat: a random walk of the weights

@@ -249,6 +249,33 @@ def test_layer_recompute_leaves_the_step_alike_and_keeps_a_fraction_of_the_activ
     assert list(TrainConfig(recompute="sometimes").check()) == ["recompute"]
 
 
+@pytest.mark.parametrize("where", ["trainer.step.forward", "trainer.step.after_optimizer"])
+def test_a_step_out_of_memory_is_reported_as_such_and_fatal_only_once_the_weights_moved(make, where):
+    """Running out of memory before the batch's first update leaves the trainer as it was (gradients dropped):
+    it carries on, and the next step trains. After an update (the second mini-batch's), its state has moved:
+    fatal, restarted from the checkpoint. The wire says "oom" either way, so the daemon splits the batch."""
+    from clawd import faults
+    from clawd.trainer.child import error_reply
+    from clawd.trainer.failures import OutOfMemory
+
+    trainer = make(ppo_mini_batches=2)
+    before = weights(trainer)
+    faults.arm(where, "oom", at=1)
+    try:
+        with pytest.raises(OutOfMemory, match="ran out of memory on 4 sample") as caught:
+            trainer.train_step(mixed_batch(), "combine")
+    finally:
+        faults.reset()
+    moved = where.endswith("after_optimizer")
+    assert caught.value.fatal is moved and trainer.step == 0
+    assert same(before, weights(trainer)) is not moved
+    assert all(p.grad is None for p in trainer.params)
+    reply = error_reply("b1", caught.value)
+    assert (reply["kind"], reply["retryable"], reply["fatal"]) == ("oom", False, moved)
+    if not moved:
+        assert not trainer.train_step(mixed_batch(), "combine")["skipped"] and trainer.step == 1
+
+
 def test_micro_batches_add_up_to_the_whole_batch(make):
     # The loss is normalised over the whole batch, so splitting it changes nothing but rounding.
     # (Gradients, not weights, are compared: Adam's first step is lr·sign(g), which turns rounding

@@ -3,7 +3,8 @@
 `build` is the factory they give the link (`TrainerLink(options, factory=build)`): it travels
 to the spawned child pickled by reference and runs there. `build(options)` makes a handler
 scripted per train call: `options["script"]` maps the call number (counted across restarts in
-`dir/calls.jsonl`) to "exit" (os._exit(3)), "hang", "raise" or "retryable". Its step and
+`dir/calls.jsonl`) to "exit" (os._exit(3)), "hang", "raise", "retryable", "oom" or "oom_fatal" (the
+trainer's OutOfMemory, after which the child carries on or exits). Its step and
 version come back from `dir/checkpoint.json`, as a real trainer resumes from its checkpoint.
 It logs one info and one debug line as it is built, for the child's logging set-up.
 """
@@ -60,6 +61,9 @@ class Scripted:
             time.sleep(1.5)
         if action == "raise":
             raise ValueError("scripted failure")
+        if action in ("oom", "oom_fatal"):  # the trainer's own exception (torch imported only here)
+            from clawd.trainer.failures import OutOfMemory
+            raise OutOfMemory(f"scripted out of memory on {len(samples)} sample(s)", fatal=action == "oom_fatal")
         if action == "retryable":
             raise RetryableError("scripted transient failure")
         self.step += 1

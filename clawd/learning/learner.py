@@ -37,6 +37,7 @@ from clawd.engine.client import EngineError
 from clawd.served import Policy
 from clawd.learning import controls
 from clawd.learning.journal import JournalWriteError
+from clawd.learning.limits import BatchLimits, canonical
 from clawd.learning.promotion import Promotion
 from clawd.learning.publisher import Publisher
 from clawd.learning.rollback import keep_for_inspection, sort_unacked
@@ -77,18 +78,13 @@ class LearnerStats:
     dropped_after_rollback: int = 0  # samples of rejected or rolled-back versions, never trained
 
 
-def canonical(batch: list[Sample]) -> list[Sample]:
-    """The batch in an order of its own (by tokens, then id). The order samples reached the store is a race
-    between concurrent scorings; the trainer's packing (ties by position) and its float sums would follow
-    it, and the same samples would give a step that differs in the last bits."""
-    return sorted(batch, key=lambda s: (s.tokens, s.sample_id))
-
-
 class Learner:
     def __init__(self, cfg: LearnerConfig, store: SampleStore, trainer: TrainerSupervisor, publisher: Publisher,
                  policy: Policy, state_dir, *, control_seed: int = 0, pauses: Pauses | None = None,
-                 versions: Versions | None = None, gate: PromotionGate | None = None, lora: bool = False):
+                 versions: Versions | None = None, gate: PromotionGate | None = None, lora: bool = False,
+                 max_sample_tokens: int = 8192):
         self.cfg = cfg
+        self.limits = BatchLimits(store, max_sample_tokens)  # what one step may hold: the trainer's memory
         self._control_rng = random.Random(control_seed)  # `[learner] control = "shuffle_rewards"` only
         self.store = store
         self.trainer = trainer
@@ -304,13 +300,15 @@ class Learner:
             fresh = self.store.fresh(version, cfg.max_staleness)
             waited = time.monotonic() - started
             timed_out = cfg.rollout_timeout > 0 and waited >= cfg.rollout_timeout
-            if fresh >= n or (timed_out and fresh >= cfg.min_batch_size):
+            # Samples split off a batch that ran out of memory go at once (clawd.learning.limits).
+            if fresh >= n or (timed_out and fresh >= cfg.min_batch_size) or (fresh and self.limits.capped):
                 take = min(max(fresh, n), cfg.backlog_batches * n)  # a backlog at once: batches of n would age it out
                 batch, stale = self.store.take_batch(take, current_version=version, max_staleness=cfg.max_staleness)
                 self.stats.stale_dropped += len(stale)
                 if stale:  # acked with the next checkpoint: they will never be trained
                     log.info("dropped %d stale sample(s): more than %d versions behind v%d", len(stale),
                              cfg.max_staleness, version)
+                batch = self.limits.admit(batch)  # within what the trainer's memory holds
                 if batch:
                     self.stats.waiting_since = None
                     return batch
@@ -333,6 +331,8 @@ class Learner:
                                                timeout=self.cfg.train_timeout)
         except TrainerError as exc:  # no step was kept for the batch (a fatal one restarts the trainer)
             self.stats.failed_steps += 1
+            if isinstance(exc, HandlerError) and exc.kind == "oom":  # a bad batch: split, never sent whole again
+                return self.limits.out_of_memory(batch, exc)
             log.error("training step failed, its %d samples wait for the next try: %s", len(batch), exc)
             self.store.requeue(batch)
             if not (isinstance(exc, HandlerError) and exc.fatal):
@@ -344,6 +344,7 @@ class Learner:
             self._catch_up(trained)
         self.stats.steps += 1
         self.stats.samples_trained += len(batch)
+        self.limits.trained(batch)
         self.stats.last_metrics = trained.metrics
         if self.on_step is not None:  # the monitors and the learning view: what the step measured, and of which policy
             self.on_step(self.policy.version, trained, batch)

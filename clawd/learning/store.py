@@ -212,6 +212,14 @@ class SampleStore:
             self._by_principal[s.principal] += 1
         self._changed.set()
 
+    def exclude(self, samples: list[Sample]) -> None:
+        """Taken samples that will never be trained (clawd.learning.limits: too long, or alone too big for the
+        trainer's memory): out of flight now, acked in the journal with the next `ack`, as stale drops are."""
+        self.taken_total -= len(samples)
+        for s in samples:
+            self._in_flight.pop(s.sample_id, None)
+        self._drop_unacked.extend(s.sample_id for s in samples)
+
     async def ack(self, sample_ids) -> int:
         """After the step that consumed them is checkpointed. Also acks earlier stale drops."""
         drops, self._drop_unacked = self._drop_unacked, []

@@ -335,6 +335,12 @@ def _learner(st: dict) -> Iterator[Metric]:
     yield counter("clawd_publishes_failed_total", "Publishes that failed (retried).", st["failed_publishes"])
     yield counter("clawd_trainer_writes_failed_total", "Weights or checkpoint writes of the trainer that failed; "
                   "each was retried alone, never by training again.", st["failed_writes"])
+    limits = st["limits"]
+    yield counter("clawd_train_steps_out_of_memory_total", "Steps that ran out of memory; their batch was split.",
+                  limits["oom_steps"])
+    yield labelled(CounterMetricFamily, "clawd_samples_excluded_from_training", "Samples never trained, by reason "
+                   "(too_long: over max_sample_tokens; oom: too big for the trainer's memory alone).", "reason",
+                   {reason: limits["excluded"].get(reason, 0) for reason in ("too_long", "oom")})
     last = st["last_metrics"]
     yield labelled(GaugeMetricFamily, "clawd_train_loss", "The last step's loss (total) and its parts.", "part",
                    {part: last[key] for key, part in LOSS_PARTS.items() if _number(last.get(key))})

@@ -19,7 +19,8 @@ new version) and `checkpoint()` -> (path, step). Every reply carries `state` (`s
 An exception becomes an `error` reply with a `kind`: "disk" (OSError ENOSPC/EDQUOT, from a write or
 the free-space check) and "io" (any other OSError) are retryable; "step" (an exception with a true
 `fatal` attribute: the model is in an unknown state) is not, and the process exits 1 after replying
-so that the daemon restarts it from its last checkpoint; anything else is "request", retryable when
+so that the daemon restarts it from its last checkpoint; "oom" (the step ran out of memory: the daemon
+splits the batch; fatal or not as the exception says) is not retryable; anything else is "request", retryable when
 the exception has a true `retryable` attribute (see `RetryableError`). An error reply to `train`
 means the handler kept no step for that batch.
 
@@ -70,6 +71,8 @@ def error_reply(batch_id, exc: BaseException, handler=None) -> dict:
     else:
         fatal = bool(getattr(exc, "fatal", False))
         kind, retryable = ("step", False) if fatal else ("request", bool(getattr(exc, "retryable", False)))
+        if getattr(exc, "kind", None) == "oom":  # the batch's fault: the daemon splits it, never sends it again
+            kind, retryable = "oom", False
     reply = {"type": "error", "batch_id": batch_id, "message": f"{type(exc).__name__}: {exc}",
              "retryable": retryable, "kind": kind, "fatal": fatal}
     if handler is not None:

@@ -29,7 +29,8 @@ from clawd import faults
 from clawd.config import config_from_dict
 from clawd.train_config import TrainConfig
 from clawd.samples import Sample
-from clawd.trainer.step import StepFailed, Trainer
+from clawd.trainer.failures import StepFailed
+from clawd.trainer.step import Trainer
 from clawd.weights import Ledger, ledger_path, write_failure_kind
 
 log = logging.getLogger("clawd.trainer")

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from clawd import faults, startup
 from clawd.trainer import child
 from clawd.trainer.wire import recv_message, send_message
-from clawd.trainer.world import RELAY_ENV
+from clawd.trainer.world import RELAY_ENV, out_of_memory_marker
 from clawd.lifetime import die_with_parent
 
 log = logging.getLogger("clawd.trainer")
@@ -75,13 +75,41 @@ def main(argv: list[str] | None = None) -> None:
             continue
         reply = child.handle(handler, msg)
         if conn is not None:
-            send_message(conn, reply)
+            send_message(conn, _root_cause(reply))
+        elif reply.get("kind") == "oom":  # rank 0 waits in a collective: the coordinator must say why
+            _mark_out_of_memory(reply["message"])
         if reply.get("fatal"):
             log.error("exiting to be restarted from the last checkpoint: %s", reply["message"])
             raise SystemExit(1)
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def _root_cause(reply: dict) -> dict:
+    """Rank 0's fatal reply when another local rank ran out of memory: its collective failed because that rank
+    left, so the reply says "oom" (the batch is split), not "step" (the batch would be sent whole again)."""
+    relay = os.environ.get(RELAY_ENV)
+    if not (reply.get("fatal") and reply.get("kind") != "oom" and relay):
+        return reply
+    try:
+        cause = out_of_memory_marker(relay).read_text()
+    except FileNotFoundError:
+        return reply
+    return {**reply, "kind": "oom", "retryable": False, "message": f"OutOfMemory: {cause} (rank 0: {reply['message']})"}
+
+
+def _mark_out_of_memory(message: str) -> None:
+    """Tell this host's coordinator that the world ends because this rank ran out of memory, so that the
+    daemon splits the batch instead of sending it whole to the next world (a rank on another host has no
+    such path: its world's end reads as a crash, and the batch is sent again as after one)."""
+    relay = os.environ.get(RELAY_ENV)
+    if relay:
+        try:
+            with open(out_of_memory_marker(relay), "w") as f:
+                f.write(f"rank {os.environ.get('RANK', '?')}: {message}")
+        except OSError as exc:
+            log.error("could not tell the coordinator of the out-of-memory: %s", exc)
 
 
 def _coordinator() -> Connection:

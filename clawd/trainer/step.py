@@ -17,7 +17,8 @@ the served dtype (`clawd.weights.model_dtype`). Dropout is off: the policy train
 
 Failures. An exception inside a step (after its arguments were checked) is `StepFailed`, `fatal`: the
 weights, gradients or optimizer state may be half updated, so the trainer process exits and is
-restarted from its last checkpoint. A write (publish, checkpoint) is separate from the step: it
+restarted from its last checkpoint; running out of memory is `OutOfMemory` (not fatal when alone and
+before any update of the batch). A write (publish, checkpoint) is separate from the step: it
 checks free space first (`min_free_bytes`, OSError ENOSPC when short), and a failed one changes
 nothing and may be tried again alone. A checkpoint is refused while the weights of the last step are
 unpublished: it records the version its weights were published as. Fault points:
@@ -43,20 +44,11 @@ from clawd.train_config import TrainConfig
 from clawd.samples import MODES, Sample
 from clawd.trainer import adapters, checkpoints, head, losses, recompute, sharding
 from clawd.trainer.batches import MicroBatch, micro_batch, mini_batches, pack
+from clawd.trainer.failures import OutOfMemory, StepFailed, TrainingPaused, out_of_memory
 from clawd.trainer.sharding import World
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
 
 PAUSE_AFTER_SKIPS = 3  # non-finite steps in a row before learning pauses
-
-
-class TrainingPaused(RuntimeError):
-    """train_step while learning is paused after non-finite steps; `unpause()` lifts it."""
-
-
-class StepFailed(RuntimeError):
-    """The step raised after it began changing state: the model is in an unknown state, and the trainer
-    process must be restarted from its last checkpoint."""
-    fatal = True
 
 
 class Trainer:
@@ -128,6 +120,7 @@ class Trainer:
         self.unpublished = False       # a step changed the weights since: weights_version no longer says them
         self.checkpoint_step = 0       # the step of the newest checkpoint (0: none)
         self.skipped_steps = 0
+        self.updates = 0               # optimizer steps taken by this process (an OOM before any is harmless)
         self.consecutive_skips = 0
         self.paused = False
         self.pause_reason: str | None = None
@@ -217,9 +210,18 @@ class Trainer:
             raise ValueError("train_step needs at least one sample")
         if self.paused:
             raise TrainingPaused(f"learning is paused: {self.pause_reason}")
+        updates_before = self.updates
         try:
             metrics = self._train_step(samples, mode)
         except Exception as exc:
+            if out_of_memory(exc):
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                tokens = sum(len(s.tokens) for s in samples)
+                raise OutOfMemory(f"step {self.step + 1} ran out of memory on {len(samples)} sample(s) of {tokens} "
+                                  f"tokens: {type(exc).__name__}: {exc}",
+                                  fatal=self.world is not None or self.updates != updates_before) from exc
             raise StepFailed(f"step {self.step + 1} failed: {type(exc).__name__}: {exc}") from exc
         if not metrics["skipped"]:
             self.unpublished = True
@@ -364,6 +366,7 @@ class Trainer:
                 grads = [sharding.local(p.grad) for p in self.params if p.grad is not None]
                 torch._foreach_mul_(grads, cfg.grad_clip / (gn + 1e-6))  # one launch, not one per tensor
             self.optimizer.step()
+            self.updates += 1
             faults.point("trainer.step.after_optimizer")
         self.optimizer.zero_grad(set_to_none=True)  # a skipped update leaves weights and optimizer state as they were
 

@@ -32,7 +32,9 @@ publish{version} / checkpoint{}, never by training again.
 
 Any request may instead get error{batch_id, message, retryable, kind, fatal, state} (batch_id: the
 request's, or null): kind "disk" or "io" (a write failed; retryable), "step" (fatal: the step
-raised, the child exits 1 after replying and is restarted from its checkpoint) or "request";
+raised, the child exits 1 after replying and is restarted from its checkpoint), "oom" (the step ran out
+of memory: the batch is split by the daemon, never sent again whole; `fatal` as for "step" when the
+trainer's state may have moved or other ranks were left in a collective) or "request";
 `retryable` says whether sending it again may help. An error reply to train means no step was kept.
 
 `Ready`, `Trained` and `Checkpointed` are replies as the daemon's link returns them.

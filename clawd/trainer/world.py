@@ -39,6 +39,11 @@ log = logging.getLogger("clawd.trainer")
 RELAY_ENV = "CLAWD_TRAINER_RELAY"   # the Unix socket rank 0 connects to
 
 
+def out_of_memory_marker(relay: str) -> Path:
+    """The file a local rank other than 0 writes when it ran out of memory mid-step (beside the relay)."""
+    return Path(relay).with_name("out-of-memory")
+
+
 def world_argv(train, *, node_rank: int = 0, endpoint: str = "", python: str = sys.executable) -> list[str]:
     """The torchrun line of one host of the trainer world (`train`: a TrainConfig). With an `endpoint`
     (host:port) every host meets there (static rendezvous); without one the world is this host's alone and
@@ -101,7 +106,7 @@ def coordinate(conn: Connection, options: dict) -> None:
         send_message(conn, ready)
         if ready.get("type") != "ready":
             raise SystemExit(1)
-        _relay(conn, rank0, proc)
+        _relay(conn, rank0, proc, out_of_memory_marker(path))
     finally:
         listener.close()
         _end(proc)
@@ -127,7 +132,7 @@ def _accept(listener: socket.socket, proc: subprocess.Popen, timeout: float) -> 
     raise SystemExit(1)
 
 
-def _relay(conn: Connection, rank0: Connection, proc: subprocess.Popen) -> None:
+def _relay(conn: Connection, rank0: Connection, proc: subprocess.Popen, marker: Path) -> None:
     pidfd = os.pidfd_open(proc.pid)
     try:
         while True:
@@ -149,11 +154,23 @@ def _relay(conn: Connection, rank0: Connection, proc: subprocess.Popen) -> None:
                 reply = relay_message(rank0, conn)
             except (EOFError, OSError):
                 log.error("trainer world: rank 0 went away during %r (torchrun: %s)", msg.get("type"), proc.poll())
+                _report_out_of_memory(conn, msg, marker)
                 raise SystemExit(1)
             if reply.get("fatal"):
                 raise SystemExit(1)  # every rank exits after a fatal step; the daemon starts a new world
     finally:
         os.close(pidfd)
+
+
+def _report_out_of_memory(conn: Connection, msg: dict, marker: Path) -> None:
+    """The world ended mid-request because a rank other than 0 ran out of memory (its marker says so): the
+    daemon gets the error reply rank 0 could not send, kind "oom", so it splits the batch."""
+    try:
+        text = marker.read_text()
+    except FileNotFoundError:
+        return
+    send_message(conn, {"type": "error", "batch_id": msg.get("batch_id"), "message": f"OutOfMemory: {text}",
+                        "retryable": False, "kind": "oom", "fatal": True})
 
 
 def _end(proc: subprocess.Popen) -> None:
