@@ -495,6 +495,10 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
     if problem := devices.placement_problem(cfg):  # across sections: which role runs on which GPU
         key, text = problem
         raise ConfigError(f"{source}: {key}: {text}")
+    dp = devices.flag_value(cfg.engine.sglang_args, "--dp-size", "--data-parallel-size", "--dp") or "1"
+    if cfg.train.lora and dp.isdigit() and int(dp) > 1:
+        raise ConfigError(f"{source}: engine.sglang_args: --dp-size above 1 with train.lora_rank > 0: SGLang loads "
+                          "no adapter on data-parallel replicas; use [engine] replicas = N instead")
     if cfg.reference_engine_needed and cfg.engine.reference_url in cfg.engine.policy_urls:
         raise ConfigError(f"{source}: engine.reference_url: {cfg.engine.reference_url} is a policy replica's URL "
                           f"(replicas take url's port and the next ones)")

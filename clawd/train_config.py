@@ -17,6 +17,11 @@ from clawd.checks import is_int, is_number
 AGGREGATIONS = ("sample_mean", "token_mean", "token_sum")  # how the loss averages a batch (losses.aggregate)
 # Every attention and MLP projection of Llama/Qwen-style models: adapters on the MLP matter most.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# What SGLang 0.5.23 takes for --lora-target-modules (srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES; argparse
+# refuses any other name and the engine never starts). Its "all" is left out: the trainer needs the names.
+SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
+                       "kv_b_proj", "wq_b", "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                       "gate_up_proj", "embed_tokens", "lm_head", "qkvr", "wo_ud")
 # SGLang's adapters per batch: the base (judge, teacher), the new adapter, and one or two older ones that
 # requests started before a publish still use.
 LORA_PER_BATCH = 4
@@ -87,8 +92,9 @@ class TrainConfig:
         () for a full fine-tune."""
         if not self.lora:
             return ()
-        return ("--enable-lora", "--max-lora-rank", str(self.lora_rank),
-                "--lora-target-modules", *self.lora_target_modules, "--max-loras-per-batch", str(LORA_PER_BATCH))
+        # Strict: an adapter whose weights miss the targets is refused, not served with those weights as zeros.
+        return ("--enable-lora", "--max-lora-rank", str(self.lora_rank), "--lora-target-modules",
+                *self.lora_target_modules, "--max-loras-per-batch", str(LORA_PER_BATCH), "--lora-strict-loading")
 
     @property
     def world_size(self) -> int:
@@ -159,6 +165,9 @@ class TrainConfig:
             errors["lora_target_modules"] = "must be a non-empty list of module names such as \"q_proj\""
         elif len(set(targets)) != len(targets):
             errors["lora_target_modules"] = "names a module twice"
+        elif unknown := [t for t in targets if t not in SGLANG_LORA_TARGETS]:
+            errors["lora_target_modules"] = (f"{', '.join(unknown)}: not a module SGLang serves adapters on "
+                                             f"(it takes {', '.join(SGLANG_LORA_TARGETS)})")
         return errors
 
     def _world_problems(self) -> dict[str, str]:

@@ -21,7 +21,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from clawd.engine.local.adapters import ALL_TARGETS, Adapters
+from clawd.engine.local.adapters import ALL_TARGETS, Adapters, unmatched_weights
 from clawd.engine.local.scheduler import Engine
 from clawd.engine.local.server import parse_args
 from tests.local_engine import running
@@ -214,6 +214,34 @@ async def test_an_adapter_request_joins_a_running_base_batch(tiny_model, lora_di
     last = json.loads(events[-3][len("data: "):])
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 250}
     check_row(last, refs[None], PROMPTS[0])
+
+
+def test_weights_outside_the_targets_are_found_by_name_as_sglang_matches_them():
+    names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+             "base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight",
+             "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"]
+    assert unmatched_weights(names, frozenset({"q_proj", "down_proj"})) == [names[1]]
+    assert unmatched_weights(names, frozenset({"proj"})) == []  # a substring match, as SGLang's
+    assert unmatched_weights([], frozenset()) == []
+
+
+async def test_strict_loading_refuses_an_adapter_with_weights_outside_the_targets(tiny_model, tmp_path):
+    """clawd launches engines with --lora-strict-loading: an adapter whose file holds weights of modules the
+    engine does not serve adapters on (its config naming only served ones) is refused, not served without
+    them. Without the flag it loads, the extra weights skipped with a warning (SGLang's default)."""
+    extra = build_adapter(tiny_model, tmp_path / "extra", 4, ["q_proj", "v_proj", "o_proj"])
+    config = json.loads((extra / "adapter_config.json").read_text())
+    (extra / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "v_proj"]}))
+    request = {"lora_name": "x", "lora_path": str(extra)}
+    async with serve(tiny_model, "--lora-target-modules", "q_proj", "v_proj", "--lora-strict-loading") as (
+            engine, client):
+        status, out = await client.post("/load_lora_adapter", request)
+        assert (status, out["success"], out["loaded_adapters"]) == (400, False, {}), out
+        assert "did not match any target module" in out["error_message"] and "o_proj" in out["error_message"]
+        assert engine.adapters.peft is None
+    async with serve(tiny_model, "--lora-target-modules", "q_proj", "v_proj") as (engine, client):
+        status, out = await client.post("/load_lora_adapter", request)
+        assert status == 200 and out["success"], out
 
 
 async def test_failed_loads_leave_the_model_as_it_was(tiny_model, lora_dirs, refs, tmp_path):

@@ -159,10 +159,23 @@ def test_plan_in_lora_mode_serves_adapters_on_the_policy_engine_and_starts_no_re
     processes = {p["role"]: p for p in json.loads(done.stdout)["processes"]}
     assert list(processes) == ["policy", "trainer"]  # the judge and the teacher use the policy's base
     argv = processes["policy"]["argv"]
-    lora = argv[argv.index("--enable-lora"):argv.index("--max-loras-per-batch") + 2]
+    lora = argv[argv.index("--enable-lora"):argv.index("--max-loras-per-batch") + 3]
     assert lora == ["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj",
-                    "--max-loras-per-batch", "4"]
+                    "--max-loras-per-batch", "4", "--lora-strict-loading"]
     assert argv[argv.index("--model-path") + 1] == raw["model"]["path"]  # the base, adapters beside it
     raw["engine"]["sglang_args"] = ["--max-lora-rank", "8"]
     refused = _plan(tmp_path, raw, "--check-config")
     assert refused.returncode != 0 and "must not hold --max-lora-rank" in refused.stderr
+
+
+def test_lora_refuses_data_parallel_replicas_and_modules_sglang_does_not_serve_adapters_on():
+    """SGLang 0.5.23 asserts dp_size == 1 when it loads an adapter (an HTTP 500 at every publish) and its
+    argparse refuses a target module outside its list (the engine never starts): both are refused at start."""
+    with pytest.raises(ConfigError, match="--dp-size above 1 with train.lora_rank > 0.*replicas = N"):
+        config_from_dict({"train": {"lora_rank": 8}, "engine": {"sglang_args": ["--dp-size=2"]}})
+    config_from_dict({"train": {"lora_rank": 8}, "engine": {"sglang_args": ["--tp-size", "2"]}})
+    config_from_dict({"engine": {"sglang_args": ["--dp-size", "2"]}})  # a full fine-tune publishes from disk
+    with pytest.raises(ConfigError, match="train.lora_target_modules: attn: not a module SGLang serves"):
+        config_from_dict({"train": {"lora_rank": 8, "lora_target_modules": ["q_proj", "attn"]}})
+    with pytest.raises(ConfigError, match="all: not a module"):  # the trainer needs the names
+        config_from_dict({"train": {"lora_rank": 8, "lora_target_modules": ["all"]}})

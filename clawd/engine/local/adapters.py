@@ -3,7 +3,8 @@
 SGLang's behaviour (docs/ARCHITECTURE.md §10; entrypoints/http_server.py, managers/io_struct.py,
 lora/lora_registry.py, lora/lora_manager.py, arg_groups/lora_hook.py):
 - flags `--enable-lora --max-lora-rank R --lora-target-modules m1 m2 ... | all
-  --max-loras-per-batch N` (default 8). Without `--lora-paths` (which this engine does not take)
+  --max-loras-per-batch N` (default 8) `--lora-strict-loading` (off by default: weights outside the
+  targets are skipped with a warning; on: the adapter is refused). Without `--lora-paths` (which this engine does not take)
   the rank and the targets are required;
 - `/load_lora_adapter {lora_name, lora_path, pinned?}` registers a PEFT adapter directory
   under a name; a name already loaded, a rank above the limit or modules outside the targets
@@ -21,6 +22,7 @@ LoRA layers out again, so a base-only engine runs the plain model.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import importlib.util
@@ -49,6 +51,8 @@ def add_flags(ap) -> None:
                     help="modules adapters may change (e.g. q_proj v_proj), or `all`")
     ap.add_argument("--max-loras-per-batch", type=int, default=DEFAULT_PER_BATCH,
                     help="kinds of rows (adapters, the base counting as one) in one batch")
+    ap.add_argument("--lora-strict-loading", action=argparse.BooleanOptionalAction, default=False,
+                    help="refuse an adapter with weights outside the target modules (else: a warning)")
 
 
 def check_flags(ap, args) -> None:
@@ -92,6 +96,31 @@ def check_adapter_config(name: str, config: dict, max_rank: int, targets: frozen
         raise AdapterError(incompatible(name, rank))
 
 
+def unmatched_weights(names, targets: frozenset[str]) -> list[str]:
+    """Adapter weight names that belong to no target module: SGLang 0.5.23 matches each name against the
+    targets by substring (lora/utils.py get_target_module_name) and skips, or with `--lora-strict-loading`
+    refuses, the rest (lora/mem_pool.py). Pure."""
+    return sorted(n for n in names if not any(t in n for t in targets))
+
+
+def strict_weights(name: str, path: str, targets: frozenset[str], strict: bool) -> None:
+    """SGLang's `--lora-strict-loading`, at load time here (SGLang checks as it first batches the adapter):
+    weights that match no target module refuse the adapter when strict, else are logged as skipped."""
+    file = Path(path) / "adapter_model.safetensors"
+    if not file.is_file():
+        return  # a .bin adapter: PEFT reads it; its names are not listed without loading it
+    from safetensors import safe_open
+    with safe_open(str(file), framework="pt") as f:
+        skipped = unmatched_weights(f.keys(), targets)
+    if not skipped:
+        return
+    message = (f"LoRA adapter '{name}': {len(skipped)} weight(s) skipped because they did not match any target "
+               f"module in {sorted(targets)}. Skipped weights: {skipped[:8]}")
+    if strict:
+        raise AdapterError(f"Failed to load LoRA adapter {name}: {message}")
+    log.warning("%s", message)
+
+
 def read_adapter_config(name: str, path: str) -> dict:
     try:
         config = json.loads((Path(path) / "adapter_config.json").read_text(encoding="utf-8"))
@@ -113,6 +142,7 @@ class Adapters:
         self.enabled = bool(getattr(args, "enable_lora", False))
         self.max_rank = getattr(args, "max_lora_rank", None) or 0
         self.targets = frozenset(getattr(args, "lora_target_modules", None) or ())
+        self.strict = bool(getattr(args, "lora_strict_loading", False))
         self.per_batch = getattr(args, "max_loras_per_batch", DEFAULT_PER_BATCH)
         self.registered: dict[str, str] = {}  # name -> path: what requests may name, in load order
         self.present: dict[str, str] = {}  # name -> path: in the model (registered, or unloading)
@@ -221,6 +251,7 @@ class Adapters:
             if name in self.present:
                 raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
             check_adapter_config(name, read_adapter_config(name, path), self.max_rank, self.targets)
+            strict_weights(name, path, self.targets, self.strict)
             async with self.stepping:
                 try:
                     self.peft = self._attach(model, name, path)
