@@ -50,6 +50,7 @@ from pathlib import Path
 
 from clawd.config import Config
 from clawd.served import Policy
+from clawd.engine.output import EngineOutput
 from clawd.engine.client import (NEUTRAL_SAMPLING, EngineClient, EngineError, EngineUnavailable,
                                  EngineUnresponsive)
 from clawd.engine.launch import engine_launch, keys_file_path, replica_name, write_keys_file
@@ -104,6 +105,8 @@ class EngineSupervisor:
         self.adapter_version: str | None = None  # LoRA mode: the version whose adapter it was confirmed to hold
         self.input_limit: int | None = None  # prompts of this many tokens or more are refused (max_req_input_len)
         self._proc: subprocess.Popen | None = None
+        self._output: EngineOutput | None = None  # the current process's output pump
+        self._dropped_before = 0  # lines earlier processes' pumps dropped
         self._sock: socket.socket | None = None
         self._stopping = False
         self._killed_hung = False  # the running child was killed as hung
@@ -180,8 +183,12 @@ class EngineSupervisor:
                  f" on GPU(s) {','.join(map(str, launch.devices))}" if launch.devices else "", " ".join(launch.argv))
         fds = (self._sock.fileno(),) if self._sock is not None else ()
         # Its own process group, so a hung engine goes with its helpers (SGLang's scheduler processes).
+        # Its output reaches clawd's log through a pipe, secrets taken out (SGLang logs its keys as it starts).
         self._proc = subprocess.Popen(launch.argv, pass_fds=fds, preexec_fn=_die_with_parent, process_group=0,
-                                      env=launch.environ(dict(os.environ)), stdin=subprocess.DEVNULL)
+                                      env=launch.environ(dict(os.environ)), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._dropped_before = self.output_dropped
+        self._output = EngineOutput().start(self._proc.stdout)
         self._killed_hung = False
         self.needs_realign = False  # a new process, started on the policy's weights
         self._startup = launch.startup_timeout
@@ -205,6 +212,11 @@ class EngineSupervisor:
                 self._proc.wait()
             self._set(EngineState.STOPPED if self._stopping else
                       EngineState.HUNG if self._killed_hung else EngineState.DOWN)
+
+    @property
+    def output_dropped(self) -> int:
+        """Lines of the engine's output dropped because clawd's log fell behind (the engine never waits)."""
+        return self._dropped_before + (self._output.dropped if self._output is not None else 0)
 
     def _kill_group(self) -> None:
         """SIGKILL the child's process group; only while the child is unreaped, so its pid is still ours."""

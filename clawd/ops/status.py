@@ -128,6 +128,7 @@ class Status:
                                                      "limits": learner.limits.snapshot()},
             "engines": {s.name: {"state": s.state.value, "ready": s.is_ready, "pid": s.pid, "restarts": s.restarts,
                                  "hangs": s.hangs, "hang_reason": s.hang_reason, "url": s.client.url,
+                                 "output_dropped": s.output_dropped,
                                  "input_limit": s.input_limit} for s in self.supervisors},
             # The policy replicas as the router sees them (clawd.engine.replicas).
             "replicas": self.chat.replicas.snapshot(self.chat.sessions.homed(len(self.chat.replicas))),
