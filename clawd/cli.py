@@ -35,8 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"clawd: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    from clawd.ops.plan import memory_plan
+    try:
+        memory = memory_plan(cfg)  # the trainer's bytes per rank, from the base model's config.json
+    except (OSError, ValueError) as exc:  # no model yet: the daemon says what is missing (`make model`)
+        if args.check_config or args.plan:
+            print(f"clawd: the trainer's memory is not planned: the base model's config.json: {exc!r}",
+                  file=sys.stderr)
+        memory = None
+    if memory is not None and memory[1] is not None:
+        print(f"clawd: {args.config}: train: {memory[1]}\nclawd: {memory[0]}", file=sys.stderr)
+        return EXIT_CONFIG
     if args.check_config:
-        print(f"clawd: {args.config} is valid")
+        print(f"clawd: {args.config} is valid" + (f"\nclawd: {memory[0]}" if memory else ""))
         return 0
     if args.plan:
         from clawd.ops.plan import plan_json, plan_text

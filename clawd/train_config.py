@@ -27,7 +27,13 @@ SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a
 LORA_PER_BATCH = 4
 
 
-RECOMPUTE = ("auto", "on", "off")  # clawd.trainer.recompute.wanted
+RECOMPUTE = ("auto", "on", "off")
+
+
+def recompute_on(mode: str, device_type: str) -> bool:
+    """`recompute`: "auto" is on where memory is short (CUDA) and off on CPU, where host memory is ample and
+    compute is not."""
+    return mode == "on" or (mode == "auto" and device_type == "cuda")
 
 MAX_OPD_TOP_K = 64  # the engine returns k [log-prob, id, text] triples a token: beyond a few dozen, mostly noise
 
@@ -64,6 +70,7 @@ class TrainConfig:
     device: str = "cpu"                  # "cuda" when gpus is set and device is not written
     gpus: str = ""                       # the trainer process's CUDA_VISIBLE_DEVICES
     memory_fraction: float = 0.0         # share of each GPU the trainer may take; 0 = all of it
+    gpu_memory_gib: float = 0.0          # one trainer GPU's memory, for the memory plan's check; 0 = unchecked
     seed: int = 0
     nproc_per_node: int = 0              # trainer ranks on this host; 0 = one per GPU of gpus, or 1
     nnodes: int = 1                      # hosts in the trainer world (the others run clawd-trainer@N)
@@ -145,6 +152,7 @@ class TrainConfig:
         if problem := devices.set_problem(self.gpus):
             errors["gpus"] = problem
         number("memory_fraction", lambda x: 0 <= x <= 1, "in [0, 1] (0 = the whole device)")
+        number("gpu_memory_gib", lambda x: x >= 0, ">= 0 (0 = unchecked)")
         if not (is_int(self.seed) and 0 <= self.seed < 2**32):  # numpy's seed range
             errors["seed"] = "must be an integer in 0..2**32 - 1"
         errors |= self._world_problems()

@@ -2,7 +2,8 @@
 
 Built by the same functions that start them (`clawd.engine.launch.engine_launch`,
 `clawd.trainer.link.trainer_launch`, `world_launches`), so the plan is what runs. It needs neither SGLang nor a GPU,
-only the configuration and the base model's config.json (for the dtype). No secret appears in it:
+only the configuration and the base model's config.json (for the dtype, and the trainer's memory plan:
+`clawd.trainer.memory`). No secret appears in it:
 engine keys travel in a file only clawd can read, and `env` lists what clawd sets (a value) or
 removes (null), never what it inherits.
 """
@@ -15,7 +16,9 @@ from pathlib import Path
 from clawd.config import Config
 from clawd.devices import Launch
 from clawd.engine.launch import engine_launch, keys_file_path
+from clawd.train_config import recompute_on
 from clawd.trainer.link import trainer_launch
+from clawd.trainer.memory import MemoryPlan, Shape, describe, plan, problem
 from clawd.trainer.world import world_launches
 from clawd.weights import restored_weights
 
@@ -41,7 +44,9 @@ def launches(cfg: Config) -> list[Launch]:
 
 
 def plan_json(cfg: Config) -> str:
-    return json.dumps({"processes": [launch.as_json() for launch in launches(cfg)]}, indent=2)
+    memory = memory_json(cfg)
+    return json.dumps({"processes": [launch.as_json() for launch in launches(cfg)],
+                       **({"trainer_memory": memory} if memory else {})}, indent=2)
 
 
 def plan_text(cfg: Config) -> str:
@@ -56,4 +61,35 @@ def plan_text(cfg: Config) -> str:
     if cfg.engine.launch == "none":
         lines.append(f"\nengines: none (clawd uses the ones at {', '.join(cfg.engine.policy_urls)} and "
                      f"{cfg.engine.reference_url})")
+    if memory := memory_plan(cfg):
+        lines.append(f"\n{memory[0]}")
     return "\n".join(lines)
+
+
+def _memory(cfg: Config) -> MemoryPlan | None:
+    """The trainer's memory plan; None without a learner or for a config.json it cannot read a decoder's
+    shape from. Reads the base model's config.json (OSError, ValueError when it cannot)."""
+    if not cfg.learner.enabled:
+        return None
+    train = cfg.train
+    config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
+    try:
+        shape = Shape.from_config(config)
+    except (KeyError, TypeError, ValueError):  # not a decoder's config this plan knows: nothing to plan
+        return None
+    cuda = train.device.startswith("cuda")
+    return plan(shape, train, cuda, recompute_on(train.recompute, "cuda" if cuda else "cpu"))
+
+
+def memory_plan(cfg: Config) -> tuple[str, str | None] | None:
+    """The plan as a line, and why it cannot fit the stated GPU (None when it can, or on CPU)."""
+    memory = _memory(cfg)
+    if memory is None:
+        return None
+    cuda = cfg.train.device.startswith("cuda")
+    return describe(memory), problem(memory, cfg.train.gpu_memory_gib, cfg.train.memory_fraction) if cuda else None
+
+
+def memory_json(cfg: Config) -> dict | None:
+    memory = _memory(cfg)
+    return None if memory is None else memory.as_json()

@@ -21,10 +21,11 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from clawd.train_config import recompute_on
+
 def wanted(mode: str, device: torch.device) -> bool:
-    """`[train] recompute`: "auto" is on where memory is short (CUDA) and off on CPU, where host memory is
-    ample and compute is not."""
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
+    """`[train] recompute` on this device (`train_config.recompute_on`)."""
+    return recompute_on(mode, device.type)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
