@@ -12,6 +12,8 @@ import urllib.request
 import openai
 import pytest
 
+from clawd.safety.versions import RETIRED, SERVING, Version, Versions
+
 from .harness import Daemon
 from .test_clawctl import clawctl, settle, thanked_conversation
 
@@ -35,6 +37,10 @@ def test_consent_pii_export_forget_and_private_modes(tiny_model, tmp_path):
     state = tmp_path / "state"
     (state / "records").mkdir(parents=True)
     (state / "records" / "left-open.txt").write_text("from an earlier run")
+    # A history from an earlier run: v1 trained on carol's samples, v2 trained from it and serving.
+    history = Versions(state / "versions.jsonl")
+    history.add(Version(1, None, 1.0, RETIRED, steps=(1,), samples=2, principals={"carol": 2}))
+    history.add(Version(2, 1, 2.0, SERVING, steps=(2,), samples=2, principals={"bob": 2}))
     os.chmod(state / "records" / "left-open.txt", 0o666)
     os.chmod(state, 0o755)
     old = os.umask(0o022)  # what clawd was started with must not matter
@@ -86,6 +92,9 @@ def test_consent_pii_export_forget_and_private_modes(tiny_model, tmp_path):
         assert "forgot principal 'alice'" in done.stdout and "no version was trained" in done.stdout
         forgotten = json.loads(clawctl(daemon, "forget", "alice", "--json").stdout)  # again: nothing left
         assert all(n == 0 for n in forgotten["removed"].values())
+        # Someone whose samples trained an ancestor of the version serving: the report says so.
+        carol = json.loads(clawctl(daemon, "forget", "carol", "--json").stdout)
+        assert carol["versions_trained_on"] == [1] and carol["serving"] is True
         assert settle(daemon, samples=2)["queue"]["waiting"] == 2  # bob's and ghost's samples wait on
         held = state_bytes(state)
         assert b'"principal":"alice"' not in held and b"Tell me about otters" not in held

@@ -118,7 +118,7 @@ class Holdings:
         serving = max((v.version for v in self.versions if v.status == "serving"), default=None)
         if serving is None:
             return False
-        return bool(set(trained_on) & {v.version for v in self.versions.lineage(serving)})
+        return bool(set(trained_on) & set(self.versions.lineage(serving)))
 
     def _rejected(self, principal: str):
         for path in sorted((Path(self.state_dir) / "rejected").glob("*.samples.jsonl")):
