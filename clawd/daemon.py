@@ -218,8 +218,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                            adapters=adapters)
 
         # The monitors' verdicts on the version serving: alarm, halt learning, or roll back (clawd.safety.watch).
-        watcher = None if monitors is None else Watch(
-            monitors, versions, policy, pauses, state_dir,
+        watcher = None if monitors is None else Watch(monitors, versions, policy, pauses, state_dir,
             None if learner is None else lambda target, reason: learner.rollback(target, reason=reason),
             interval=cfg.monitors.interval)
 
@@ -294,6 +293,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                 log.info("stopping: draining requests for up to %.0fs", cfg.server.drain_timeout)
                 announce.cancel()
                 gate.close()
+                for child in filter(None, [trainer, *engines]):  # one that dies now stays down: we are leaving
+                    child.hold_restarts()
                 await runner.cleanup()  # stops listening, waits for in-flight handlers
                 for finished in sessions.close_all(time.time(), SHUTDOWN):
                     to_scoring(finished)
@@ -344,9 +345,8 @@ async def _cut_short(draining: asyncio.Task, trainer: TrainerSupervisor | None, 
     # reply with 502); the drain then goes on by itself.
     await asyncio.wait([draining], timeout=_FORCED_STOP_GRACE)
     if not draining.done() and runner.server is not None:
-        # Still open: requests that wait on their client (a reply it does not read). Cut
-        # their connections; aiohttp ends their handlers as for a client that hung up. Cancelling its
-        # shutdown while a handler still runs would instead make it log an InvalidStateError traceback.
+        # Still open: requests waiting on a client that does not read its reply. Cut their connections (aiohttp
+        # ends their handlers as for a hang-up); cancelling its shutdown then would log an InvalidStateError.
         for connection in runner.server.connections:
             connection.force_close()
         await asyncio.wait([draining], timeout=_FORCED_STOP_GRACE)

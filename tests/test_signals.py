@@ -1,6 +1,7 @@
 """Signals (docs/ARCHITECTURE.md §8): SIGTERM drains and exits 0 with nothing lost; a second SIGTERM exits promptly."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -265,4 +266,31 @@ def test_a_request_still_sending_its_body_at_sigterm_is_turned_away_and_does_not
     assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 5" in head, answer
     assert b'"code": "shutting_down"' in body or b'"code":"shutting_down"' in body, body
     assert took < 10
+    _assert_exited_cleanly(daemon, code)
+
+
+@pytest.mark.slow
+def test_nothing_is_restarted_while_the_daemon_drains(tiny_model, tmp_path):
+    """A child that dies during the drain stays down: the trainer (learner on) and then the policy engine are
+    SIGKILLed while a long stream holds the drain open; neither is restarted, and the daemon exits 0."""
+    daemon = Daemon(tmp_path, _learning(tiny_model, server={"drain_timeout": 120.0}, model={"max_tokens_cap": 2000}))
+    long = LongStream(daemon.url + "/v1", max_tokens=1900)
+    try:
+        daemon.wait_for(r"trainer \d+ ready", 120)
+        long.start()
+        assert long.started.wait(60) and long.error is None, long.error
+        debug = daemon.get("/debug/process")[1]
+        trainer, engine = debug["trainer"]["pid"], debug["engines"]["policy"]["pid"]
+        daemon.proc.send_signal(signal.SIGTERM)
+        daemon.wait_for(r"stopping: draining", 10)
+        os.kill(trainer, signal.SIGKILL)
+        daemon.wait_for(r"trainer down \(exit code -9\) while clawd drains: not restarted", 20)
+        os.kill(engine, signal.SIGKILL)  # the stream ends with an error event; nothing else holds the drain
+        daemon.wait_for(r"policy engine exited with -9 while clawd drains: not restarted", 20)
+        code = daemon.proc.wait(30)
+    finally:
+        _reap(daemon)
+        long.join(30)
+    daemon._reader.join(5)
+    assert not [line for line in daemon.lines if "restarting in" in line or "restarting the hung" in line]
     _assert_exited_cleanly(daemon, code)

@@ -109,6 +109,7 @@ class EngineSupervisor:
         self._dropped_before = 0  # lines earlier processes' pumps dropped
         self._sock: socket.socket | None = None
         self._stopping = False
+        self._held = False  # hold_restarts: the daemon drains
         self._killed_hung = False  # the running child was killed as hung
 
     @property
@@ -162,6 +163,9 @@ class EngineSupervisor:
             started = time.monotonic()
             code = await self._run_child_once()
             if self._stopping:
+                break
+            if self._held:
+                log.warning("%s engine exited with %s while clawd drains: not restarted", self.name, code)
                 break
             self.restarts += 1
             # A child that ran a good while earns a fresh backoff.
@@ -430,6 +434,11 @@ class EngineSupervisor:
             self.ready.set()
         else:
             self.ready.clear()
+
+    def hold_restarts(self) -> None:
+        """The daemon drains: an engine that exits from now on stays down (it would come up to a daemon that is
+        leaving); the one running keeps serving the requests in flight."""
+        self._held = True
 
     def kill(self) -> None:
         """At once, for a forced stop: no restart."""

@@ -372,6 +372,7 @@ class TrainerSupervisor:
         self._stop = asyncio.Event()
         self._finished = asyncio.Event()
         self._running = False
+        self._held = False  # hold_restarts: the daemon drains
 
     @property
     def alive(self) -> bool:
@@ -418,6 +419,11 @@ class TrainerSupervisor:
                     self._ready.set()
                     await link.wait_closed()
                 if self._stop.is_set():
+                    break
+                if self._held:  # the daemon drains: callers waiting for a child give up, as at a stop
+                    log.warning("trainer down (exit code %s) while clawd drains: not restarted", link.exitcode)
+                    self._stop.set()
+                    self._ready.set()
                     break
                 self.restarts += 1
                 if time.monotonic() - started > _BACKOFF_RESET:
@@ -486,6 +492,11 @@ class TrainerSupervisor:
             await self.link.stop(timeout)
         if self._running:
             await self._finished.wait()
+
+    def hold_restarts(self) -> None:
+        """The daemon drains: a child that exits from now on is not restarted (the one running finishes its step
+        and checkpoints as `stop` asks)."""
+        self._held = True
 
     def kill(self) -> None:
         """At once, for a forced stop: no checkpoint, no restart."""
