@@ -1,5 +1,7 @@
 """clawd's real Trainer on a GPU: training throughput and MFU on a Qwen2.5-0.5B-shaped model, then one
-publish in the base model's dtype (bf16) and one checkpoint.
+publish in the base model's dtype (bf16) and one checkpoint. `--shape 4b --recompute on` runs a 4B-shaped
+model with layer recompute instead, and every run records the memory plan (clawd.trainer.memory) beside
+the peak it measured.
 
     python3 bench/gpu.py            # CUDA only (refuses to run without it); minutes on an H200, bounded by --time-budget
     python3 bench/gpu.py --smoke    # the same code path on CPU with a tiny shape, in seconds
@@ -60,6 +62,10 @@ SHAPES = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                          max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    # A 4B model's shape (Qwen3-4B's sizes) on Qwen2's architecture: what recompute and the memory plan are for.
+    "4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+               max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
     "smoke": dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                   max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
@@ -153,7 +159,7 @@ def chunk_check(trainer, samples) -> dict:
 
     mb = trainer._micro_batches(samples)[0]
     with torch.no_grad():
-        lp, ent, _ = trainer._forward(trainer.scorer, mb, mb.temperature)
+        lp, ent, _, _ = trainer._forward(trainer.scorer, mb, mb.temperature)
         with trainer._autocast():
             hidden = trainer.model.get_decoder()(input_ids=mb.input_ids, use_cache=False).last_hidden_state
             hidden = hidden.gather(1, mb.positions[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -240,6 +246,7 @@ def publish_and_checkpoint(trainer, checkpoint: bool) -> dict:
 def run(args, result: dict) -> None:
     import torch
     from clawd.config import TrainConfig
+    from clawd.trainer import memory, recompute
     from clawd.trainer.step import Trainer
 
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -251,7 +258,7 @@ def run(args, result: dict) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         cfg = TrainConfig(device=device.type, micro_batch_tokens=args.micro_batch_tokens, lr=1e-6, seed=args.seed,
-                          memory_fraction=args.memory_fraction)
+                          memory_fraction=args.memory_fraction, recompute=args.recompute)
         trainer = Trainer(work / "base", work / "state", cfg)
         if args.head_chunk_tokens:
             trainer.head_chunk_tokens = args.head_chunk_tokens
@@ -302,6 +309,10 @@ def run(args, result: dict) -> None:
             seconds, m = train_step(trainer, samples, args.mode)
             timed.append(seconds)
             print(f"  step {i + 1}/{steps}: {seconds:.3f} s, loss {m['loss']:.4f}", flush=True)
+        # What the memory plan (bin/clawd --check-config) says this run needs, beside what it took.
+        result["memory_plan"] = memory.plan(memory.Shape.from_config(json.loads((work / "base" / "config.json")
+                                            .read_text())), trainer.cfg, device.type == "cuda",
+                                            recompute.wanted(trainer.cfg.recompute, device)).as_json()
         if device.type == "cuda":
             result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
             result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
@@ -377,7 +388,9 @@ def summary(r: dict) -> str:
             f"{r['mfu_needed_flops']:.1%} counting the head at response positions only, "
             f"{r['mfu_with_attention']:.1%} with attention's L² term",
             f"peak memory: {r['peak_memory_bytes'] / gib:.1f} GiB"
-            + (f" ({r['peak_reserved_bytes'] / gib:.1f} GiB reserved)" if "peak_reserved_bytes" in r else "")]
+            + (f" ({r['peak_reserved_bytes'] / gib:.1f} GiB reserved)" if "peak_reserved_bytes" in r else "")
+            + (f"; the memory plan said {r['memory_plan']['total'] / gib:.1f} GiB (recompute "
+               f"{'on' if r['memory_plan']['recompute'] else 'off'})" if "memory_plan" in r else "")]
     if "publish" in r:
         p = r["publish"]
         lines.append(f"publish: {p['dtype']}, {p['bytes'] / 1e6:,.1f} MB in {p['seconds']:.2f} s "
@@ -412,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up one")
     p.add_argument("--mode", choices=("rl", "opd", "combine"), default="combine")
     p.add_argument("--memory-fraction", type=float, default=0.0, help="TrainConfig.memory_fraction")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="the model's shape (default qwen2.5-0.5b; smoke with --smoke); 4b with --recompute on "
+                        "is the 4B-shaped run the memory plan is checked against")
+    p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto", help="TrainConfig.recompute")
     p.add_argument("--time-budget", type=float, default=420.0,
                    help="seconds the whole run should take at most: fewer timed steps when slow")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step")
