@@ -32,6 +32,7 @@ ADMIN_OPTIONAL = frozenset({
     "/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
     "/load_lora_adapter", "/unload_lora_adapter", "/release_memory_occupation",
     "/resume_memory_occupation", "/update_weight_version", "/get_weights_by_name", "/set_internal_state",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
 })
 KEY_OPTIONS = ("api_key", "admin_api_key")  # only ever from the --config file
 CONFIG_SUFFIXES = (".yaml", ".yml")

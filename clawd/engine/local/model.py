@@ -45,6 +45,20 @@ def load_model(path: str, like=None):
     return model
 
 
+def copy_in(model, tensors: dict):
+    """Named tensors received over a weight-update group copied into `model`'s own (converted to its dtype, as
+    SGLang's load_weights does); every name must be one of the model's, with its shape. Returns the model."""
+    own = model.state_dict()  # tied weights appear under both names, one storage
+    wrong = sorted(n for n, t in tensors.items() if n not in own or tuple(own[n].shape) != tuple(t.shape))
+    if wrong:
+        raise WeightLoadError(f"{len(wrong)} received tensors match no tensor of the served model by name and "
+                              f"shape, e.g. {wrong[0]}")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            own[name].copy_(t)
+    return model
+
+
 @dataclass
 class Batch:
     """Sequences decoding together: left-padded rows sharing one KV cache."""

@@ -30,7 +30,8 @@ import torch
 from clawd import faults
 from clawd.engine.local.adapters import Adapters
 from clawd.engine.local.compute import Compute, Progress
-from clawd.engine.local.model import Batch, WeightLoadError, load_model
+from clawd.engine.local.model import Batch, WeightLoadError, copy_in, load_model
+from clawd.engine.local.weight_sync import WeightSync
 from clawd.engine.local.sampling import next_token_row, pick_token, prompt_logprobs, prompt_rows
 from clawd.engine.local.sequences import Cursor, Group, Req
 from clawd.engine.local.wire import GenerateItem, RequestError, SamplingParams, fit_to_context
@@ -67,6 +68,7 @@ class Engine:
         self.parked = asyncio.Event()  # the loop is waiting at a step boundary, not computing
         self._seeds = random.Random(args.seed)
         self.adapters = Adapters(args)  # LoRA: names, in-flight counts, the PEFT wrapper
+        self.weight_sync = WeightSync()  # weight-update groups (clawd.engine.local.weight_sync)
         self.compute = Compute()
         self.progress = Progress()  # what /health_generate watches
         timeout = float(os.environ.get(WAITING_TIMEOUT_ENV) or 0)
@@ -219,8 +221,9 @@ class Engine:
             log.info("request %s waited over %.3g s; aborted", req.rid, self.waiting_timeout)
             self.finish(req, dict(TIMED_OUT))
 
-    async def update_weights(self, path: str, version: str | None) -> tuple[int, dict]:
-        """Queue a swap for the loop to apply between batches (or now, if paused); await its result."""
+    async def update_weights(self, path: str | dict, version: str | None) -> tuple[int, dict]:
+        """Queue a swap for the loop to apply between batches (or now, if paused); await its result. `path`:
+        a model directory, or named tensors received over a weight-update group (clawd.engine.weight_group)."""
         fut = asyncio.get_running_loop().create_future()
         self.updates.append((path, version, fut))
         self._kick.set()
@@ -229,20 +232,23 @@ class Engine:
     def _apply_update(self, path: str, version: str | None, fut: asyncio.Future) -> None:
         t0 = time.perf_counter()
         try:
-            model = self.adapters.rebase(load_model(path, like=self.model))
+            model = (copy_in(self.model, path) if isinstance(path, dict)
+                     else self.adapters.rebase(load_model(path, like=self.model)))
         except Exception as exc:  # any failure is the caller's answer; the old weights keep serving
             log.warning("weight update from %s failed: %s", path, exc, exc_info=not isinstance(exc, WeightLoadError))
             result = (400, {"success": False, "num_paused_requests": 0,
                             "message": f"Failed to update weights: {exc}. Rolled back to the previous weights."})
         else:
-            self.model, self.model_path = model, path
+            self.model = model
+            self.model_path = self.model_path if isinstance(path, dict) else path
             self.progress.watch(model)
-            message = "Succeeded to update model weights."
+            message = ("Succeeded to update parameter online." if isinstance(path, dict)
+                       else "Succeeded to update model weights.")
             if version is not None:
                 self.weight_version = version
                 message += f" Weight version updated to {version}."
-            log.info("weights now %s (version %s), loaded in %.2f s", path, self.weight_version,
-                     time.perf_counter() - t0)
+            log.info("weights now %s (version %s), loaded in %.2f s", f"{len(path)} tensors received" if
+                     isinstance(path, dict) else path, self.weight_version, time.perf_counter() - t0)
             result = (200, {"success": True, "message": message, "num_paused_requests": 0})
         self._requeued()
         if not fut.done():

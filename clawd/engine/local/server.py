@@ -41,6 +41,7 @@ from aiohttp import web
 
 from clawd import startup
 from clawd.engine.local import adapters, auth
+from clawd.engine.local import weight_sync
 from clawd.engine.local.scheduler import Engine
 from clawd.engine.local.sequences import Cursor, Group
 from clawd.engine.local.wire import BadBody, ContractError, RequestError, max_req_input_len, parse_generate
@@ -338,6 +339,8 @@ def build_app(engine: Engine) -> web.Application:
                            ("/server_info", server_info), ("/get_server_info", server_info),
                            ("/v1/models", models)):
         app.router.add_get(path, _loaded(describe))
+    for path, handler in weight_sync.ROUTES.items():  # SGLang's weight update over torch.distributed
+        app.router.add_post(path, with_body(lambda request, engine, body, handler=handler: handler(engine, body)))
     app.router.add_get("/flush_cache", handle_flush_cache)
     app.router.add_post("/flush_cache", handle_flush_cache)
     return app
