@@ -65,7 +65,11 @@ class BatchLimits:
 
     @property
     def capped(self) -> int:
-        """Samples under a cap: split off a batch that ran out of memory, not trained yet."""
+        """Samples in line under a cap: split off a batch that ran out of memory, not trained yet. Caps of samples
+        that left the line otherwise (dropped as stale, forgotten) go."""
+        if self._caps:
+            waiting = self.store.waiting_ids()
+            self._caps = {k: v for k, v in self._caps.items() if k in waiting}
         return len(self._caps)
 
     def admit(self, batch: Sequence[Sample]) -> list[Sample]:

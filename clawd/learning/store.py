@@ -115,6 +115,9 @@ class SampleStore:
         """Entries a restart would replay: waiting + in flight + dropped-not-yet-acked."""
         return self.journal.live
 
+    def waiting_ids(self) -> set[str]:
+        return {s.sample_id for s in self._waiting}
+
     def waiting_by_principal(self) -> dict[str, int]:
         return dict(self._by_principal)
 
