@@ -51,3 +51,26 @@ def test_a_batch_that_always_runs_out_of_memory_ends_in_at_most_2n_minus_1_steps
 def test_canonical_orders_by_tokens_then_id():
     a, b, c = samples(6, 5, 5)
     assert ids(canonical([a, b, c])) == ids(canonical([c, a, b]))
+
+
+async def test_a_cap_goes_with_its_sample_when_it_leaves_the_line_otherwise(tmp_path):
+    """Split off an out-of-memory batch, then dropped as stale: its cap must not make every later batch go
+    at once, one sample at a time."""
+    from clawd.learning.journal import Journal
+    from clawd.learning.limits import BatchLimits
+    from clawd.learning.store import SampleStore
+
+    journal = Journal(tmp_path / "journal")
+    store = SampleStore(journal)
+    await store.replay()
+    try:
+        for s in samples(5, 5):
+            await store.put(s)
+        limits = BatchLimits(store, 100)
+        batch, _ = store.take_batch(2, current_version=0, max_staleness=1)
+        limits.out_of_memory(batch, MemoryError("test"))
+        assert limits.capped == 2 and store.waiting == 2
+        _, stale = store.take_batch(2, current_version=5, max_staleness=1)  # both too old now
+        assert len(stale) == 2 and limits.capped == 0
+    finally:
+        await journal.close()
