@@ -21,6 +21,7 @@ from typing import BinaryIO, TextIO
 from clawd.credentials import redact
 
 MAX_QUEUED_LINES = 10_000
+THREAD_PREFIX = "engine-output-"  # the daemon's only threads besides the main one: two per launched engine
 _END = None
 
 
@@ -28,15 +29,16 @@ class EngineOutput:
     """The pump for one engine process: `start(pipe)` once, `join()` after the process ended. Lines pass
     through `credentials.redact`: every secret clawd loaded (the engine keys among them) is hidden."""
 
-    def __init__(self, sink: TextIO | None = None, max_lines: int = MAX_QUEUED_LINES):
+    def __init__(self, name: str = "engine", sink: TextIO | None = None, max_lines: int = MAX_QUEUED_LINES):
+        self.name = name
         self.sink = sink
         self.dropped = 0  # lines lost because the sink fell behind (the engine never waits for it)
         self._lines: queue.Queue[str | None] = queue.Queue(max_lines)
         self._threads: list[threading.Thread] = []
 
     def start(self, pipe: BinaryIO) -> "EngineOutput":
-        for target, args in ((self._read, (pipe,)), (self._write, ())):
-            thread = threading.Thread(target=target, args=args, daemon=True, name=f"engine-output-{target.__name__}")
+        for target, args, role in ((self._read, (pipe,), "read"), (self._write, (), "write")):
+            thread = threading.Thread(target=target, args=args, daemon=True, name=f"{THREAD_PREFIX}{self.name}-{role}")
             thread.start()
             self._threads.append(thread)
         return self

@@ -192,7 +192,7 @@ class EngineSupervisor:
                                       env=launch.environ(dict(os.environ)), stdin=subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self._dropped_before = self.output_dropped
-        self._output = EngineOutput().start(self._proc.stdout)
+        self._output = EngineOutput(self.name).start(self._proc.stdout)
         self._killed_hung = False
         self.needs_realign = False  # a new process, started on the policy's weights
         self._startup = launch.startup_timeout
