@@ -270,27 +270,33 @@ def test_a_request_still_sending_its_body_at_sigterm_is_turned_away_and_does_not
 
 
 @pytest.mark.slow
-def test_nothing_is_restarted_while_the_daemon_drains(tiny_model, tmp_path):
-    """A child that dies during the drain stays down: the trainer (learner on) and then the policy engine are
-    SIGKILLed while a long stream holds the drain open; neither is restarted, and the daemon exits 0."""
-    daemon = Daemon(tmp_path, _learning(tiny_model, server={"drain_timeout": 120.0}, model={"max_tokens_cap": 2000}))
-    long = LongStream(daemon.url + "/v1", max_tokens=1900)
+def test_nothing_is_restarted_while_the_daemon_drains(tiny_model, tmp_path, monkeypatch):
+    """A child that dies during the drain stays down: with a request in flight whose prefill never returns (a
+    fault point), the drain waits for it; the trainer (learner on) and then the policy engine are SIGKILLed
+    meanwhile; neither is restarted, the request ends, and the daemon exits 0."""
+    monkeypatch.setenv("CLAWD_FAULTS", "engine.local.prefill=hang@1")
+    daemon = Daemon(tmp_path, _learning(tiny_model, server={"drain_timeout": 120.0}))
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    held = threading.Thread(target=lambda: pytest.raises(openai.APIError, client.chat.completions.create, model="m",
+                                                         messages=[{"role": "user", "content": "hi"}], max_tokens=2),
+                            daemon=True)
     try:
         daemon.wait_for(r"trainer \d+ ready", 120)
-        long.start()
-        assert long.started.wait(60) and long.error is None, long.error
         debug = daemon.get("/debug/process")[1]
         trainer, engine = debug["trainer"]["pid"], debug["engines"]["policy"]["pid"]
+        held.start()
+        assert wait_until(lambda: daemon.get("/debug/process")[1]["replicas"][0]["in_flight"] == 1, 30)
         daemon.proc.send_signal(signal.SIGTERM)
         daemon.wait_for(r"stopping: draining", 10)
         os.kill(trainer, signal.SIGKILL)
         daemon.wait_for(r"trainer down \(exit code -9\) while clawd drains: not restarted", 20)
-        os.kill(engine, signal.SIGKILL)  # the stream ends with an error event; nothing else holds the drain
+        assert daemon.proc.poll() is None  # the request in flight holds the drain
+        os.kill(engine, signal.SIGKILL)  # the request ends with an error; nothing else holds the drain
         daemon.wait_for(r"policy engine exited with -9 while clawd drains: not restarted", 20)
         code = daemon.proc.wait(30)
     finally:
         _reap(daemon)
-        long.join(30)
+        held.join(30)
     daemon._reader.join(5)
     assert not [line for line in daemon.lines if "restarting in" in line or "restarting the hung" in line]
     _assert_exited_cleanly(daemon, code)

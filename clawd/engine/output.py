@@ -62,10 +62,13 @@ class EngineOutput:
     def _write(self) -> None:
         sink = self.sink or sys.stderr
         told = 0
-        while (line := self._lines.get()) is not _END:
-            if self.dropped > told:
-                sink.write(f"[clawd: {self.dropped - told} line(s) of the engine's output dropped: the log "
-                           f"could not keep up]\n")
-                told = self.dropped
+        while True:
+            line = self._lines.get()
+            if missed := self.dropped - told:  # read once: the reader may drop more while this write waits
+                sink.write(f"[clawd: {missed} line(s) of the engine's output dropped: the log could not keep up]\n")
+                told += missed
+            if line is _END:
+                break
             sink.write(line)
             sink.flush()
+        sink.flush()
