@@ -22,7 +22,7 @@ import pytest
 from clawd.config import Config, LoggingConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig
 from clawd.samples import Sample
 from clawd.trainer.link import (HandlerError, Ready, TrainerDied, TrainerError, TrainerLink, TrainerSupervisor,
-                                TrainerTimeout, TrainFailed, trainer_options)
+                                TrainerTimeout, TrainerUnavailable, TrainFailed, trainer_options)
 from clawd.trainer.wire import (ProtocolError, encode_message, frame_header, message_frames, read_frame, read_message,
                                 recv_message, send_message)
 from tests.trainer_handlers import build, calls, make_sample
@@ -320,6 +320,22 @@ async def test_attempts_are_bounded_and_handler_errors_are_not_retried(tmp_path)
     assert len(calls(tmp_path)) == 5 and sup.restarts == 2 and sup.alive
     await sup.stop(10)
     await runner
+
+
+async def test_a_trainer_that_dies_while_the_daemon_drains_is_not_restarted(tmp_path):
+    """hold_restarts (the drain's first act): the child that exits then stays down, and a caller waiting for a
+    trainer gives up at once, as at a stop, instead of waiting for a new child."""
+    sup = TrainerSupervisor(options(tmp_path, script={"2": "exit"}), factory=build, backoff_initial=0.05)
+    runner = asyncio.create_task(sup.run())
+    assert (await sup.train("b1", 1, [make_sample(0)])).metrics["call"] == 1
+    sup.hold_restarts()
+    with pytest.raises(TrainerError):
+        await sup.train("b2", 2, [make_sample(1)])  # the child dies on it
+    await asyncio.wait_for(runner, 10)  # run() ended instead of starting another child
+    assert sup.restarts == 0 and not sup.alive and len(calls(tmp_path)) == 2
+    with pytest.raises(TrainerUnavailable):
+        await asyncio.wait_for(sup.ready_info(), 5)
+    await sup.stop(10)
 
 
 PARENT = """
