@@ -173,15 +173,3 @@ async def serving(app):
     finally:
         await runner.cleanup()
 
-
-def stray_threads(process: dict) -> list[str]:
-    """The daemon's threads (/debug/process) other than its main one and two output pumps per launched engine
-    (clawd.engine.output): none is expected."""
-    from clawd.engine.output import THREAD_PREFIX
-
-    names = process["thread_names"]
-    pumps = [n for n in names if n.startswith(THREAD_PREFIX)]
-    stray = [n for n in names if n != "MainThread" and not n.startswith(THREAD_PREFIX)]
-    if len(pumps) != 2 * sum(1 for e in process["engines"].values() if e.get("pid")):
-        stray.append(f"{len(pumps)} output pump threads for {len(process['engines'])} engine(s)")
-    return stray

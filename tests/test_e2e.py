@@ -7,7 +7,7 @@ import urllib.request
 import openai
 import pytest
 
-from .harness import Daemon, stray_threads
+from .harness import Daemon
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_three_turns_without_headers_make_one_session(client, daemon, tiny_model
     client.chat.completions.create(model="clawd", messages=messages, seed=11)
 
     status, proc = daemon.get("/debug/process")
-    assert stray_threads(proc) == [] and proc["torch_imported"] is False and proc["transformers_imported"] is False
+    assert proc["threads"] == 1 and proc["torch_imported"] is False and proc["transformers_imported"] is False
 
     first_two = [r for r in daemon.records() if r["messages"][0]["content"] == "Tell me a fact about otters."]
     assert len(first_two) == 2

@@ -192,7 +192,7 @@ class EngineSupervisor:
                                       env=launch.environ(dict(os.environ)), stdin=subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self._dropped_before = self.output_dropped
-        self._output = EngineOutput(self.name).start(self._proc.stdout)
+        self._output = EngineOutput().start(self._proc.stdout)
         self._killed_hung = False
         self.needs_realign = False  # a new process, started on the policy's weights
         self._startup = launch.startup_timeout
@@ -219,7 +219,7 @@ class EngineSupervisor:
 
     @property
     def output_dropped(self) -> int:
-        """Lines of the engine's output dropped because clawd's log fell behind (the engine never waits)."""
+        """Lines of the engine's output its log refused (clawd.engine.output)."""
         return self._dropped_before + (self._output.dropped if self._output is not None else 0)
 
     def _kill_group(self) -> None:

@@ -172,12 +172,9 @@ class Status:
 
     async def handle_debug_process(self, request: web.Request) -> web.Response:
         """`GET /debug/process` (server.debug_routes): the snapshot plus the daemon's process shape, for tests
-        and operators. threading is already loaded by asyncio; reading it here adds no threads. The daemon's
-        only threads besides the main one carry each launched engine's output (clawd.engine.output: two each).
-        `os_threads` is the kernel's count, which also sees threads a native library starts (a DNS resolver's)."""
-        threading = sys.modules["threading"]
-        process = {"threads": threading.active_count(), "os_threads": len(os.listdir("/proc/self/task")),
-                   "thread_names": sorted(t.name for t in threading.enumerate()),
+        and operators. threading is already loaded by asyncio; reading it here adds no threads. `os_threads` is
+        the kernel's count, which also sees threads a native library starts (a DNS resolver's, say)."""
+        process = {"threads": sys.modules["threading"].active_count(), "os_threads": len(os.listdir("/proc/self/task")),
                    "torch_imported": "torch" in sys.modules, "transformers_imported": "transformers" in sys.modules}
         return web.json_response(finite({**self.snapshot(), **process}))
 
