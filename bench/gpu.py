@@ -344,10 +344,11 @@ def run(args, result: dict) -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        result["fsdp_world"] = fsdp_world(work)
-        print(f"  FSDP2 world of 1: {json.dumps(result['fsdp_world'])[:400]}", flush=True)
-        result["lora_world"] = fsdp_world(work, lora_rank=16)
-        print(f"  FSDP2 world of 1, LoRA rank 16: {json.dumps(result['lora_world'])[:600]}", flush=True)
+        if args.worlds:
+            result["fsdp_world"] = fsdp_world(work)
+            print(f"  FSDP2 world of 1: {json.dumps(result['fsdp_world'])[:400]}", flush=True)
+            result["lora_world"] = fsdp_world(work, lora_rank=16)
+            print(f"  FSDP2 world of 1, LoRA rank 16: {json.dumps(result['lora_world'])[:600]}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -434,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step")
     p.add_argument("--profile-top", type=int, default=25, help="kernels listed from the profiled step")
     p.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="skip the checkpoint")
+    p.add_argument("--no-worlds", dest="worlds", action="store_false",
+                   help="skip the FSDP2 and LoRA worlds under torchrun (a run that fits a short lease)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None, help="where the base model and state go (default: $TMPDIR)")
     p.add_argument("--out", type=Path, default=None, help="the JSON result (default: $OUT/gpu.json or bench/results/)")
@@ -470,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             result["traceback"] = traceback.format_exc()[-6000:]
             status = 1
         result["wall_s"] = round(time.monotonic() - t0, 1)
-        if status == 0 and not result.get("fsdp_world", {}).get("ok"):
+        if status == 0 and args.worlds and not result.get("fsdp_world", {}).get("ok"):
             status = 1  # the trainer world did not run: a failure, with its stderr in the JSON
     result["measured"] = status == 0
     print(summary(result))
