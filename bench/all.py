@@ -38,10 +38,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-SCRIPTS = ("serve", "pipeline", "trainer", "swap", "lora", "learning", "opd_signal", "fuzz", "abuse", "crash", "scale",
-           "pii", "startup", "liveness")
-OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "lora": "--out",
-            "learning": "--out", "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out",
+SCRIPTS = ("serve", "pipeline", "trainer", "swap", "publish", "lora", "learning", "opd_signal", "fuzz", "abuse",
+           "crash", "scale", "pii", "startup", "liveness")
+OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "publish": "--json",
+            "lora": "--out", "learning": "--out", "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out",
             "pii": "--out", "startup": "--out", "opd_signal": "--out", "liveness": "--out"}
 # scale.py's full form takes ~4 min on top of serve.py's similar figures; its quick form answers "does it scale".
 ARGS = {"scale": ["--quick"]}
@@ -86,6 +86,12 @@ def swap(r: dict) -> list[dict]:
             _row(f"intake held per publish, p50 (s, {r['publishes']} publishes)", r["intake_held_s"]["p50"],
                  "{:.3f}"),
             _row("latency overlapping a publish / clear, p50", r["overlap_over_clear_p50"], "{:.2f}x")]
+
+
+def publish(r: dict) -> list[dict]:
+    return [_row("replica held per publish, disk / weight-update group, p50", r["held_ratio_disk_over_group"],
+                 "{:.2f}x"),
+            _row("  pushes that fell back to disk", r["fallbacks"], "{:d}", "0", r["fallbacks"] == 0)]
 
 
 def lora(r: dict) -> list[dict]:
@@ -206,7 +212,8 @@ def opd_signal(r: dict) -> list[dict]:
                  r["met"]["top-K raises right over wrong"] and r["met"]["top-K beats token-level"])]
 
 
-EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "lora": lora, "learning": learning,
+EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "publish": publish, "lora": lora,
+           "learning": learning,
            "opd_signal": opd_signal, "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale, "pii": pii,
            "startup": startup, "liveness": liveness}
 

@@ -232,6 +232,7 @@ def publish_and_checkpoint(trainer, checkpoint: bool) -> dict:
                       "files": files, "stored_dtypes": stored,
                       "config_dtype": json.loads((path / "config.json").read_text()).get("dtype"),
                       "embedding_equals_master_rounded": exact}
+    out["publish_broadcast"] = publish_broadcast(trainer)
     if checkpoint:
         sync(trainer.device)
         t0 = time.perf_counter()
@@ -239,6 +240,33 @@ def publish_and_checkpoint(trainer, checkpoint: bool) -> dict:
         files = directory_bytes(ckpt)
         out["checkpoint"] = {"seconds": time.perf_counter() - t0, "bytes": sum(files.values()), "files": files}
     return out
+
+
+def publish_broadcast(trainer, bucket_mb: int = 512) -> dict:
+    """The trainer's side of a publish over a weight-update group (clawd.trainer.weight_sender): every bucket
+    gathered, cast to the published dtype and packed on the device, then broadcast, in a group of this process
+    alone (NCCL on CUDA, gloo on CPU): the broadcast itself moves nothing, so this is the sender's own cost, set
+    beside `publish` (the directory write). The wire to an engine needs a second GPU and SGLang: unmeasured."""
+    import socket
+    from clawd.trainer.weight_sender import WeightSender
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender = WeightSender(trainer.model, trainer.publish_dtype, trainer.device)
+    backend = "nccl" if trainer.device.type == "cuda" else "gloo"
+    sender.join("bench", "127.0.0.1", port, 1, backend, 120.0)
+    try:
+        sent = sender.send("bench", bucket_mb << 20)  # warm-up: NCCL's communicator is made at the first call
+        sync(trainer.device)
+        t0 = time.perf_counter()
+        sent = sender.send("bench", bucket_mb << 20)
+        sync(trainer.device)
+        seconds = time.perf_counter() - t0
+    finally:
+        sender.leave("bench")
+    return {"backend": backend, "bucket_mb": bucket_mb, "seconds": seconds, "bytes": sent["bytes"],
+            "buckets": sent["buckets"], "wire_to_an_engine": "unmeasured (needs a second GPU and SGLang)"}
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -397,6 +425,11 @@ def summary(r: dict) -> str:
         lines.append(f"publish: {p['dtype']}, {p['bytes'] / 1e6:,.1f} MB in {p['seconds']:.2f} s "
                      f"(stored {'/'.join(p['stored_dtypes'])}, config {p['config_dtype']}, "
                      f"exact: {p['embedding_equals_master_rounded']})")
+    if "publish_broadcast" in r:
+        b = r["publish_broadcast"]
+        lines.append(f"publish over a group, the trainer's side ({b['backend']}, group of one): "
+                     f"{b['bytes'] / 1e6:,.1f} MB in {b['buckets']} bucket(s), {b['seconds']:.2f} s; "
+                     f"the engine's side {b['wire_to_an_engine']}")
     if "checkpoint" in r:
         c = r["checkpoint"]
         lines.append(f"checkpoint: {c['bytes'] / 1e6:,.1f} MB in {c['seconds']:.2f} s")

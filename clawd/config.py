@@ -153,6 +153,9 @@ class EngineConfig:
     seed: int = 0
     replicas: int = 1                    # policy engines clawd launches (local or sglang), each on its own port and GPUs
     urls: tuple[str, ...] = ()           # launch = "none": the policy replicas' URLs (empty: url alone)
+    weight_sync: typing.Literal["auto", "distributed", "disk"] = "auto"  # auto: distributed for SGLang clawd launches
+    weight_sync_address: str = "127.0.0.1"  # where the engines reach trainer rank 0's rendezvous
+    weight_sync_bucket_mb: int = 512     # the most one broadcast carries
 
     @property
     def policy_urls(self) -> tuple[str, ...]:
@@ -187,7 +190,7 @@ class EngineConfig:
                 errors[name] = problem
         errors |= not_positive(self, "request_timeout", "connect_timeout", "restart_backoff_initial",
                                 "restart_backoff_max", "health_interval", "first_byte_timeout", "idle_timeout")
-        errors |= below(self, 1, "health_failures", "max_batch_size")
+        errors |= below(self, 1, "health_failures", "max_batch_size", "weight_sync_bucket_mb")
         if self.startup_timeout < 0:
             errors["startup_timeout"] = "must be 0 (the launch kind's default) or positive"
         for name in ("gpus", "reference_gpus"):

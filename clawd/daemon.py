@@ -1,10 +1,9 @@
 """The daemon: one process, one event loop, no threads (docs/ARCHITECTURE.md §1).
 
-`run()` is the architecture in one place. It builds the stages in the order data
-flows through them (engines, serving, scoring, learning, then ops, which only
-reads them), wires each stage to the next in plain sight, runs every long-lived
-task in one TaskGroup, serves until the shutdown trigger fires, and drains the
-stages in reverse order.
+`run()` is the architecture in one place. It builds the stages in the order data flows through
+them (engines, serving, scoring, learning, then ops, which only reads them), wires each stage to
+the next in plain sight, runs every long-lived task in one TaskGroup, serves until the shutdown
+trigger fires, and drains the stages in reverse order.
 """
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from clawd.engine.replicas import Balanced, Replicas
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.learning.journal import Journal
 from clawd.learning.learner import Learner
+from clawd.learning import weight_groups
 from clawd.learning.publisher import Publisher
 from clawd.learning.store import SampleStore
 from clawd.ops import systemd
@@ -192,8 +192,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         trainer = learner = None
         if cfg.learner.enabled:
             trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
-            publisher = Publisher(replicas, cfg.learner.publish_timeout,  # rolling: one replica at a time
-                                  adapters=adapters, base_dir=str(cfg.model_path))
+            publisher = Publisher(replicas, cfg.learner.publish_timeout, adapters=adapters,  # one replica at a time
+                                  base_dir=str(cfg.model_path), groups=weight_groups.for_config(cfg, trainer))
             publisher.before_load = share_weights  # [privacy] weights_group: an engine run as another user
             learner = Learner(cfg.learner, store, trainer, publisher, policy, state_dir, control_seed=cfg.train.seed,
                               pauses=pauses, versions=versions, lora=cfg.train.lora, gate=_gate(cfg, tokenizer,

@@ -100,8 +100,10 @@ class User:
             ids = range(step * ROLLOUT_BATCH, (step + 1) * ROLLOUT_BATCH)
             rates.append(sum(self.pool.map(lambda i: self.converse(i, seed * 100_000 + i), ids)) / ROLLOUT_BATCH)
             deadline = time.monotonic() + 120
-            while self.learner()["steps"] < step + 1:  # a batch whose rewards all agree publishes nothing
-                assert time.monotonic() < deadline, self.learner()
+            # Its step and then its publish (a batch whose rewards all agree publishes nothing): the next batch
+            # is served by the newest policy whatever the load (waiting for the step alone raced the publish).
+            while (learner := self.learner())["publishes"] + learner["skipped_steps"] < step + 1:
+                assert time.monotonic() < deadline, learner
                 time.sleep(0.05)
         return rates
 

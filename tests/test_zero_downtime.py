@@ -1,4 +1,5 @@
-"""Zero downtime: weights are published again and again under a steady chat load, no request fails, and
+"""Zero downtime: weights are published again and again under a steady chat load (over the replica's
+weight-update group: disk publishes are under load in the learning tests), no request fails, and
 requests were in flight during every publish (the overlap the claim rests on, read from the daemon's log:
 each hold, the engine's pause to its continue, overlaps requests that were served in full)."""
 from __future__ import annotations
@@ -16,7 +17,8 @@ PUBLISHES = 5
 @pytest.mark.slow
 def test_five_publishes_under_load_fail_no_request(tiny_model, tmp_path):
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 8},
-                               "engine": {"launch": "local"},
+                               # over the replica's weight-update group (gloo): its pause too must hold no one
+                               "engine": {"launch": "local", "weight_sync": "distributed"},
                                "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
                                "train": {"lr": 1e-4}})
     try:
@@ -29,6 +31,8 @@ def test_five_publishes_under_load_fail_no_request(tiny_model, tmp_path):
              (re.search(r"published v\d+ in ([0-9.]+)s", line) for line in daemon.lines) if m]
     print(f"\n{ok} requests served, {len(failures)} failed, swaps (s): {swaps}")
     assert learner["publishes"] >= PUBLISHES and learner["failed_publishes"] == 0
+    sync = learner["weight_sync"]
+    assert sync["pushes"] >= PUBLISHES and sync["fallbacks"] == 0, sync  # not one publish went by disk
     assert failures == [] and ok > 2 * PUBLISHES
     assert len(swaps) >= PUBLISHES
     versions = sorted({t["policy_version"] for t in daemon.records()})

@@ -1,6 +1,7 @@
 """Moving the policy engine onto a published version (docs/ARCHITECTURE.md §6).
 
-Full weights: each replica in turn pauses its intake (retract), loads the directory from disk and
+Full weights: each replica in turn pauses its intake (retract), takes the weights over its weight-update
+group with the trainer (clawd.learning.weight_groups) or else loads the directory from disk, and
 continues; the engine's own word on the weight_version it serves confirms it. LoRA mode: each replica
 loads the adapter beside the base, nothing paused. The learner moves the policy only once every replica
 in rotation has confirmed.
@@ -15,6 +16,7 @@ from typing import Callable
 from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
 from clawd.engine.lora import AdapterUse, adapter_name
 from clawd.engine.replicas import Replicas
+from clawd.learning.weight_groups import WeightGroups
 
 log = logging.getLogger("clawd.learner")
 
@@ -29,7 +31,7 @@ class Publisher:
     confirmed. If none did, the publish fails as a whole and is retried, as with one engine."""
 
     def __init__(self, engine: EngineClient | Replicas, timeout: float, ready: asyncio.Event | None = None,
-                 adapters: AdapterUse | None = None, base_dir: str | None = None):
+                 adapters: AdapterUse | None = None, base_dir: str | None = None, groups: WeightGroups | None = None):
         self.replicas = engine if isinstance(engine, Replicas) else None
         self.engine = None if isinstance(engine, Replicas) else engine
         self.timeout = timeout
@@ -40,6 +42,7 @@ class Publisher:
         # Called with a version's directory before any engine is asked to read it: [privacy] weights_group
         # opens it to an engine run as another user (clawd.privacy.files.share).
         self.before_load: Callable[[str], None] | None = None
+        self.groups = groups  # full weights over torch.distributed (clawd.learning.weight_groups); None: from disk
 
     def adapter_of(self, version: int) -> str | None:
         """The adapter name version's requests carry; None for full weights, and for v0 (the base itself)."""
@@ -133,7 +136,7 @@ class Publisher:
                 async with sup.swap_lock:
                     replicas.counts[i].draining = True
                     try:
-                        took = await self._swap(sup.client, weights_dir, version)
+                        took = await self._swap(sup.client, weights_dir, version, group=sup.name)
                         held = max(held, took)
                         log.info("publishing v%d: %s swapped, intake held %.3fs", version, sup.name, took)
                     except EngineError as exc:
@@ -167,8 +170,9 @@ class Publisher:
         except TimeoutError:
             raise EngineUnavailable(f"the engine is not ready after {self.timeout:.0f}s") from None
 
-    async def _swap(self, engine: EngineClient, weights_dir: str, version: int) -> float:
-        """One engine onto `weights_dir`; the seconds its intake was held."""
+    async def _swap(self, engine: EngineClient, weights_dir: str, version: int, group: str | None = None) -> float:
+        """One engine onto `weights_dir` (over its weight-update group `group` when one applies); the seconds
+        its intake was held."""
         if self.before_load is not None:
             self.before_load(weights_dir)
         if self.adapters is not None:  # beside the old adapter: nothing paused, running requests keep theirs
@@ -179,11 +183,14 @@ class Publisher:
         # sent whatever happened, a failed pause included: a pause that failed on our side may have
         # happened on the engine's, and a paused engine holds every chat. (The supervisor also sends it
         # whenever an engine becomes ready, for a clawd that died between the two.)
+        grouped = (self.groups is not None and group is not None and self.groups.applies(group, version)
+                   and await self.groups.form(group, engine))  # before the pause: forming waits for both ends
         held = time.monotonic()
         try:
             await engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
-            await engine.control("/update_weights_from_disk",
-                                 {"model_path": weights_dir, "weight_version": str(version)}, self.timeout)
+            if not (grouped and await self._push(engine, group, version)):
+                await engine.control("/update_weights_from_disk",
+                                     {"model_path": weights_dir, "weight_version": str(version)}, self.timeout)
         finally:
             await engine.control("/continue_generation", {}, self.timeout)
             held = time.monotonic() - held
@@ -193,3 +200,12 @@ class Publisher:
         if served != str(version):
             raise EngineError(f"engine serves weight_version {served!r} after publishing {version}")
         return held
+
+    async def _push(self, engine: EngineClient, group: str, version: int) -> bool:
+        """The weights over the replica's group; False when the push failed (the groups counted and logged it):
+        the caller loads the directory, which also overwrites a partial update."""
+        try:
+            await self.groups.push(group, engine, version)
+        except Exception:  # any end of it (trainer, engine, the group itself): the directory is the fallback
+            return False
+        return True

@@ -335,6 +335,11 @@ def _learner(st: dict) -> Iterator[Metric]:
     yield counter("clawd_publishes_failed_total", "Publishes that failed (retried).", st["failed_publishes"])
     yield counter("clawd_trainer_writes_failed_total", "Weights or checkpoint writes of the trainer that failed; "
                   "each was retried alone, never by training again.", st["failed_writes"])
+    if sync := st.get("weight_sync"):
+        yield counter("clawd_weight_sync_pushes_total", "Replica publishes whose weights went over a torch.distributed "
+                      "group rather than from disk.", sync["pushes"])
+        yield counter("clawd_weight_sync_fallbacks_total", "Pushes over a group that failed; the replica loaded the "
+                      "published directory instead.", sync["fallbacks"])
     limits = st["limits"]
     yield counter("clawd_train_steps_out_of_memory_total", "Steps that ran out of memory; their batch was split.",
                   limits["oom_steps"])

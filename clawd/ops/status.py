@@ -125,7 +125,9 @@ class Status:
                         "not_learned_while_paused": self.pauses.turns_not_learned},
             "learner": None if learner is None else {**dataclasses.asdict(learner.stats),
                                                      "control": cfg.learner.control,
-                                                     "limits": learner.limits.snapshot()},
+                                                     "limits": learner.limits.snapshot(),
+                                                     "weight_sync": learner.publisher.groups and
+                                                     dataclasses.asdict(learner.publisher.groups.stats)},
             "engines": {s.name: {"state": s.state.value, "ready": s.is_ready, "pid": s.pid, "restarts": s.restarts,
                                  "hangs": s.hangs, "hang_reason": s.hang_reason, "url": s.client.url,
                                  "output_dropped": s.output_dropped,

@@ -107,6 +107,16 @@ def _reply(handler, msg: dict) -> dict:
             return {"type": "published", "version": msg["version"], "weights_dir": str(weights)}
         if kind == "restore":
             return {"type": "restored", "version": msg["version"], "step": handler.restore(msg["version"])}
+        if kind == "join_group":
+            buckets = handler.join_group(msg["name"], msg["address"], msg["port"], msg["world_size"], msg["backend"],
+                                         msg["timeout"], msg["bucket_bytes"])
+            return {"type": "joined", "name": msg["name"], "buckets": buckets}
+        if kind == "send_weights":
+            sent = handler.send_weights(msg["name"], msg["version"], msg["bucket_bytes"])
+            return {"type": "sent", "name": msg["name"], "version": msg["version"], **sent}
+        if kind == "leave_group":
+            handler.leave_group(msg["name"])
+            return {"type": "left", "name": msg["name"]}
         if kind == "checkpoint":
             path, step = handler.checkpoint()
             return {"type": "checkpointed", "path": str(path), "step": step}

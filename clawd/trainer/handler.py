@@ -31,6 +31,7 @@ from clawd.train_config import TrainConfig
 from clawd.samples import Sample
 from clawd.trainer.failures import StepFailed
 from clawd.trainer.step import Trainer
+from clawd.trainer.weight_sender import SyncRefused, WeightSender
 from clawd.weights import Ledger, ledger_path, write_failure_kind
 
 log = logging.getLogger("clawd.trainer")
@@ -60,6 +61,7 @@ class TrainerHandler:
         if options.get("checkpoint_base") and self.trainer.step == 0:  # the base model: a rollback target too
             self._owe_checkpoint = True
         self._batch: Any = self.trainer.journal_position  # the last trained batch: the checkpoint's position
+        self.sender = WeightSender(self.trainer.model, self.trainer.publish_dtype, self.trainer.device, world)
 
     @property
     def step(self) -> int:
@@ -147,6 +149,26 @@ class TrainerHandler:
         self._batch = self.trainer.journal_position
         self._owe_checkpoint = True
         return self.trainer.step
+
+    def join_group(self, name: str, address: str, port: int, world_size: int, backend: str, timeout: float,
+                   bucket_bytes: int) -> list[dict]:
+        """Form weight-update group `name` with an engine (full weights only); the buckets `send_weights` sends."""
+        if self.trainer.cfg.lora:
+            raise SyncRefused("LoRA publishes adapters from disk, not weights over a group")
+        self.sender.join(name, address, port, world_size, backend, timeout)
+        return [b.request() for b in self.sender.layout(bucket_bytes)]
+
+    def send_weights(self, name: str, version: int, bucket_bytes: int) -> dict:
+        """Broadcast the current weights into group `name`, provided they are `version` (published: a step whose
+        directory is not written yet, or a rollback to older weights, is sent from disk instead)."""
+        t = self.trainer
+        if t.weights_version != version or t.unpublished:
+            raise SyncRefused(f"the trainer holds v{t.weights_version}{' (unpublished)' if t.unpublished else ''}, "
+                              f"not v{version}")
+        return self.sender.send(name, bucket_bytes)
+
+    def leave_group(self, name: str) -> None:
+        self.sender.leave(name)
 
     def checkpoint(self) -> tuple[str, int]:
         return str(self._checkpoint()), self.trainer.step

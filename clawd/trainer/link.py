@@ -478,6 +478,12 @@ class TrainerSupervisor:
         """A rollback: the trainer back on `version`'s checkpoint (weights and optimizer); its step."""
         return await (await self._live_link()).restore(version, timeout)
 
+    async def ask(self, msg: dict, timeout: float | None = None) -> tuple[int | None, dict]:
+        """Any other request of the catalogue (the weight-update group's); the pid of the child that answered
+        (its groups die with it) and the reply. An error reply raises HandlerError."""
+        link = await self._live_link()
+        return link.pid, await link._ask(msg, timeout)
+
     async def ready_info(self) -> Ready:
         """The live child's handshake (waits for one, like `train`)."""
         return (await self._live_link()).ready

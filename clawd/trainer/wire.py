@@ -20,6 +20,13 @@ every request gets exactly one reply, in order:
     publish{version}                   -> published{version, weights_dir, state}
     checkpoint{}                       -> checkpointed{path, step, state}
     restore{version}                   -> restored{version, step, state} (a rollback: a checkpoint is then owed)
+    join_group{name, address, port, world_size, backend, timeout, bucket_bytes}
+                                       -> joined{name, buckets} (rank 0 forms weight-update group `name`
+                                          with an engine, which joins at the same time: clawd.engine.weight_group)
+    send_weights{name, version, bucket_bytes} -> sent{name, version, bytes, buckets, seconds, state}
+                                          (broadcasts the weights, `joined`'s buckets in order, while the
+                                          engine receives each; refused unless they are `version`)
+    leave_group{name}                  -> left{name}
     ping{n}                            -> pong{n, state}
     shutdown{}                         -> no reply: the child exits 0
 
@@ -219,4 +226,7 @@ def answers(request: dict, reply: dict) -> bool:
         return kind == "published" and reply.get("version") == request["version"]
     if want == "restore":
         return kind == "restored" and reply.get("version") == request["version"]
+    if want in ("join_group", "send_weights", "leave_group"):
+        return kind == {"join_group": "joined", "send_weights": "sent", "leave_group": "left"}[want] \
+            and reply.get("name") == request["name"]
     return want == "checkpoint" and kind == "checkpointed"
