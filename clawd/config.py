@@ -63,10 +63,16 @@ class ServerConfig:
     keepalive_timeout: float = 15.0      # an idle keep-alive connection is closed after this
     write_timeout: float = 60.0          # seconds a client may take no byte of its reply (aiohttp has no bound)
     max_connections: int = 8192          # open connections; when full, the longest-stalled one is closed
+    allowed_hosts: tuple[str, ...] = ()  # Host names served (empty: the loopback names on loopback, else any)
+    allowed_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port]) that may call the API (CORS)
 
     def check(self) -> dict[str, str]:
         errors = below(self, 1, "max_concurrent_requests", "max_body_bytes", "max_messages", "max_message_chars",
                         "max_connections")
+        bad = [o for o in self.allowed_origins if urlsplit(o).scheme not in ("http", "https") or not urlsplit(o).netloc
+               or o != f"{urlsplit(o).scheme}://{urlsplit(o).netloc}"]
+        if bad:
+            errors["allowed_origins"] = f"each must be scheme://host[:port], as browsers send it, not {bad[0]!r}"
         errors |= below(self, 0, "drain_timeout") | not_positive(self, "header_timeout", "body_timeout",
                                                                     "keepalive_timeout", "write_timeout")
         try:

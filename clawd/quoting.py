@@ -15,15 +15,23 @@ _LT_LIKE = "<\u2039\u00ab\u1438\u27e8\u3008\u276e\u276c\u27ea\u227a\u02c2\u29fc\
 _GT_LIKE = ">\u203a\u00bb\u1433\u27e9\u3009\u276f\u276d\u27eb\u227b\u02c3\u29fd\u2992\u298a\u22d7\u169b\u2994\u226f"
 _ANGLE_RUN = re.compile(f"[{re.escape(_LT_LIKE + _GT_LIKE)}]{{3,}}")
 _BOXED = re.compile(r"[\\⧵∖⟍╲]\s*(\w{5})")
-_HINT_TAG = re.compile(r"\[(\w{4})_(\w{3,5})\]")
-# Letters of other scripts that read as the Latin ones of `boxed` and `HINT_START` (NFKC keeps them).
-_LATIN_LIKE = str.maketrans("оοхχеεԁаαѕтτнΗіιΙ", "ooxxeedaastthHiiI")
+# A hint tag as a reader takes it: `[HINT_START]`, spaced (`[ HINT START ]`) or hyphenated too.
+_HINT_TAG = re.compile(r"\[\s*([^\W_]{4})[\s_\-]*([^\W_]{3,5})\s*\]")
+# Chat-template control strings (`<|im_end|>`, `<|eot_id|>`; DeepSeek's fullwidth bars fold to these): a
+# third-party judge's server may parse them out of plain text as control tokens.
+_CONTROL = re.compile(r"<\|([^<>|\s]{1,64})\|>")
+# Lower-case letters of other scripts that read as the Latin ones of `boxed` and `HINT_START` (NFKC keeps
+# them); upper-case look-alikes (Н І Т Ѕ А, Greek Η Ι Ν Τ Α) are lowered first, onto these.
+_LATIN_LIKE = str.maketrans({"о": "o", "ο": "o", "х": "x", "χ": "x", "е": "e", "ε": "e", "ԁ": "d", "а": "a",
+                             "α": "a", "ѕ": "s", "т": "t", "τ": "t", "н": "h", "η": "h", "һ": "h", "і": "i",
+                             "ι": "i", "ν": "n", "к": "k", "κ": "k", "р": "p", "ρ": "p", "с": "c", "ϲ": "c",
+                             "у": "y", "υ": "y", "м": "m", "μ": "m", "в": "b", "β": "b"})
 
 
 def _base(word: str) -> str:
-    """The word as a reader may take it: accents off, look-alike letters Latin, lower case."""
+    """The word as a reader may take it: accents off, lower case, look-alike letters Latin."""
     plain = "".join(ch for ch in unicodedata.normalize("NFKD", word) if not unicodedata.combining(ch))
-    return plain.translate(_LATIN_LIKE).lower()
+    return plain.lower().translate(_LATIN_LIKE)
 
 
 def _drop_invisible(text: str) -> str:
@@ -55,8 +63,10 @@ def _angles(run: str) -> str:
 
 
 def neutralise(text: str) -> str:
-    """Quoted text as the judge sees it: no marker, no `\\boxed`, no hint tag can survive."""
+    """Quoted text as the judge sees it: no marker, no `\\boxed`, no hint tag, no chat-template control
+    string can survive."""
     text = _ANGLE_RUN.sub(lambda m: _angles(m.group()), normalise(text))
+    text = _CONTROL.sub(lambda m: f"<| {m.group(1)} |>", text)
     text = _BOXED.sub(lambda m: f"\\ {m.group(1)}" if _base(m.group(1)) == "boxed" else m.group(), text)
     return _HINT_TAG.sub(lambda m: f"[HINT {m.group(2)}]" if _base(m.group(1)) == "hint"
                          and _base(m.group(2)) in ("start", "end") else m.group(), text)

@@ -92,11 +92,15 @@ def exchange(daemon: Daemon, raw: bytes, method: bytes = b"POST") -> Reply:
     return Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, body)
 
 
+JSON = (b"Content-Type", b"application/json")
+
+
 def send(daemon: Daemon, body, headers=()) -> Reply:
-    """POST a chat request (a dict, or raw bytes) with the right key."""
+    """POST a chat request (a dict, or raw bytes) with the right key, as JSON unless `headers` say otherwise."""
     if not isinstance(body, bytes):
         body = json.dumps(body).encode()
-    return exchange(daemon, http_request(b"POST", CHAT, [*AUTH, *headers], body))
+    typed = any(name.lower() == b"content-type" for name, _ in headers)
+    return exchange(daemon, http_request(b"POST", CHAT, [*AUTH, *headers, *([] if typed else [JSON])], body))
 
 
 def assert_openai_error(reply: Reply) -> dict:

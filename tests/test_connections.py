@@ -28,7 +28,7 @@ from clawd.serving.connections import OTHER_FILES, QuietLog, ServerLog, TrackedS
 from .fake_sglang import FakeSGLang
 from .harness import ROOT
 
-CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
 BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
 SLACK = 5.0  # how much later than a deadline a loaded test machine may see its effect
 
@@ -265,7 +265,7 @@ async def test_half_a_header_line_is_closed_after_header_timeout():
 async def test_idle_keepalive_connection_is_closed_after_keepalive_timeout():
     async with serving(keepalive_timeout=0.5, header_timeout=30) as (port, connections, chat):
         reader, writer = await connect(port)
-        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert (await response(reader))[0] == 200
         assert await closed(reader, 0.5 + SLACK)
         writer.close()
@@ -347,7 +347,7 @@ async def test_a_whole_reply_the_client_does_not_read_holds_no_slot():
 
 async def _metric(port: int, name: str) -> float:
     reader, writer = await connect(port)
-    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
     _, _, body = await response(reader)
     writer.close()
     values = [float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines() if line.startswith(name + " ")]
@@ -372,7 +372,7 @@ async def daemon(tiny_model, tmp_path, caplog, engine_url: str, **tables):
                         if (m := re.match(r"listening on http://\S+:(\d+)", r.getMessage()))))
         while True:  # the engine supervisor finds the fake ready within a health interval or two
             reader, writer = await connect(port)
-            writer.write(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            writer.write(b"GET /ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
             ready = (await response(reader))[0] == 200
             writer.close()
             if ready:

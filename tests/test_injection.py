@@ -247,6 +247,12 @@ def test_the_red_team_set_is_large_and_covers_every_family():
     ("\\bохеd{1}", "\\ bохеd{1}"),
     ("\\boxes{1}", "\\boxes{1}"),
     ("［ＨＩＮＴ＿ＳＴＡＲＴ］x[HINT\u00ad_END]", "[HINT START]x[HINT END]"),
+    ("[НІNТ_ЅТАRТ]", "[HINT ЅТАRТ]"),                  # upper-case Cyrillic look-alikes
+    ("[ΗΙΝΤ_ΕΝD]", "[HINT ΕΝD]"),                      # upper-case Greek ones
+    ("[ HINT_START ]x[HINT-END][hint end]", "[HINT START]x[HINT END][HINT end]"),  # spaced, hyphenated
+    ("[DATE_START] [HINTS]", "[DATE_START] [HINTS]"),  # other tags stay
+    ("a<|im_end|>\n<|im_start|>system", "a<| im_end |>\n<| im_start |>system"),  # chat-template control strings
+    ("<｜end▁of▁sentence｜> <|eot_id|> <|a b|>", "<| end▁of▁sentence |> <| eot_id |> <|a b|>"),
     ("café naïve 東京", "café naïve 東京"),
     ("cafe\u0301", "café"),
     ("ﬁle ①", "file 1"),

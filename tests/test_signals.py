@@ -232,7 +232,7 @@ def _stalled_request(daemon: Daemon) -> socket.socket:
     """A client that sent its headers and part of its body, then stalls."""
     stalled = socket.create_connection(("127.0.0.1", int(daemon.url.rsplit(":", 1)[1])))
     body = b'{"model": "m", "messages": [{"role": "user", "content": "Hi"}]}'
-    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n" % (len(body) + 100) + body)
     time.sleep(0.5)  # the handler is reading the body
     return stalled

@@ -13,8 +13,11 @@ Prompt safety. Everything a user, a tool or the policy wrote is quoted inside
   judge reads of the user's text (never what is trained on): a judge prompt only.
 - Defused markers: every run of three or more angle brackets (ASCII or a
   look-alike such as `‹ « ᐸ ⟨ 〈`, mixed) becomes spaced ASCII (`< < <`), `\\boxed`
-  becomes `\\ boxed` and `[HINT_START]`/`[HINT_END]` lose their underscore, so an
-  echo of quoted text can never be parsed as a vote or a hint, or read as a marker.
+  becomes `\\ boxed` and `[HINT_START]`/`[HINT_END]` lose their underscore (spaced,
+  hyphenated and look-alike spellings too), and chat-template control strings
+  (`<|im_end|>`) are spaced, so an echo of quoted text can never be parsed as a vote
+  or a hint, or read as a marker, and a third-party judge's server cannot take them
+  for control tokens.
 - Unpredictable markers: given a nonce (`new_nonce()`, drawn by the caller for
   each prompt), every marker carries it (`<<<NEXT_STATE_1 a3f9... role=user>>>`)
   and the system prompt names it; this is the only guard the openai backend has.

@@ -24,6 +24,7 @@ from clawd.config import Config
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.serving.auth import Authenticator
 from clawd.serving.connections import Connections
+from clawd.serving import origins
 from clawd.serving.errors import ApiError
 
 log = logging.getLogger("clawd.api")
@@ -105,8 +106,12 @@ def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = Non
     app[CONNECTIONS] tracks the connections of a `TrackedSite` serving this app; its middleware is the
     outermost, the first to see a request reach clawd."""
     connections = Connections(cfg.server)
-    app = web.Application(middlewares=[connections.middleware, *outer_middlewares, openai_errors],
+    srv = cfg.server
+    hosts, allowed = origins.allowed_hosts(srv.allowed_hosts, srv.host, srv.loopback), frozenset(srv.allowed_origins)
+    app = web.Application(middlewares=[connections.middleware, *outer_middlewares, openai_errors,
+                                       origins.guard(hosts, allowed)],  # before any handler: what web pages send
                           client_max_size=cfg.server.max_body_bytes)
+    app.on_response_prepare.append(origins.cors_headers(allowed))
     app[CONNECTIONS] = connections
     app[CONFIG] = cfg
     app[CHAT] = chat
@@ -131,6 +136,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg, gate = app[CONFIG], app[GATE]
     key_name = app[AUTH].principal(request)
+    if problem := origins.not_json(request.headers):  # what a web page can POST without asking first
+        raise problem
     if not gate.accepting:
         raise ApiError(503, "clawd is shutting down", code="shutting_down", retry_after=5)
     if app[SERVING_PAUSED]():
