@@ -44,7 +44,7 @@ from clawd.privacy.retention import Retention
 from clawd.safety import evalset
 from clawd.safety.gate import PromotionGate
 from clawd.safety.monitors import Monitors
-from clawd.safety.versions import REJECTED, ROLLED_BACK, SERVING, Versions
+from clawd.safety.versions import GOOD, REJECTED, ROLLED_BACK, SERVING, Versions
 from clawd.safety.watch import Watch
 from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge
 from clawd.scoring.teacher import Teacher
@@ -119,7 +119,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     # Engines: the policy engine serves chat and takes published weights; a reference engine (when a
     # judge or teacher needs the initial weights) is supervised the same way.
     tokenizer = ChatTokenizer(cfg.model_path)
-    policy = _restored_policy(state_dir)
+    versions = Versions(state_dir / "versions.jsonl")  # a restart serves only what the gate passed
+    policy = _restored_policy(state_dir, versions)
     engines = _engine_supervisors(cfg, policy)
     # The policy replicas (one unless [engine] replicas/urls say more): a router sends each request to one.
     replicas = Replicas([e for e in engines if e.role == "policy"], policy)
@@ -136,7 +137,6 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         log.warning("journal: %d sample(s) already in the checkpoint's weights are not trained again", trained)
     log.info("journal: %d sample(s) waiting from before", replayed - trained)
     # The version history: samples of versions rejected or rolled back before the stop are never trained.
-    versions = Versions(state_dir / "versions.jsonl")
     if doomed := store.drop_versions({v.version for v in versions if v.status in (REJECTED, ROLLED_BACK)}):
         log.warning("journal: %d sample(s) of rejected or rolled-back versions dropped", doomed)
     # Behaviour monitors per version: replies, the judge's verdicts and the trainer's steps feed them.
@@ -435,13 +435,13 @@ def _gate(cfg: Config, tokenizer: ChatTokenizer, engine: Balanced, judge) -> Pro
     return gate
 
 
-def _restored_policy(state_dir) -> Policy:
-    """The newest checkpointed version, served again after a restart (the trainer resumes from it)."""
-    restored = restored_weights(state_dir)
+def _restored_policy(state_dir, versions: Versions) -> Policy:
+    """What a restart serves: the trainer's version if the gate passed it, else the newest one it did."""
+    restored = restored_weights(state_dir, lambda v: (r := versions.get(v)) is None or r.status in GOOD)
     if restored is None:
         return Policy()
     version, path = restored
-    log.info("serving v%d from %s (the trainer's checkpoint)", version, path)
+    log.info("serving v%d from %s at start", version, path)
     return Policy(version=version, weight_version=str(version), weights_dir=str(path),
                   adapter=adapter_name(version) if is_adapter(path) else None)
 

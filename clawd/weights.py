@@ -44,17 +44,22 @@ def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
     return [p for _, p in numbered(checkpoints_dir, CHECKPOINT_DIR) if (p / "complete").is_file()]
 
 
-def restored_weights(state_dir: Path) -> tuple[int, Path] | None:
-    """(version, directory) of the weights the trainer resumes with, when they are still published;
-    None when it resumes from the base model or that version's directory is gone (kept versions
-    rotated out): then the learner publishes the trainer's weights as a new version once it is up."""
+def restored_weights(state_dir: Path, servable: Callable[[int], bool] = lambda version: True
+                     ) -> tuple[int, Path] | None:
+    """(version, directory) of the weights a restart serves: the ones the trainer resumes with, when they are
+    still published and `servable` (the gate passed them); else the newest published version before them
+    that is. None: the base model (the trainer resumes from it, or nothing servable is left); the learner
+    then moves the engine onto the trainer's weights, through the gate when they have not passed it."""
     complete = complete_checkpoints(Path(state_dir) / "checkpoints")
     if not complete:
         return None
-    version = json.loads((complete[-1] / "state.json").read_text())["version"]
-    path = version_dir(state_dir, version)
-    if version > 0 and is_published(path):
-        return version, path
+    newest = json.loads((complete[-1] / "state.json").read_text())["version"]
+    for version in range(newest, 0, -1):
+        path = version_dir(state_dir, version)
+        if is_published(path) and servable(version):
+            return version, path
+        if version == newest and servable(version):
+            return None  # rotated out but fine: the learner publishes the trainer's weights again
     return None
 
 

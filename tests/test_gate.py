@@ -269,3 +269,41 @@ def test_full_weights_a_canary_holds_the_candidate_or_one_engine_serves_it_to_ch
     assert asyncio.run(alone.deliver("/w/v2", 2, publish))["passed"]
     assert publisher.calls == [("hold_apart", 2), ("release", None)]
     assert published == [(2, False)]  # served before its verdict (one engine), promoted by the verdict
+
+
+class FailsAfter(Engine):
+    """Answers `calls` generations (the incumbent's), then the engine is unreachable (the candidate's)."""
+
+    def __init__(self, calls: int):
+        super().__init__()
+        self.calls = calls
+
+    async def generate(self, payload):
+        self.fail = len(self.payloads) >= self.calls
+        return await super().generate(payload)
+
+
+def test_an_evaluation_that_fails_never_leaves_a_candidate_serving(tmp_path):
+    async def deliver(case, *, lora=False, canary=False):
+        promo, publisher, _, published, history = promotion(tmp_path / case, lora=lora, answers={}, canary=canary)
+        promo.gate.engine = engine = FailsAfter(len(PROMPTS))  # the incumbent scores; the candidate cannot
+        if canary:
+            publisher.canary = engine
+
+        async def publish(weights, version, promote=True):  # the learner's: the policy moves to what it publishes
+            published.append((version, promote))
+            promo.policy.version, promo.policy.weights_dir = version, weights
+            return True
+        return await promo.deliver("/w/v2", 2, publish), publisher, published, history, promo
+
+    # One engine, full weights: v2 had to serve to be checked, and is rejected rather than left serving.
+    verdict, publisher, published, history, promo = asyncio.run(deliver("alone"))
+    assert published == [(2, False)] and verdict["passed"] is False and verdict["unevaluated"] is True
+    assert "EngineUnavailable: connection refused" in verdict["detail"]
+    assert history.get(2).gate["passed"] is False and promo.snapshot()["rejected"] == 1
+    # A canary or a staged adapter: the candidate serves nowhere; the canary goes back; the evaluation is retried.
+    for case, kw, calls in (("canary", {"canary": True}, [("hold_apart", 2), ("release", ("/w/v1", "1"))]),
+                            ("lora", {"lora": True}, [("stage", 2), ("release", ("/w/v1", "1"))])):
+        verdict, publisher, published, history, promo = asyncio.run(deliver(case, **kw))
+        assert verdict is None and published == [] and publisher.calls == calls, case
+        assert history.get(2).status == "candidate" and promo.snapshot()["failures"] == 1

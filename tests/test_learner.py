@@ -191,6 +191,29 @@ def test_a_restarted_daemon_serves_the_trainers_version_again(tiny_model, traine
     assert [(t["policy_version"], t["weight_version"]) for t in served] == [(want, str(want))], info
 
 
+@pytest.mark.slow
+def test_a_restart_never_serves_a_version_its_gate_did_not_pass(tiny_model, trained_once, tmp_path):
+    """A stop during v1's gate left it a candidate: the restart serves the base (the newest version the gate
+    passed), with learning off too, where nothing would ever evaluate v1 (it used to serve it)."""
+    from .harness import Daemon
+    from clawd.safety.versions import Versions
+    import openai
+    import shutil
+    shutil.copytree(trained_once, tmp_path / "state")
+    Versions(tmp_path / "state" / "versions.jsonl").update(1, status="candidate", gate=None)
+    again = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 4}, "engine": {"launch": "local"},
+                              "learner": {"enabled": False}})
+    try:
+        assert again.get("/ready")[1].get("policy_version") == 0
+        client = openai.OpenAI(base_url=again.url + "/v1", api_key="none", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}],
+                                       extra_headers={"X-Session-Done": "1"})
+    finally:
+        assert again.stop() == 0
+    served = [t for t in again.records() if t["messages"][0]["content"] == "again"]
+    assert [(t["policy_version"], t["weight_version"]) for t in served] == [(0, "0")]
+
+
 async def test_a_publish_waits_for_the_engine_to_be_ready_and_gives_up_after_its_timeout(tmp_path):
     """The daemon owns the engine's socket, so a starting engine already accepts: a publish sent then would be
     served once it is up, interleaved with the supervisor's own alignment. The publisher sends nothing until

@@ -190,13 +190,16 @@ def test_clawctl_rollback_serves_a_versions_weights_again_and_training_goes_on_f
     assert {t["policy_version"] for t in turns} <= {0, 1, 2, 3, 4, 5}
 
     # A stop between a rejection and its rollback left the rejected v5 as the newest checkpoint: the restart
-    # rolls back again, to v4, before anything else, and keeps the history.
+    # serves v4 from its first request (the newest version that served cleanly; v5 never serves again), rolls
+    # the trainer back to v4's checkpoint before anything else, and keeps the history.
     history.update(5, status=REJECTED, detail="rejected; the rollback did not happen before the stop")
     again = Daemon(tmp_path, sections)
     try:
-        assert _wait(lambda: again.get("/ready")[1]["policy_version"] == 6, 60)
+        assert again.get("/ready")[1]["policy_version"] == 4
+        assert _wait(lambda: "serving again" in json.dumps(clawctl(again, "versions", "--json").stdout), 60)
         by = {v["version"]: v for v in json.loads(clawctl(again, "versions", "--json").stdout)["versions"]}
-        assert sorted(by) == [0, 1, 2, 3, 4, 5, 6]
-        assert (by[5]["status"], by[6]["status"], by[6]["restored_from"]) == (REJECTED, SERVING, 4)
+        assert sorted(by) == [0, 1, 2, 3, 4, 5]
+        assert (by[4]["status"], by[5]["status"]) == (SERVING, REJECTED) and "v5 was rejected" in by[4]["detail"]
+        assert _wait(lambda: json.loads(clawctl(again, "checkpoint", "--json").stdout)["version"] == 4, 30)
     finally:
         assert again.stop() == 0

@@ -1,16 +1,15 @@
 """The learner: wait for a batch → train → gate → publish → acknowledge → repeat, while serving goes on.
 
 One long-lived task (owned by `daemon.run`). Batches come from the sample store (stale samples dropped,
-fairness applied); the trainer subprocess trains and writes the new weights; with a gate
-(clawd.safety.gate) the new version is scored before it serves everyone, and a rejected one is rolled
-back; the publisher swaps the policy engine onto it; only then does the policy version move. Samples are
-acknowledged in the journal once the trainer has checkpointed the step that consumed them, so a crash
-anywhere replays them rather than losing them. Every version's history: clawd.safety.versions.
+fairness applied); the trainer subprocess trains and writes the new weights; with a gate (clawd.safety.gate)
+the new version is scored before it serves everyone, and a rejected one is rolled back; the publisher swaps
+the policy engine onto it; only then does the policy version move (history: clawd.safety.versions). Samples
+are acknowledged once the trainer has checkpointed the step that consumed them: a crash replays, never loses.
 
-The engine always serves the trainer's state: a failed publish is retried before the next step; a
-(re)started trainer holds its checkpoint's weights, so samples trained after that checkpoint wait again
-and, when those weights are not what the engine serves, they are published (as a new version when their
-own directory is gone). Version numbers only go up and are never reused, rollbacks included.
+The engine serves the trainer's state: a failed publish is retried before the next step; a (re)started
+trainer holds its checkpoint's weights, so samples trained after it wait again, and those weights are
+published when the engine serves others (a new number when their directory is gone; through the gate when
+they never passed it: a restart serves the newest version that did meanwhile). Version numbers only go up.
 
 A step is trained once. When the trainer's write of its weights or of its checkpoint fails, the step
 stays in the trainer (`owed` in its state) and only that write is retried before the next step: with
@@ -44,7 +43,7 @@ from clawd.learning.rollback import keep_for_inspection, sort_unacked
 from clawd.learning.store import SampleStore
 from clawd.pauses import DISK, GATE, NON_FINITE, Pauses, describe
 from clawd.safety.gate import PromotionGate
-from clawd.safety.versions import CANDIDATE, GOOD, REJECTED, ROLLED_BACK, Version, Versions
+from clawd.safety.versions import CANDIDATE, GOOD, REJECTED, ROLLED_BACK, SERVING, Version, Versions
 from clawd.samples import Sample
 from clawd.trainer.link import HandlerError, TrainerError, TrainerSupervisor
 from clawd.trainer.wire import Trained
@@ -175,10 +174,15 @@ class Learner:
         if ready.pid != self._trainer_pid:
             self._trainer_restarted(ready.pid)
             self._unpublished = None
-            if ready.weights_version != self.policy.version:
+            held = self.versions.get(ready.weights_version)
+            doomed = held is not None and held.status in (REJECTED, ROLLED_BACK)  # never again: `_recover` rolls back
+            if ready.weights_version != self.policy.version and not doomed:
                 path = version_dir(self.state_dir, ready.weights_version)
                 if ready.weights_version > self.policy.version and is_published(path):
-                    self._unpublished = (str(path), ready.weights_version)
+                    if held is not None and held.status == CANDIDATE and self.promotion is not None:
+                        self._candidate = (str(path), ready.weights_version)  # unchecked: its gate first
+                    else:
+                        self._unpublished = (str(path), ready.weights_version)
                 else:  # older (checkpoint_every > 1) or rotated out: the same weights, a new number
                     version = self._next_version()
                     try:
@@ -189,21 +193,17 @@ class Learner:
                         return await self._write_failed("publish", exc)
                     self._unpublished = (weights, version)
         if not self._recovered:
-            await self._recover()
+            await self._recover(ready.weights_version)
         if not await self._write_owed():
             return False
         self._retry_delay = _RETRY_INITIAL
         return True
 
-    async def _recover(self) -> None:
-        """At start: a stop (or a crash) between a version's publish and its gate's verdict, or between a
-        rejection and the rollback's checkpoint, left that version serving. Gate it again, or roll it back."""
+    async def _recover(self, held: int) -> None:
+        """At start: the trainer left on a rejected or rolled-back version (`held`) is rolled back again."""
         self._recovered = True
-        record = self.versions.get(self.policy.version)
-        if record.status == CANDIDATE and self.promotion is not None and self.policy.weights_dir is not None:
-            log.warning("v%d was still before its gate at the last stop: evaluating it again", record.version)
-            self._candidate = (self.policy.weights_dir, record.version)
-        elif record.status in (REJECTED, ROLLED_BACK):
+        record = self.versions.get(held)
+        if record is not None and record.status in (REJECTED, ROLLED_BACK):
             log.warning("v%d was %s before the last stop: rolling back again", record.version, record.status)
             await self._rollback(self._target(exclude={record.version}), f"at start: v{record.version} was "
                                  f"{record.status}")
@@ -221,8 +221,7 @@ class Learner:
             if owed and owed[0] == "publish":
                 version = self._next_version()
                 try:
-                    self._unpublished = (await self.trainer.publish(version, timeout=self.cfg.publish_timeout),
-                                         version)
+                    self._unpublished = (await self.trainer.publish(version, timeout=self.cfg.publish_timeout), version)
                 except TrainerError as exc:
                     return await self._write_failed("publish", exc)
                 continue
@@ -467,6 +466,8 @@ class Learner:
                                       detail=f"v{target} again ({reason})"))
             if not await self._publish(weights, version):
                 self._unpublished = (weights, version)
+        elif self.versions.get(target).status != SERVING:  # a restart already serves it: it is the serving one again
+            self.versions.promote(target, f"serving again ({reason})")
         log.warning("rolled back to v%d (%s): %d sample(s) of %s dropped, %d to train again; serving v%d", target,
                     reason, len(dropped), ", ".join(f"v{v}" for v in sorted(doomed)), len(again), self.policy.version)
         await self._write_owed()

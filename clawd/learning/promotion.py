@@ -36,8 +36,10 @@ class Promotion:
 
     async def deliver(self, weights: str, version: int, publish: Publish) -> dict | None:
         """Score the candidate against the version it would replace, decide, and promote it when it passes
-        (`publish`). The verdict; None when the evaluation or a publish failed (the caller tries again). A
-        rejected candidate no longer serves anywhere unless it had to serve to be checked (one engine)."""
+        (`publish`). The verdict; None when the evaluation or a publish failed while the candidate serves
+        nowhere (the caller tries again). A candidate that had to serve to be checked (one engine) and could
+        not be evaluated is rejected: never left serving unchecked. A rejected candidate no longer serves
+        anywhere unless it had to serve to be checked; then the caller's rollback replaces it."""
         parent = self.versions.get(version).parent
         canary = None
         try:
@@ -52,7 +54,17 @@ class Promotion:
             candidate = await self._scored(version, self.publisher.adapter_of(version), canary)
         except (GateUnavailable, EngineError) as exc:
             self.failures += 1
-            log.error("the gate could not evaluate v%d (trying again): %s", version, exc)
+            if not self.lora and canary is None and self.policy.version == version:
+                # One engine: the candidate already serves everyone, unchecked. Trying again (for as long as the
+                # judge is down) would leave it there: it is rejected instead, and the learner rolls back, pauses
+                # learning with reason "gate" and keeps the batch in state/rejected/.
+                verdict = {"passed": False, "unevaluated": True,
+                           "detail": f"could not be evaluated while it served: {type(exc).__name__}: {exc}"}
+                self.versions.update(version, gate={**verdict, "against": parent})
+                self.rejected += 1
+                log.error("the gate could not evaluate v%d, which serves unchecked: rejecting it: %s", version, exc)
+                return verdict
+            log.error("the gate could not evaluate v%d (trying again; it serves nowhere meanwhile): %s", version, exc)
             await self.publisher.release(self._serving())
             return None
         baseline = self._baseline(version) if self.gate.cfg.baseline else None
