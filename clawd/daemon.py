@@ -44,7 +44,7 @@ from clawd.privacy.retention import Retention
 from clawd.safety import evalset
 from clawd.safety.gate import PromotionGate
 from clawd.safety.monitors import Monitors
-from clawd.safety.versions import GOOD, REJECTED, ROLLED_BACK, SERVING, Versions
+from clawd.safety.versions import REJECTED, ROLLED_BACK, SERVING, Versions
 from clawd.safety.watch import Watch
 from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge
 from clawd.scoring.teacher import Teacher
@@ -120,7 +120,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
     # judge or teacher needs the initial weights) is supervised the same way.
     tokenizer = ChatTokenizer(cfg.model_path)
     versions = Versions(state_dir / "versions.jsonl")  # a restart serves only what the gate passed
-    policy = _restored_policy(state_dir, versions)
+    policy = _restored_policy(state_dir, versions, cfg.gate.enabled)
     engines = _engine_supervisors(cfg, policy)
     # The policy replicas (one unless [engine] replicas/urls say more): a router sends each request to one.
     replicas = Replicas([e for e in engines if e.role == "policy"], policy)
@@ -435,9 +435,9 @@ def _gate(cfg: Config, tokenizer: ChatTokenizer, engine: Balanced, judge) -> Pro
     return gate
 
 
-def _restored_policy(state_dir, versions: Versions) -> Policy:
+def _restored_policy(state_dir, versions: Versions, gated: bool) -> Policy:
     """What a restart serves: the trainer's version if the gate passed it, else the newest one it did."""
-    restored = restored_weights(state_dir, lambda v: (r := versions.get(v)) is None or r.status in GOOD)
+    restored = restored_weights(state_dir, lambda version: versions.servable(version, gated))
     if restored is None:
         return Policy()
     version, path = restored

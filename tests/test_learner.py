@@ -194,15 +194,18 @@ def test_a_restarted_daemon_serves_the_trainers_version_again(tiny_model, traine
 @pytest.mark.slow
 def test_a_restart_never_serves_a_version_its_gate_did_not_pass(tiny_model, trained_once, tmp_path):
     """A stop during v1's gate left it a candidate: the restart serves the base (the newest version the gate
-    passed), with learning off too, where nothing would ever evaluate v1 (it used to serve it)."""
+    passed), with learning off too, where nothing would ever evaluate v1 (it used to serve it). Without a gate
+    a candidate is a publish a stop cut short, and serves (tests/test_crash_safety.py)."""
     from .harness import Daemon
     from clawd.safety.versions import Versions
     import openai
     import shutil
     shutil.copytree(trained_once, tmp_path / "state")
     Versions(tmp_path / "state" / "versions.jsonl").update(1, status="candidate", gate=None)
+    checks = tmp_path / "gate.jsonl"
+    checks.write_text(json.dumps({"id": "p", "messages": [{"role": "user", "content": "Hi"}], "check": {"min_words": 1}}))
     again = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 4}, "engine": {"launch": "local"},
-                              "learner": {"enabled": False}})
+                              "learner": {"enabled": False}, "gate": {"enabled": True, "set": str(checks)}})
     try:
         assert again.get("/ready")[1].get("policy_version") == 0
         client = openai.OpenAI(base_url=again.url + "/v1", api_key="none", max_retries=0)

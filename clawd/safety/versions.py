@@ -92,6 +92,12 @@ class Versions:
         found = [v for v in self.records.values() if v.status == SERVING]
         return max(found, key=lambda v: v.version) if found else None
 
+    def servable(self, version: int, gated: bool) -> bool:
+        """Whether a restart may serve `version`: it served cleanly, or (without a gate, nothing would check it)
+        it is a candidate whose publish a stop cut short; never a rejected or rolled-back one."""
+        record = self.records.get(version)
+        return record is None or record.status in GOOD or (not gated and record.status == CANDIDATE)
+
     def good(self) -> list[Version]:
         """Versions that served cleanly, oldest first: baselines and rollback targets."""
         return [v for v in self if v.status in GOOD]
