@@ -55,7 +55,7 @@ TEMPLATES = {
               "The hotel's phone number is {} and they speak English.", "Tel. {}", "fax {} (ask for Anna)",
               "Sure, it's {}, talk soon.", "Sorry, I meant {} not the old one."],  # no phone word
     "card": ["My card number is {}, expiry 04/27.", "Charge it to {} please.", "I paid with {} but got no receipt.",
-             "Visa {} was declined twice.", "card: {}"],
+             "Visa {} was declined twice.", "card: {}", "my card no. is {}"],
     "iban": ["Please transfer the deposit to {}.", "My IBAN is {}, the account is in my name.",
              "IBAN: {} (BIC on the invoice)", "Send the refund to {} not the old account."],
     "ip": ["The server at {} stopped answering pings.", "Whitelist {} in the firewall.",
@@ -80,6 +80,7 @@ NEGATIVES = [
 ]
 PEM_KINDS = ("RSA PRIVATE KEY", "PRIVATE KEY", "EC PRIVATE KEY", "OPENSSH PRIVATE KEY")
 ALNUM = string.ascii_letters + string.digits
+FULLWIDTH = {0x21 + i: 0xFF01 + i for i in range(94)}  # ASCII to its fullwidth form, one character for one
 
 
 def _rand(rng: random.Random, alphabet: str, n: int) -> str:
@@ -126,6 +127,9 @@ def make_secret(rng: random.Random, fake: Faker) -> tuple[str, str]:
         header = _b64url(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
         claims = {"sub": str(rng.randrange(10**9)), "name": fake.name(), "iat": 1700000000 + rng.randrange(10**7)}
         return "", f"{header}.{_b64url(json.dumps(claims).encode())}.{_b64url(rng.randbytes(32))}"
+    if kind == 13 and rng.random() < 0.3:  # a short plain word someone names as their own password
+        return rng.choice(("my password: {}", "our wifi password is {}.", "My PIN password is {}")), \
+            rng.choice(("letmein", "sunshine", "dragon", "monkey", "football", "princess", "qwerty", "trustno"))
     shape = rng.choice(('DB_PASSWORD="{}"', "password={}", '{{"user": "admin", "password": "{}"}}',
                         "my password is {} but it does not work", "api_key: '{}'"))
     return shape, fake.password(length=rng.randrange(10, 18))
@@ -169,13 +173,15 @@ def positive(category: str, rng: random.Random, fake: Faker) -> tuple[str, str]:
     elif category == "iban":
         value = fake.iban()
         if rng.random() < 0.5:
-            value = " ".join(value[i:i + 4] for i in range(0, len(value), 4))
+            value = rng.choice((" ", "-")).join(value[i:i + 4] for i in range(0, len(value), 4))
     elif category == "ip":
         value = rng.choice((fake.ipv4, fake.ipv4_private, fake.ipv6))()
     else:
         template, value = make_secret(rng, fake)
         if template:
             return template, value
+    if category in ("phone", "card") and rng.random() < 0.1:  # typed on a CJK keyboard: fullwidth digits
+        value = value.translate(FULLWIDTH)
     return rng.choice(TEMPLATES[category]), value
 
 

@@ -161,6 +161,33 @@ MESSAGES = [
 ]
 
 
+@pytest.mark.parametrize("text, found", [
+    ("my card no. is 4111 1111 1111 1111", [("card", "4111 1111 1111 1111")]),   # a card word before "no."
+    ("Visa nr: 4111-1111-1111-1111", [("card", "4111-1111-1111-1111")]),
+    ("see invoice no. 4111 1111 1111 1111", []),                                   # still another number
+    ("IBAN DE89-3704-0044-0532-0130-00 thanks", [("iban", "DE89-3704-0044-0532-0130-00")]),
+    ("IBAN DE89 3704-0044 0532 0130 00", []),                                      # mixed separators
+    ("call ０１６１ ４９６ ００６６ now", [("phone", "０１６１ ４９６ ００６６")]),  # fullwidth digits
+    ("card: ４１１１１１１１１１１１１１１１", [("card", "４１１１１１１１１１１１１１１１")]),
+    ("write to ｊｏｈｎ＠ｅｘａｍｐｌｅ．ｃｏｍ", [("email", "ｊｏｈｎ＠ｅｘａｍｐｌｅ．ｃｏｍ")]),
+    ("my password: letmein", [("secret", "letmein")]),                             # someone's own, a plain word
+    ("our new wifi password is sunshine.", [("secret", "sunshine")]),
+    ("my password is wrong", []), ("your token: expired", []), ("the password: letmein", []),
+])
+def test_what_earlier_versions_missed(text, found):
+    assert [(f.category, text[f.start:f.end]) for f in DETECTOR.detect(text)] == found
+
+
+def test_a_name_field_and_json_values_are_scanned_and_redacted():
+    named = {"role": "user", "name": "jane.doe@example.org", "content": "hi"}
+    assert DETECTOR.scan_messages([named]) == {"email": 1}
+    assert DETECTOR.redact_messages([named]) == [{"role": "user", "name": "[EMAIL]", "content": "hi"}]
+    tools = [{"function": {"description": "Calls +44 20 7946 0958", "parameters": {"enum": ["a@b.example", 3]}}}]
+    assert DETECTOR.scan_json(tools) == {"phone": 1, "email": 1}
+    assert DETECTOR.redact_json(tools) == [{"function": {"description": "Calls [PHONE]",
+                                                         "parameters": {"enum": ["[EMAIL]", 3]}}}]
+
+
 def test_scan_messages_counts_every_text_field():
     assert DETECTOR.scan_messages(MESSAGES) == {"email": 1, "phone": 1, "card": 1, "ip": 1, "iban": 1}
     assert DETECTOR.scan_messages([{"role": "user", "content": "hello"}]) == {}

@@ -57,6 +57,21 @@ def test_pii_in_the_prompt_excludes_the_turn_and_its_record_is_redacted_without_
     assert privacy.stats.found == {"email": 1, "phone": 1} and privacy.stats.excluded == {PII: 1}
 
 
+def test_pii_in_a_tool_definition_or_a_name_field_excludes_the_turn_and_is_redacted_in_the_record():
+    privacy = Privacy(PrivacyConfig(), KEYS)
+    tools = [{"type": "function", "function": {"name": "notify", "description": f"Mails {EMAIL} the result",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "to": {"type": "string", "enum": ["+44 20 7946 0958"]}}}}}]
+    admitted, record = privacy.admit(_finished(_turn(tools=tools)))
+    assert admitted.turn.excluded == PII and record["pii"] == {"email": 1, "phone": 1}
+    assert record["tools"][0]["function"]["description"] == "Mails [EMAIL] the result"
+    assert record["tools"][0]["function"]["parameters"]["properties"]["to"]["enum"] == ["[PHONE]"]
+    assert tools[0]["function"]["description"] == f"Mails {EMAIL} the result"  # the turn's own is untouched
+    named = [{"role": "user", "name": EMAIL, "content": "What is 2+2?"}]
+    admitted, record = privacy.admit(_finished(_turn(messages=named)))
+    assert admitted.turn.excluded == PII and record["messages"][0]["name"] == "[EMAIL]"
+
+
 def test_pii_only_in_the_next_state_is_trained_but_redacted_in_the_record():
     # The next message is not trained in this turn (it is the next turn's prompt, excluded there).
     privacy = Privacy(PrivacyConfig(), KEYS)

@@ -24,24 +24,28 @@ What each category takes (docs/ARCHITECTURE.md §18; the context words are Engli
           a date, a decimal or dotted version, an ISBN-13, anything in an e-mail, a URL or another finding.
   card    12-19 digits (bare, or grouped by one kind of separator), first digit 2-6 (the card industries;
           12 digits only for Maestro's 50, 56-69; 15-digit JCB 1800/2131), a valid Luhn digit (`stdnum.luhn`),
-          not right after a word naming another number (a tenth of all numbers pass Luhn: "tracking ...").
-  iban    country code, check digits and BBAN, compact or in groups of four, valid by `stdnum.iban`
-          (length per country and mod 97). Upper case only.
+          not right after a word naming another number (a tenth of all numbers pass Luhn: "tracking ...")
+          unless a card word names it ("my card no. is ...").
+  iban    country code, check digits and BBAN, compact or in groups of four (spaces or dashes), valid by
+          `stdnum.iban` (length per country and mod 97). Upper case only.
   ip      a dotted quad IS an IP ("1.2.3.4" too), unless glued to a letter or to more dotted numbers
           ("v1.2.3.4", "1.3.6.1.4.1"); "3.11.4" never is. IPv6 with at least three groups (so "ab::cd" in
           code is not one); both checked by `ipaddress`.
   secret  known formats (AWS AKIA/ASIA key ids, GitHub ghp_/github_pat_, GitLab glpat-, Slack xox?-, Stripe
           sk_/rk_live|test, OpenAI/Anthropic sk-, Google AIza, PEM private key blocks, JWTs); the value of a
           `password=` / `"api_key": "..."` / `token: ...` / "password is ..." assignment (after ':' or 'is', not a
-          plain word; not a placeholder, $VAR or call) and of `Bearer`; high-entropy tokens: 20-512
+          plain word unless someone's own: "my password: letmein", but not "my password is wrong"; not a
+          placeholder, $VAR or call) and of `Bearer`; high-entropy tokens: 20-512
           characters of [A-Za-z0-9+/_=-] with lower and upper case and a digit, no word-like part
           (SmolLM2-135M-Instruct), character classes changing like random text (not camelCase), Shannon
           entropy >= min(4.0, 0.8 log2(length)) bits, not after "base64,". A hex string (git SHA, hash,
           UUID) alone is not a secret; under a key-ish name it is.
+Fullwidth forms (４１１１, ＠) are read as their ASCII characters. Every text field of a message is scanned (its
+content, reasoning, tool-call arguments and `name`), and any JSON value (tool definitions: `scan_json`).
 Overlaps keep the longer span, and at equal length the more specific category (_RANK).
 Not detected: names, postal addresses, national ids; Unicode e-mail addresses; lower-case IBANs; phones
-written in words or bare numbers outside VALID ranges; passwords in prose without a key-ish word or that are
-one plain word; random tokens without a digit, with a word-like part, or longer than 512 characters.
+written in words or bare numbers outside VALID ranges; passwords in prose without a key-ish word, or one plain
+word nobody names as their own ("the password: letmein"); random tokens without a digit, with a word-like part, or longer than 512 characters.
 """
 from __future__ import annotations
 
@@ -69,6 +73,8 @@ _MEMO_TEXTS = 8192  # texts whose findings `detect` remembers (digests and spans
 DEFAULT_PHONE_REGIONS = ("US", "GB", "DE", "FR", "IT", "ES", "NL", "IN", "BR", "JP")
 # At equal span length the more specific wins: a checksum or a fixed format beats a phone's loose shape.
 _RANK = {"secret": 0, "iban": 1, "card": 2, "email": 3, "ip": 4, "phone": 5}
+# Fullwidth forms (４１１１, ＠) read as their ASCII letters, one character for one, so spans stay those of the text.
+_FULLWIDTH = {0xFF01 + i: 0x21 + i for i in range(94)} | {0x3000: 0x20}
 
 
 @dataclass(frozen=True)
@@ -124,23 +130,26 @@ def _cards(text: str) -> Iterator[tuple[int, int]]:
             continue  # not a card industry (old 15-digit JCB aside)
         if len(digits) == 12 and not _MAESTRO_12.match(digits):
             continue
-        if luhn.is_valid(digits) and not _NOT_CARD_WORDS.search(text, max(0, m.start() - 40), m.start()):
+        before = max(0, m.start() - 40)  # "card no. 4111...": a card, though "no." alone names another number
+        if luhn.is_valid(digits) and (_CARD_WORDS.search(text, before, m.start())
+                                      or not _NOT_CARD_WORDS.search(text, before, m.start())):
             yield m.span()  # a tenth of all numbers pass Luhn: "tracking 692287768091" is not a card
 
 
-_IBAN = re.compile(r"[A-Z]{2}\d{2}(?: ?[A-Z0-9]{1,4}){3,8}(?![\w])")
+_IBAN = re.compile(r"[A-Z]{2}\d{2}(?:[ -]?[A-Z0-9]{1,4}){3,8}(?![\w])")
 
 
 def _ibans(text: str) -> Iterator[tuple[int, int]]:
     for m in _IBAN.finditer(text):
-        if _glued(_WORD_BEFORE, text, m.start()):
+        if _glued(_WORD_BEFORE, text, m.start()) or (" " in m.group() and "-" in m.group()):
             continue
-        # Grouped by fours, the pattern may have run into a following capitalised word: try shorter.
-        parts = m.group().split(" ")
-        for n in range(len(parts), 0, -1):
-            candidate = " ".join(parts[:n])
-            if len(candidate.replace(" ", "")) >= 15 and stdnum_iban.is_valid(candidate):
-                yield m.start(), m.start() + len(candidate)
+        # Grouped by fours (spaces or dashes), the pattern may have run into a following capitalised word: try
+        # shorter.
+        ends = [g.end() for g in re.finditer(r"[A-Z0-9]+", m.group())]
+        for end in reversed(ends):
+            candidate = m.group()[:end]
+            if len(re.sub(r"[ -]", "", candidate)) >= 15 and stdnum_iban.is_valid(candidate):
+                yield m.start(), m.start() + end
                 break
 
 
@@ -197,6 +206,10 @@ _ASSIGNMENT = re.compile(
     rf"(?i)(?<![A-Za-z0-9])(?:{_KEY_WORDS})[\"']?(\s*(?:=|:|=>|:=)\s*|\s+is\s+)"
     r"(?:\"([^\"\n\\]{4,200})\"|'([^'\n\\]{4,200})'|([^\s\"'`,;\\}\]]{4,200}))")
 _BEARER = re.compile(r"\b[Bb]earer\s+([A-Za-z0-9._~+/=-]{16,})")
+_OWN = re.compile(r"(?i)\b(?:my|our|your|his|her|their)\s+(?:\w+\s+){0,2}\Z")
+_STATES = frozenset("wrong right correct incorrect invalid valid expired missing empty blank weak strong long short "
+                    "same different new old changed reset required optional secure insecure fine ok okay good bad "
+                    "unknown forgotten lost locked hidden visible saved stored encrypted".split())
 # Values that stand for a secret rather than hold one: literals, masks, $VARIABLES (one case), templates, paths.
 _PLACEHOLDER = re.compile(r"(?i)\A(?:none|null|nil|true|false|undefined|required|optional|string|redacted|\[\w+\]"
                           r"|x+|\*+|\.+|<.*|\$(?-i:[A-Z_][A-Z0-9_]*|[a-z_][a-z0-9_]*|[{(].*)|%(?:\(\w+\))?[sdr]|%\w+%"
@@ -245,8 +258,10 @@ def _secrets(text: str) -> Iterator[tuple[int, int]]:
             value = value.rstrip(".") if "=" not in m.group(1) else value  # "my password is hunter2."
             if _CALL.fullmatch(value) or len(value) < 4:
                 continue
-            # After ':' or 'is' in prose ("the token: expired", "password is wrong") a plain word is not a value.
-            if "=" not in m.group(1) and value.isalpha() and (value.islower() or value.istitle()):
+            # After ':' or 'is' in prose ("the token: expired", "password is wrong") a plain word is not a value,
+            # unless someone's own key-ish thing is named ("my password: letmein") by a word that is no state.
+            if ("=" not in m.group(1) and value.isalpha() and (value.islower() or value.istitle())
+                    and (not _OWN.search(text, max(0, m.start() - 32), m.start()) or value.lower() in _STATES)):
                 continue
         if not _PLACEHOLDER.match(value):
             yield start, start + len(value)
@@ -273,6 +288,8 @@ _OTHER_NUMBER = (
     r"[\s.:#-]*(?:number|no\.?|nr\.?|id|#)?(?:\s+(?:is|was|of))?[\s.:#=-]*\Z|#\s*\Z")
 _NOT_PHONE_WORDS = re.compile(_OTHER_NUMBER.format("|card|visa|mastercard|amex"))
 _NOT_CARD_WORDS = re.compile(_OTHER_NUMBER.format(""))
+_CARD_WORDS = re.compile(r"(?i)\b(?:card|visa|mastercard|amex|credit|debit)\b[\s.:#-]*(?:number|no\.?|nr\.?|num|#)?"
+                         r"(?:\s+(?:is|was))?[\s.:#=-]*\Z")
 # A bare run followed by a unit is a quantity: "449592966 bytes".
 _UNIT_AFTER = re.compile(r"\s?(?:%|€|\$|(?:[kKMGT]i?)?B|bytes?|rows?|lines?|items?|users?|people|times|km|kg|ms|"
                          r"sec(?:ond)?s?|tokens?|words?|records?|EUR|USD|GBP|JPY)\b", re.IGNORECASE)
@@ -405,7 +422,7 @@ class Detector:
         if (hit := self._memo.get(key)) is not None:
             self._memo.move_to_end(key)
             return hit
-        found = self._detect(text)
+        found = self._detect(text if text.isascii() else text.translate(_FULLWIDTH))
         self._memo[key] = found
         if len(self._memo) > _MEMO_TEXTS:
             self._memo.popitem(last=False)
@@ -449,6 +466,21 @@ class Detector:
                     counts[f.category] = counts.get(f.category, 0) + 1
         return counts
 
+    def scan_json(self, value: Any) -> dict[str, int]:
+        """{category: count} over every string inside a JSON value: tool definitions (descriptions, enums,
+        defaults), which are in every prompt that offers them."""
+        return self.scan_messages({"content": text} for text in _strings(value))
+
+    def redact_json(self, value: Any) -> Any:
+        """A copy of a JSON value with every string in it redacted."""
+        if isinstance(value, str):
+            return redact(value, self.detect(value))
+        if isinstance(value, list):
+            return [self.redact_json(v) for v in value]
+        if isinstance(value, dict):
+            return {k: self.redact_json(v) for k, v in value.items()}
+        return value
+
     def redact_messages(self, messages: Iterable[Any]) -> list[Any]:
         """A copy of the messages with every text field redacted (content, its text parts, reasoning_content,
         tool call arguments); the input is never changed."""
@@ -464,7 +496,7 @@ class Detector:
         def clean(text: str) -> str:
             return redact(text, self.detect(text))
 
-        for key in ("content", "reasoning_content"):
+        for key in ("content", "reasoning_content", "name"):
             value = message.get(key)
             if isinstance(value, str):
                 message[key] = clean(value)
@@ -482,7 +514,7 @@ def _texts(message: Any) -> Iterator[str]:
     """Every text field of one chat message, in the shapes the OpenAI API allows (and tolerating others)."""
     if not isinstance(message, dict):
         return
-    for key in ("content", "reasoning_content"):
+    for key in ("content", "reasoning_content", "name"):  # a sender's name is trained with its message too
         value = message.get(key)
         if isinstance(value, str):
             yield value
@@ -492,6 +524,17 @@ def _texts(message: Any) -> Iterator[str]:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
             yield function["arguments"]
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
 
 
 def _resolve(found: list[Finding]) -> list[Finding]:

@@ -65,6 +65,9 @@ class Privacy:
         """(the turn as scoring gets it, its record or None). Counts what it decided."""
         turn = finished.turn
         trained = self.scan(turn.messages, [turn.reply])
+        if turn.tools and self.detector is not None:  # the tool definitions are in the trained prompt too
+            for category, n in self.detector.scan_json(turn.tools).items():
+                trained[category] = trained.get(category, 0) + n
         later = self.scan(finished.next_state or [])
         found = {c: trained.get(c, 0) + later.get(c, 0) for c in {*trained, *later}}
         if found:
@@ -93,6 +96,7 @@ class Privacy:
             self.stats.redacted_records += 1
             record.update(messages=self.redact(record["messages"]), reply=self.redact([record["reply"]])[0],
                           next_state=None if record["next_state"] is None else self.redact(record["next_state"]),
+                          tools=None if record.get("tools") is None else self.detector.redact_json(record["tools"]),
                           pii=dict(sorted(found.items())), **{k: len(record[k]) for k in _IDS})
         return record
 
