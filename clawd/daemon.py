@@ -96,7 +96,7 @@ class TurnHandover:
             self.records.write(record, finished.finished)
         self.per_minute.tick()
         if self.monitors is not None:
-            self.monitors.observe_turn(finished.turn.policy_version, finished.to_record())
+            self.monitors.observe_turn(finished.turn.policy_version, finished.to_record(), keep_text=record is not None)
         if self.pauses.learning:
             self.pauses.turns_not_learned += 1
             return
@@ -237,7 +237,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         chat.on_first_token = metrics.observe_first_token
         if learner is not None:
             learner.on_publish = metrics.observe_publish
-        people = Holdings(state_dir, turn_records, judge_records, store, scorer, sessions, versions)
+        people = Holdings(state_dir, turn_records, judge_records, store, scorer, sessions, versions, monitors)
         admin = AdminServer(cfg.admin.socket_path(state_dir), admin_commands(pauses, status, learner, versions, people),
                             group=cfg.admin.group)
         await admin.start()

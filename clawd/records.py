@@ -124,7 +124,8 @@ class RecordWriter:
                 continue
             removed += len(lines) - len(kept)
             tmp = path.with_name(path.name + ".tmp")
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w",
+            tmp.unlink(missing_ok=True)  # one a crash left keeps its mode: made afresh, it is 0600
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "w",
                       encoding="utf-8") as f:
                 f.writelines(kept)
                 f.flush()

@@ -318,3 +318,21 @@ def test_cached_summaries_follow_new_replies():
     m.forget(1)
     _feed(m, 1, ["Bern is the capital of Switzerland."])  # a new tally of the same version: not the old cache
     assert m.baseline(2, [1]).summary()["empty_share"] == 0.0
+
+
+def test_a_forgotten_principals_texts_leave_every_tally_and_unrecorded_ones_are_never_kept():
+    monitors = Monitors(MonitorsConfig(enabled=True))
+    for version, principal, text in ((1, "alice", "Otters hold hands."), (1, "bob", "Seals sleep."),
+                                     (2, "alice", "Otters again."), (2, "ghost", "Unrecorded words.")):
+        monitors.observe_turn(version, {"principal": principal, "policy_version": version, "finish_reason": "stop",
+                                        "response_ids": [1, 2, 3], "reply": {"role": "assistant", "content": text}},
+                              keep_text=principal != "ghost")
+    tallies = monitors._tallies
+    assert list(tallies[2].texts) == ["Otters again."] and tallies[2].replies == 2  # ghost counted, not kept
+    revision = tallies[1].text_revision
+    assert monitors.forget_principal("alice") == 2
+    assert (list(tallies[1].texts), list(tallies[1].owners), list(tallies[1].word_counts)) == (["Seals sleep."],
+                                                                                               ["bob"], [2])
+    assert list(tallies[2].texts) == [] and tallies[2].replies == 2  # counts stay: numbers, no words
+    assert tallies[1].text_revision == revision + 1 and monitors.forget_principal("alice") == 0
+    assert "Otters" not in json.dumps(monitors.snapshot())

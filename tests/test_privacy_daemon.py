@@ -86,9 +86,26 @@ def test_consent_pii_export_forget_and_private_modes(tiny_model, tmp_path):
         assert not list((state / "exports").iterdir())  # the staging went once clawctl had its copy
         assert "export of principal 'alice' asked by uid" in "".join(daemon.lines)
 
+        # What a failed clawctl, a crash mid-export and a crash mid-rewrite leave behind: alice's words in a
+        # staged export, in one half written (no manifest yet), and in a temporary copy of the records.
+        words = '{"principal":"alice","text":"Tell me about otters"}\n'
+        for name, manifest in (("alice-20261204T000000Z-abcdef", {"principal": "alice"}),
+                               ("alice-20261204T000001Z-a1", None)):
+            (state / "exports" / name).mkdir()
+            (state / "exports" / name / "turns.jsonl").write_text(words)
+            if manifest:
+                (state / "exports" / name / "manifest.json").write_text(json.dumps(manifest))
+        (state / "exports" / "bob-20261204T000002Z-b0").mkdir()
+        (state / "exports" / "bob-20261204T000002Z-b0" / "manifest.json").write_text('{"principal": "bob"}')
+        (state / "records" / "turns-2026-12-04.jsonl.tmp").write_text(words)
+        for path in (state / "exports").rglob("*"):  # as clawd's umask would have made them
+            os.chmod(path, 0o700 if path.is_dir() else 0o600)
+
         # A deletion request.
         done = clawctl(daemon, "forget", "alice")
         assert done.returncode == 0, done.stderr
+        assert not (state / "exports" / "alice-20261204T000000Z-abcdef").exists()
+        assert sorted(p.name for p in (state / "exports").iterdir()) == ["bob-20261204T000002Z-b0"]  # bob's stays
         assert "forgot principal 'alice'" in done.stdout and "no version was trained" in done.stdout
         forgotten = json.loads(clawctl(daemon, "forget", "alice", "--json").stdout)  # again: nothing left
         assert all(n == 0 for n in forgotten["removed"].values())

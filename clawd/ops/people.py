@@ -1,14 +1,16 @@
 """Everything clawd holds about one person: `clawctl export PRINCIPAL DIR` and `clawctl forget PRINCIPAL`.
 
-A principal's data lives in eight places: the turn and judge records, the samples waiting in the store
+A principal's data lives in these places: the turn and judge records, the samples waiting in the store
 (and in the journal under it), the turns being scored, the live sessions (turns waiting for their next
-message), the batches of rejected versions kept for inspection (state/rejected/), and the damaged
-journal spans set aside at replay (journal/quarantine/) that name them. `export` copies all of it into
-a staging directory under the state directory (the daemon may write nowhere else under systemd), with
-a manifest; clawctl copies that to the operator's DIR and has the staging removed. `forget` deletes all
-of it, rewrites the journal without their bytes, and names the versions already trained on their
-samples (from the version lineage), so that the operator can roll back to before them: weights cannot
-unlearn. Both are logged with who asked, when and what counts, never the content.
+message), the batches of rejected versions kept for inspection (state/rejected/), the damaged journal
+spans set aside at replay (journal/quarantine/) that name them, exports of them still staged
+(state/exports/), temporary files a crash left mid-rewrite, and the reply texts the behaviour monitors
+keep in memory. `export` copies their part of it into a staging directory under the state directory (the
+daemon may write nowhere else under systemd), with a manifest: from a damaged span only their whole
+records, never the span. clawctl copies that to the operator's DIR and has the staging removed.
+`forget` deletes all of it, rewrites the journal without their bytes, and names the versions already
+trained on their samples (from the version lineage), so that the operator can roll back to before them:
+weights cannot unlearn. Both are logged with who asked, when and what counts, never the content.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Any
 from clawd.learning.journal_files import quarantined_for
 from clawd.learning.store import SampleStore
 from clawd.records import RecordWriter
+from clawd.safety.monitors import Monitors
 from clawd.safety.versions import Versions
 from clawd.samples import Sample
 from clawd.scoring.scorer import Scorer
@@ -51,6 +54,7 @@ class Holdings:
     scorer: Scorer
     sessions: SessionTable
     versions: Versions
+    monitors: Monitors | None = None  # the behaviour monitors' kept reply texts
 
     async def export(self, principal: str, asked_by: str) -> dict[str, Any]:
         """Write everything about `principal` under state_dir/exports/; returns the manifest (with its path)."""
@@ -58,6 +62,8 @@ class Holdings:
         # absolute: clawctl, which copies it, may run in another directory than the daemon
         out = (Path(self.state_dir) / EXPORTS / f"{_safe(principal)}-{stamp}-{os.urandom(3).hex()}").absolute()
         out.mkdir(parents=True)
+        # Whose it is, first: a forget finds an export that failed half way too.
+        (out / MANIFEST).write_text(json.dumps({"principal": principal, "complete": False}) + "\n")
         files = {
             "turns.jsonl": await _read(self.turn_records.select(principal)),
             "judge.jsonl": await _read(self.judge_records.select(principal)),
@@ -73,13 +79,19 @@ class Holdings:
             data = "".join(lines).encode()
             (out / name).write_bytes(data)
             manifest["files"][name] = {"lines": len(lines), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        quarantine = quarantined_for(self.store.journal.directory, principal)
-        if quarantine:
-            (out / "quarantine").mkdir()
-            for path in quarantine:
-                shutil.copyfile(path, out / "quarantine" / path.name)
-                manifest["files"][f"quarantine/{path.name}"] = {"bytes": path.stat().st_size,
-                                                                "sha256": _sha256(path)}
+        # Damaged journal spans set aside at replay: only this principal's whole records, never the span (it may
+        # hold other people's samples); what is too damaged to attribute is counted, not copied.
+        lines, unread = [], 0
+        for path in quarantined_for(self.store.journal.directory, principal):
+            found, left = _records_of(path.read_bytes(), principal)
+            lines += found
+            unread += left
+        if lines or unread:
+            data = "".join(lines).encode()
+            (out / "quarantine.jsonl").write_bytes(data)
+            manifest["files"]["quarantine.jsonl"] = {"lines": len(lines), "bytes": len(data),
+                                                     "sha256": hashlib.sha256(data).hexdigest(),
+                                                     "unattributed_bytes": unread}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         log.warning("export of principal %r asked by %s: %s into %s", principal, asked_by,
                     _counts(manifest["files"]), out)
@@ -88,6 +100,7 @@ class Holdings:
     async def forget(self, principal: str, asked_by: str) -> dict[str, Any]:
         """Delete everything about `principal`; returns what went and the versions trained on them."""
         closed = self.sessions.close_all(time.time(), FORGOTTEN, principal=principal)  # never handed over
+        temporaries = self._drop_temporaries()  # first: a rewrite below must not open a stale one
         scoring = await self.scorer.forget(principal)
         samples = dataclasses.asdict(await self.store.forget(principal))  # the journal rewritten without them
         removed = {
@@ -99,6 +112,9 @@ class Holdings:
             "turn_records": self.turn_records.remove(principal),
             "judge_records": self.judge_records.remove(principal),
             "rejected_samples": self._drop_rejected(principal),
+            "exports": self._drop_exports(principal),
+            "temporary_files": temporaries,
+            "monitor_texts": 0 if self.monitors is None else self.monitors.forget_principal(principal),
         }
         trained_on = self.trained_on(principal)
         log.warning("forget of principal %r asked by %s: removed %s; versions already trained on their samples: "
@@ -139,6 +155,47 @@ class Holdings:
         return gone
 
 
+    def _drop_exports(self, principal: str) -> int:
+        """Exports of `principal` still staged (clawctl failed before taking its copy) or left half written."""
+        gone = 0
+        for path in sorted((Path(self.state_dir) / EXPORTS).glob("*")):
+            try:
+                theirs = json.loads((path / MANIFEST).read_text()).get("principal") == principal
+            except (OSError, ValueError):  # no manifest yet: its name says whose
+                theirs = path.name.startswith(f"{_safe(principal)}-")
+            if theirs and path.is_dir():
+                shutil.rmtree(path)
+                gone += 1
+        return gone
+
+    def _drop_temporaries(self) -> int:
+        """Temporary files a crash or a full disk left mid-rewrite (copies of records, anyone's): never read."""
+        dirs = {self.turn_records.directory, self.judge_records.directory, Path(self.state_dir) / "rejected"}
+        stale = [p for d in dirs for p in Path(d).glob("*.tmp") if p.is_file()]
+        for path in stale:
+            path.unlink()
+        return len(stale)
+
+
+def _records_of(data: bytes, principal: str) -> tuple[list[str], int]:
+    """(the whole sample records of `principal` in a damaged journal span, as lines; the bytes of the span that
+    no whole record accounts for)."""
+    text, decoder = data.decode("utf-8", errors="replace"), json.JSONDecoder()
+    out, covered, at = [], 0, text.find('{"v":')
+    while at >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, at)
+        except ValueError:
+            at = text.find('{"v":', at + 1)
+            continue
+        covered += end - at
+        sample = obj.get("sample") if isinstance(obj, dict) else None
+        if isinstance(sample, dict) and sample.get("principal") == principal:
+            out.append(text[at:end] + "\n")
+        at = text.find('{"v":', end)
+    return out, max(0, len(text) - covered)
+
+
 async def _read(lines) -> list[str]:
     """All of a records generator, letting the loop serve every few thousand lines: records may be large,
     and the daemon has no threads to read them on. A line appended meanwhile is read or not."""
@@ -173,10 +230,6 @@ def _safe(principal: str) -> str:
 
 def _line(record: dict) -> str:
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _counts(files: dict) -> str:

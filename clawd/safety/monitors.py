@@ -189,6 +189,7 @@ class Tally:
         self._text: dict[str, Any] | None = None
         self.texts: deque[str] = deque(maxlen=cap)
         self.word_counts: deque[int] = deque(maxlen=cap)  # each kept text's words, counted before the cut
+        self.owners: deque[str] = deque(maxlen=cap)  # each kept text's principal: `forget` takes theirs out
         self.turns = 0          # every turn observed
         self.skipped = 0        # turns that were not text replies nor tool turns (cut after <= 1 token)
         self.replies = 0        # text replies, all of them (texts keeps only the last cap)
@@ -203,10 +204,12 @@ class Tally:
         self.entropy_steps, self.entropy_sum = 0, 0.0
 
     def add_turn(self, text: str | None, *, finish_reason: str | None, response_tokens: int,
-                 tools_offered: bool, tool_error: bool | None) -> None:
+                 tools_offered: bool, tool_error: bool | None, owner: str | None = "") -> None:
         """One served turn. text None: not a text reply (a tool call without content). A turn cut by
         the length limit after <= 1 token is no reply at all (`degeneration.reply_of`'s rule: a
-        one-token closing request's "You" is a first token, not an answer): counted as skipped only."""
+        one-token closing request's "You" is a first token, not an answer): counted as skipped only.
+        owner: the principal whose turn it is; None for one whose turns are not recorded (`record = false`):
+        counted, its text never kept."""
         self.turns += 1
         if finish_reason == "length" and response_tokens <= 1:
             self.skipped += 1
@@ -219,10 +222,26 @@ class Tally:
             return
         self.replies += 1
         self.refusals += is_refusal(text)
+        if owner is None:
+            return
         self.texts.append(text.strip()[:TEXT_CHARS])
         self.word_counts.append(len(degeneration.words(text)))
+        self.owners.append(owner)
         self.text_revision += 1
         self._text = None
+
+    def forget(self, principal: str) -> int:
+        """Takes `principal`'s kept texts out (their counts stay: numbers, no words); how many went."""
+        kept = [(t, w, o) for t, w, o in zip(self.texts, self.word_counts, self.owners) if o != principal]
+        gone = len(self.texts) - len(kept)
+        if gone:
+            for ring, values in ((self.texts, [k[0] for k in kept]), (self.word_counts, [k[1] for k in kept]),
+                                 (self.owners, [k[2] for k in kept])):
+                ring.clear()
+                ring.extend(values)
+            self.text_revision += 1
+            self._text = None
+        return gone
 
     def add_judgement(self, reward: float, has_hint: bool) -> None:
         """One judge verdict. A reward that is not a finite number is not a verdict: left out."""
@@ -251,6 +270,7 @@ class Tally:
         for t in tallies:
             out.texts.extend(t.texts)
             out.word_counts.extend(t.word_counts)
+            out.owners.extend(t.owners)
             for name in ("turns", "skipped", "replies", "refusals", "tool_turns", "tool_errors", "judgements",
                          "hints", "reward_sum", "steps", "kl_steps", "kl_sum", "entropy_steps", "entropy_sum"):
                 setattr(out, name, getattr(out, name) + getattr(t, name))
@@ -383,12 +403,19 @@ class Monitors:
         self._tallies.move_to_end(version)
         return tally
 
-    def observe_turn(self, version: int, record: Mapping[str, Any]) -> None:
-        """One turn record (`FinishedTurn.to_record()`) served by `version`."""
+    def observe_turn(self, version: int, record: Mapping[str, Any], keep_text: bool = True) -> None:
+        """One turn record (`FinishedTurn.to_record()`) served by `version`; keep_text False for a principal
+        whose turns are not recorded: counted, its words never kept."""
         _, text = degeneration.reply_of(record)
         self._tally(version).add_turn(
             text, finish_reason=record.get("finish_reason"), response_tokens=len(record.get("response_ids") or ()),
-            tools_offered=bool(record.get("tools")), tool_error=tool_call_error(record))
+            tools_offered=bool(record.get("tools")), tool_error=tool_call_error(record),
+            owner=str(record.get("principal", "")) if keep_text else None)
+
+    def forget_principal(self, principal: str) -> int:
+        """Every kept reply text of `principal` dropped from every version's tally; how many went."""
+        self._pool = None
+        return sum(t.forget(principal) for t in self._tallies.values())
 
     def observe_judgement(self, version: int, reward: float, has_hint: bool) -> None:
         self._tally(version).add_judgement(reward, has_hint)
