@@ -36,6 +36,7 @@ class ApiKey:
     key_file: str = ""
     train: bool = True  # false: this key's turns are served and never trained (consent; reason "consent")
     record: bool = True  # false: this key's turns leave no turn or judge record
+    operator: bool = False  # true: this key opens /dashboard (and /metrics with require_metrics_key)
 
     def check(self) -> dict[str, str]:
         errors = {}
@@ -96,6 +97,7 @@ class AuthConfig:
     trust_user_field: bool = False
     max_user_chars: int = 64
     allow_open: bool = False             # serve with no keys on an address other than loopback
+    require_metrics_key: bool = False    # /metrics needs an operator key (it is open, like /health, otherwise)
 
     def check(self) -> dict[str, str]:
         if self.max_user_chars < 1:

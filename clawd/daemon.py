@@ -233,7 +233,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                         requests=requests_per_minute, turns=turns_per_minute, disk=disk,
                         records=(turn_records, judge_records), versions=versions, watch=watcher,
                         privacy=privacy, retention=retention)
-        metrics = Metrics(status.snapshot)
+        auth = Authenticator(cfg)
+        metrics = Metrics(status.snapshot, auth if cfg.auth.require_metrics_key else None)
         chat.on_first_token = metrics.observe_first_token
         if learner is not None:
             learner.on_publish = metrics.observe_publish
@@ -242,7 +243,6 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                             group=cfg.admin.group)
         await admin.start()
         exits.push_async_callback(admin.close)
-        auth = Authenticator(cfg)
         loop.add_signal_handler(signal.SIGHUP, _reloader(cfg, ReloadTargets(
             set_log_level=lambda level: logging.getLogger().setLevel(level.upper()),
             set_api_keys=lambda keys: (auth.set_keys(keys), privacy.set_keys(keys)),
@@ -267,9 +267,9 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             gate = Gate()
             app = make_app(cfg, chat, auth=auth, gate=gate, engines=engines, serving_paused=lambda: pauses.serving,
                            on_request=requests_per_minute.tick, outer_middlewares=[metrics.middleware])
-            # No auth on /metrics, like /health: operators scrape it from localhost (server.host's default).
+            # /metrics is open like /health (scraped from localhost) unless [auth] require_metrics_key.
             app.router.add_get("/metrics", metrics.handle)
-            # The learning view; behind the API keys (a Basic password or a Bearer key) when there are any.
+            # The learning view; behind the operators' keys (a Basic password or a Bearer key) when keys are set.
             Dashboard(lambda: learning_view(status.snapshot(), versions, monitors, steps,
                                             samples_per_minute.per_minute()), auth).add_routes(app)
             if cfg.server.debug_routes:

@@ -38,7 +38,7 @@ def points(svg: browser.Element) -> list[tuple[int, float]]:
 async def test_the_dashboard_draws_a_live_daemons_versions(tiny_model, tmp_path):
     browser.require_chromium()
     daemon = Daemon(tmp_path, {
-        "auth": {"keys": [{"name": "ops", "key": KEY}]},
+        "auth": {"keys": [{"name": "ops", "key": KEY, "operator": True}]},
         "model": {"path": str(tiny_model), "max_tokens_cap": 8}, "engine": {"launch": "local", "seed": 1},
         "learner": {"enabled": True, "rollout_batch_size": 4, "min_batch_size": 4},
         "train": {"lr": 1e-2, "checkpoint_every": 1},

@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from clawd.config import config_from_dict
-from clawd.ops.dashboard import CHALLENGE, Dashboard, csp_for, key_matches, presented_secret
+from clawd.ops.dashboard import CHALLENGE, Dashboard, csp_for, presented_secret
 from clawd.serving.api import AUTH, make_app
 from clawd.serving.auth import Authenticator
 
@@ -91,17 +91,27 @@ class FakeChat:
     model_name = "m"
 
 
-def app_with_dashboard(data, *keys: str, seen: list | None = None) -> web.Application:
-    """The chat API with the dashboard's routes added after make_app, as the daemon adds /metrics."""
+def app_with_dashboard(data, *keys: str, seen: list | None = None, users: tuple[str, ...] = (),
+                       metrics_key: bool = False) -> web.Application:
+    """The chat API with the dashboard's routes added after make_app, as the daemon adds /metrics: `keys` are
+    operators' keys, `users` users' keys (they chat, never see the dashboard)."""
     @web.middleware
     async def record(request, handler):  # what reached clawd: path, its Authorization scheme, the status
         resp = await handler(request)
         if seen is not None:
             seen.append((request.path, request.headers.get("Authorization", "").partition(" ")[0], resp.status))
         return resp
-    cfg = config_from_dict({"auth": {"keys": [{"name": f"k{i}", "key": k} for i, k in enumerate(keys)]}})
+    cfg = config_from_dict({"auth": {"keys": [{"name": f"k{i}", "key": k, "operator": True} for i, k in enumerate(keys)]
+                                     + [{"name": f"u{i}", "key": k} for i, k in enumerate(users)],
+                                     "require_metrics_key": metrics_key}})
     app = make_app(cfg, FakeChat(), outer_middlewares=[record])
     Dashboard(data, app[AUTH]).add_routes(app)
+    from clawd.ops.metrics import Metrics
+
+    class Guarded(Metrics):  # its guard is the point here, not the figures of a status this app has none of
+        def render(self):
+            return web.Response(text="# metrics\n")
+    app.router.add_get("/metrics", Guarded(dict, app[AUTH] if metrics_key else None).handle)
     return app
 
 
@@ -125,8 +135,27 @@ def test_presented_secret_reads_bearer_and_basic_and_nothing_malformed():
 
 def test_key_matches_only_a_configured_key():
     a = auth(KEY, OTHER_KEY)
-    assert key_matches(a, KEY.encode()) and key_matches(a, OTHER_KEY.encode())
-    assert not any(key_matches(a, k) for k in (b"", KEY[:-1].encode(), KEY.encode() + b" ", KEY.upper().encode()))
+    assert a.matches(KEY.encode()) and a.matches(OTHER_KEY.encode())
+    assert not any(a.matches(k) for k in (b"", KEY[:-1].encode(), KEY.encode() + b" ", KEY.upper().encode()))
+
+
+async def test_a_users_key_chats_but_never_opens_the_dashboard_or_a_guarded_metrics():
+    client = await client_for(app_with_dashboard(history, KEY, users=(OTHER_KEY,), metrics_key=True))
+    try:
+        for path in ("/dashboard", "/dashboard/data", "/metrics"):
+            resp = await client.get(path, headers={"Authorization": f"Bearer {OTHER_KEY}"})
+            assert resp.status == 403 and (await resp.json())["error"]["code"] == "operator_key_required", path
+            assert (await client.get(path)).status == 401, path
+            assert (await client.get(path, headers={"Authorization": f"Bearer {KEY}"})).status == 200, path
+        resp = await client.get("/dashboard", headers={"Authorization": basic("u", OTHER_KEY)})
+        assert resp.status == 403 and "WWW-Authenticate" not in resp.headers  # no password prompt: a known key
+    finally:
+        await client.close()
+    client = await client_for(app_with_dashboard(history, KEY))  # without require_metrics_key: open, like /health
+    try:
+        assert (await client.get("/metrics")).status == 200
+    finally:
+        await client.close()
 
 
 def test_the_policy_runs_the_pages_own_blocks_by_hash_and_nothing_else():

@@ -40,8 +40,8 @@ the page is fetched every 5 s. The page draws every version it is given (the dae
 last 200) and the last 20 steps.
 
 Protection a browser can use: with API keys configured (`auth.open` False) both routes take HTTP
-Basic whose password is one of the API keys (any user name), or `Authorization: Bearer <key>`;
-anything else gets 401 with `WWW-Authenticate: Basic`, so a browser asks for it. The keys are the
+Basic whose password is an operator's API key (any user name), or `Authorization: Bearer <key>`;
+a user's key gets 403, anything else 401 with `WWW-Authenticate: Basic`, so a browser asks for it. The keys are the
 Authenticator's own (reloaded on SIGHUP), compared as digests in constant time. With no keys the
 page is open, like /metrics. The handlers return their 401s rather than raise them: the API's error
 middleware would rebuild a raised one without its WWW-Authenticate header.
@@ -104,9 +104,16 @@ def presented_secret(header: str) -> bytes | None:
     return password if colon else None
 
 
-def key_matches(auth: Authenticator, secret: bytes) -> bool:
-    """Whether `secret` is one of the configured keys (the Authenticator's constant-time comparison)."""
-    return auth.matches(secret) is not None
+def operator(auth: Authenticator, request: web.Request) -> bool | None:
+    """Whether the request may see operators' pages: True when no keys are set or it presents an operator's
+    key (HTTP Basic's password or a Bearer key); None for a user's key; False for none or a wrong one."""
+    if auth.open:
+        return True
+    secret = presented_secret(request.headers.get("Authorization", ""))
+    name = None if secret is None else auth.matches(secret)  # the Authenticator's constant-time comparison
+    if name is None:
+        return False
+    return True if name in auth.operators else None
 
 
 class Dashboard:
@@ -127,27 +134,31 @@ class Dashboard:
         app.router.add_get(PAGE, self.handle_page)
         app.router.add_get(DATA, self.handle_data)
 
-    def allowed(self, request: web.Request) -> bool:
-        if self.auth.open:
-            return True
-        secret = presented_secret(request.headers.get("Authorization", ""))
-        return secret is not None and key_matches(self.auth, secret)
+    def allowed(self, request: web.Request) -> bool | None:
+        """True: open, or an operator's key; False: no key, or a wrong one (401); None: a user's key (403): it
+        shows every version's replies and alarms, which are not a user's to see."""
+        return operator(self.auth, request)
 
-    def refuse(self, headers: dict[str, str]) -> web.Response:
-        resp = ApiError(401, "The dashboard needs an API key: as the password of HTTP Basic (any user name) "
-                             "or as 'Authorization: Bearer <key>'", code="invalid_api_key").response()
+    def refuse(self, headers: dict[str, str], known: bool = False) -> web.Response:
+        if known:
+            resp = ApiError(403, "The dashboard needs an operator's key: this key is a user's (give a key "
+                                 "operator = true in [auth] keys)", code="operator_key_required").response()
+            resp.headers.update(headers)
+            return resp
+        resp = ApiError(401, "The dashboard needs an operator's API key: as the password of HTTP Basic (any user "
+                             "name) or as 'Authorization: Bearer <key>'", code="invalid_api_key").response()
         resp.headers.update(headers)
         resp.headers["WWW-Authenticate"] = CHALLENGE
         return resp
 
     async def handle_page(self, request: web.Request) -> web.Response:
-        if not self.allowed(request):
-            return self.refuse(self.page_headers)
+        if not (allowed := self.allowed(request)):
+            return self.refuse(self.page_headers, known=allowed is None)
         return web.Response(text=self.page, content_type="text/html", charset="utf-8", headers=self.page_headers)
 
     async def handle_data(self, request: web.Request) -> web.Response:
-        if not self.allowed(request):
-            return self.refuse(self.data_headers)
+        if not (allowed := self.allowed(request)):
+            return self.refuse(self.data_headers, known=allowed is None)
         try:
             body = json.dumps(finite(self.data()), allow_nan=False)
         except Exception as exc:  # a stage that cannot be read now: the page keeps its last drawing

@@ -24,7 +24,10 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from clawd.ops.dashboard import operator
 from clawd.pauses import LIFTED_BY as PAUSE_REASONS
+from clawd.serving.auth import Authenticator
+from clawd.serving.errors import ApiError
 
 # Seconds. Requests include whole streamed replies, so the latency buckets reach minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -64,7 +67,8 @@ class Metrics:
     """One registry per app: the event metrics, plus the stages read at scrape time from `snapshot`
     (`Status.snapshot`: the same numbers `clawctl status` shows)."""
 
-    def __init__(self, snapshot: Callable[[], dict]):
+    def __init__(self, snapshot: Callable[[], dict], auth: Authenticator | None = None):
+        self.auth = auth  # set: /metrics needs an operator's key ([auth] require_metrics_key)
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("clawd_http_requests", "HTTP requests by matched route and final status.",
@@ -105,6 +109,9 @@ class Metrics:
 
     async def handle(self, request: web.Request) -> web.Response:
         """`GET /metrics`."""
+        if self.auth is not None and not (allowed := operator(self.auth, request)):
+            raise ApiError(403 if allowed is None else 401, "/metrics needs an operator's API key ('Authorization: "
+                           "Bearer <key>' of a key with operator = true)", code="operator_key_required")
         return self.render()
 
     @web.middleware

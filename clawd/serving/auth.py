@@ -37,6 +37,7 @@ class Authenticator:
     def set_keys(self, keys) -> None:
         """At start and on SIGHUP: the next request is checked against these."""
         self.keys = [(k.name, _digest(k.key.encode())) for k in keys]
+        self.operators = frozenset(k.name for k in keys if k.operator)
 
     @property
     def open(self) -> bool:
