@@ -203,7 +203,8 @@ def test_no_secret_leaves_clawd(tiny_model, tmp_path, monkeypatch):
     sections = {"model": {"path": str(tiny_model), "max_tokens_cap": 4},
                 "engine": {"launch": "local", "restart_backoff_initial": 0.2,
                            "api_key": keys["engine"], "admin_api_key": keys["admin"]},
-                "auth": {"keys": [{"name": "alice", "key": keys["alice"]}, {"name": "bob", "key": keys["bob"]}]},
+                "auth": {"keys": [{"name": "alice", "key": keys["alice"], "operator": True},  # she opens the dashboard
+                                  {"name": "bob", "key": keys["bob"]}]},
                 "judge": {"backend": "openai", "url": judge.fake.url, "model": "judge-m", "api_key_env": JUDGE_ENV,
                           "retries": 0, "timeout": 20.0}}
     try:
@@ -261,7 +262,7 @@ def test_no_secret_leaves_clawd(tiny_model, tmp_path, monkeypatch):
             status, got, data = raw_request(base, "GET", path, {"Authorization": f"Basic {basic}"})
             assert status == 200, (path, status)
             evidence.add(f"GET {path}", json.dumps(got).encode() + data)
-        for path in ("/metrics", "/health", "/ready", "/no/such/route"):
+        for path in ("/metrics", "/health", "/ready", "/no/such/route", "/dashboard"):  # bob's is a user's key
             status, got, data = raw_request(base, "GET", path, {"Authorization": f"Bearer {keys['bob']}"})
             evidence.add(f"GET {path}", json.dumps(got).encode() + data)
 
