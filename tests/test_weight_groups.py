@@ -96,6 +96,7 @@ async def test_a_publish_goes_over_the_group_bit_for_bit_and_a_push_cut_short_fa
             trained = await trainer.train("b3", 3, [make_sample(4), make_sample(5)])
             assert served_equals_directory(engine, trained.weights_dir) != []  # v3 differs from what is served
             await publisher.publish(trained.weights_dir, 3)  # the trainer dies at the push's second bucket
+            assert trainer.ready is None  # the disk fallback did not wait for the next trainer child to start
             assert (groups.stats.pushes, groups.stats.fallbacks) == (1, 1), groups.stats
             assert engine.weight_version == "3" and served_equals_directory(engine, trained.weights_dir) == []
             assert sup.name not in groups.groups and not groups.applies(sup.name, 3)  # disk during the cool-down

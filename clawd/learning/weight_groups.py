@@ -136,8 +136,11 @@ class WeightGroups:
         return {**reply, "pid": pid}
 
     async def _drop(self, replica: str, engine: EngineClient, error: str | None) -> None:
-        """Forget the group on both ends (each may already have); after a failure, disk for COOLDOWN seconds."""
-        self.groups.pop(replica, None)
+        """Forget the group on both ends (each may already have); after a failure, disk for COOLDOWN seconds.
+        The trainer is asked only while the child that formed the group lives: a new one has none (and may take
+        minutes to start, which the fallback to disk must not wait for); a join that half happened is left
+        by the trainer's next join of that name."""
+        group = self.groups.pop(replica, None)
         if error is not None:
             self.stats.fallbacks += 1
             self.stats.last_error = error[:500]
@@ -145,11 +148,13 @@ class WeightGroups:
             self.stats.groups[replica] = f"disk until {time.time() + COOLDOWN:.0f}"
             log.warning("weight-update group with %s failed, publishing from disk for %.0fs: %s", replica,
                         COOLDOWN, error)
-        for what, call in (("engine", engine.control("/destroy_weights_update_group", {"group_name": replica},
-                                                        self.timeout)),
-                           ("trainer", self.trainer.ask({"type": "leave_group", "name": replica}, self.timeout))):
+        ends = [("engine", lambda: engine.control("/destroy_weights_update_group", {"group_name": replica},
+                                                   self.timeout))]
+        if group is not None and group.pid == self.trainer.pid:
+            ends.append(("trainer", lambda: self.trainer.ask({"type": "leave_group", "name": replica}, self.timeout)))
+        for what, call in ends:
             try:
-                await call
+                await call()
             except Exception as exc:  # "does not exist" when that end already dropped it: nothing left to free
                 log.debug("weight-update group %s: the %s's end: %s", replica, what, exc)
 
