@@ -36,18 +36,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
 
-from clawd.config import Config, ModelConfig, ScoringConfig, StateConfig, TrainConfig, config_from_dict  # noqa: E402
-from clawd.engine.client import EngineClient  # noqa: E402
+from clawd.config import Config, ModelConfig, ScoringConfig, StateConfig, TrainConfig  # noqa: E402
 from clawd.engine.local.scheduler import Engine  # noqa: E402
 from clawd.engine.local.server import parse_args  # noqa: E402
 from clawd.engine.replicas import Replicas  # noqa: E402
-from clawd.engine.supervisor import EngineSupervisor  # noqa: E402
 from clawd.learning.publisher import Publisher  # noqa: E402
 from clawd.learning.weight_groups import WeightGroups  # noqa: E402
 from clawd.served import Policy  # noqa: E402
 from clawd.tools.models import cached_tiny_model  # noqa: E402
 from clawd.trainer.link import TrainerSupervisor, trainer_options  # noqa: E402
-from tests.local_engine import running  # noqa: E402
+from tests.local_engine import running, supervised  # noqa: E402
 from tests.trainer_handlers import make_sample  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -68,16 +66,11 @@ async def measure(args, model: Path, work: Path) -> dict:
                  train=TrainConfig(lr=1e-5, reward_baseline="none", checkpoint_every=1000))
     trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=600)
     engine = Engine(parse_args(["--model", str(model), "--threads", "1", "--context-length", "512"]))
-    tasks = [asyncio.create_task(trainer.run())]
+    task = asyncio.create_task(trainer.run())
     rows, out = [], {}
-    async with running(engine) as url:
-        policy = Policy()
-        sup = EngineSupervisor(config_from_dict({"engine": {"launch": "none", "urls": [url]}}), EngineClient(url),
-                               "policy", policy, index=0)
-        await sup.client.start()
-        tasks.append(asyncio.create_task(sup.run()))
+    policy = Policy()
+    async with running(engine) as url, supervised(url, policy, ready_timeout=120) as sup:
         try:
-            await asyncio.wait_for(sup.ready.wait(), 120)
             groups = WeightGroups(trainer, address="127.0.0.1", backend="gloo", engine_ranks=1,
                                   bucket_bytes=args.bucket_mb << 20, timeout=300)
             by_disk = Publisher(Replicas([sup], policy), 300)
@@ -107,11 +100,8 @@ async def measure(args, model: Path, work: Path) -> dict:
             out["fallbacks"], out["last_error"] = groups.stats.fallbacks, groups.stats.last_error
         finally:
             await trainer.stop(60)
-            await sup.stop()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await sup.client.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
     out["rounds"] = rows
     for path in ("disk", "group"):
         mine = [r for r in rows if r["path"] == path]

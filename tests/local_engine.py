@@ -31,3 +31,25 @@ async def running(engine) -> AsyncIterator[str]:
         engine.shutdown()
         await runner.cleanup()
         torch.set_num_threads(threads)
+
+
+@contextlib.asynccontextmanager
+async def supervised(url: str, policy, health_interval: float = 0.2, ready_timeout: float = 120.0):
+    """An engine supervisor over the engine at `url` (launch "none", as for an engine clawd does not start),
+    running and ready; stopped and closed on exit. Yields it."""
+    from clawd.config import config_from_dict
+    from clawd.engine.client import EngineClient
+    from clawd.engine.supervisor import EngineSupervisor
+
+    cfg = config_from_dict({"engine": {"launch": "none", "urls": [url], "health_interval": health_interval}})
+    sup = EngineSupervisor(cfg, EngineClient(url), "policy", policy, index=0)
+    await sup.client.start()
+    task = asyncio.create_task(sup.run())
+    try:
+        await asyncio.wait_for(sup.ready.wait(), ready_timeout)
+        yield sup
+    finally:
+        await sup.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await sup.client.close()

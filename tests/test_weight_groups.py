@@ -12,17 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clawd.config import Config, EngineConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig, config_from_dict
-from clawd.engine.client import EngineClient
+from clawd.config import Config, EngineConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig
 from clawd.engine.local.scheduler import Engine
 from clawd.engine.local.server import parse_args
 from clawd.engine.replicas import Replicas
-from clawd.engine.supervisor import EngineSupervisor
 from clawd.learning import weight_groups
 from clawd.learning.publisher import Publisher
 from clawd.served import Policy
 from clawd.trainer.link import TrainerSupervisor, trainer_options
-from tests.local_engine import running
+from tests.local_engine import running, supervised
 from tests.trainer_handlers import make_sample
 
 
@@ -64,15 +62,10 @@ async def test_a_publish_goes_over_the_group_bit_for_bit_and_a_push_cut_short_fa
                  train=TrainConfig(lr=1e-3, reward_baseline="none", checkpoint_every=1))
     trainer = TrainerSupervisor(trainer_options(cfg), backoff_initial=0.05, ready_timeout=120)
     engine = Engine(parse_args(["--model", str(tiny_model_bf16), "--threads", "1", "--context-length", "512"]))
-    tasks = [asyncio.create_task(trainer.run())]
-    async with running(engine) as url:
-        policy = Policy()
-        sup = EngineSupervisor(config_from_dict({"engine": {"launch": "none", "urls": [url], "health_interval": 0.2}}),
-                               EngineClient(url), "policy", policy, index=0)
-        await sup.client.start()
-        tasks.append(asyncio.create_task(sup.run()))
+    task = asyncio.create_task(trainer.run())
+    policy = Policy()
+    async with running(engine) as url, supervised(url, policy) as sup:
         try:
-            await asyncio.wait_for(sup.ready.wait(), 30)
             # An engine that cannot join (the CPU engine takes gloo groups only): the trainer gives up its
             # rendezvous after group_timeout, and the publish goes by disk with the engine never paused meanwhile.
             cannot = weight_groups.WeightGroups(trainer, address="127.0.0.1", backend="nccl", engine_ranks=1,
@@ -104,11 +97,8 @@ async def test_a_publish_goes_over_the_group_bit_for_bit_and_a_push_cut_short_fa
             assert trainer.pid != first_pid  # restarted from its checkpoint; no group of the old child is kept
         finally:
             await trainer.stop(30)
-            await sup.stop()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await sup.client.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 @pytest.mark.parametrize("tied", [True, False])

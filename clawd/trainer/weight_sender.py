@@ -48,9 +48,10 @@ class WeightSender:
                 out[name] = tensor
         return out
 
-    def layout(self, bucket_bytes: int) -> list[weight_group.Bucket]:
+    def layout(self, bucket_bytes: int, named: dict[str, torch.Tensor] | None = None) -> list[weight_group.Bucket]:
         """The buckets of the published weights: the same on every rank (a DTensor's shape is the whole one)."""
-        meta = {n: torch.empty(t.shape, dtype=self._dtype(t), device="meta") for n, t in self.named().items()}
+        named = self.named() if named is None else named
+        meta = {n: torch.empty(t.shape, dtype=self._dtype(t), device="meta") for n, t in named.items()}
         return weight_group.buckets(meta, bucket_bytes)
 
     def join(self, name: str, address: str, port: int, world_size: int, backend: str, timeout: float) -> None:
@@ -80,7 +81,7 @@ class WeightSender:
                 raise SyncRefused(f"no weight-update group {name!r}: join it first")
         self._on_writer(held)
         named, t0, sent = self.named(), time.perf_counter(), 0
-        buckets = self.layout(bucket_bytes)
+        buckets = self.layout(bucket_bytes, named)
         for bucket in buckets:
             whole = {n: sharding.full(named[n]) for n in bucket.names}  # every rank: a gather per sharded tensor
 
