@@ -13,7 +13,6 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -47,6 +46,7 @@ from clawd.safety.monitors import Monitors
 from clawd.safety.versions import REJECTED, ROLLED_BACK, SERVING, Versions
 from clawd.safety.watch import Watch
 from clawd.scoring.judges import CallPolicy, OpenAIJudge, SGLangJudge
+from clawd.scoring.handover import TurnHandover
 from clawd.scoring.teacher import Teacher
 from clawd.scoring.scorer import Scorer
 from clawd.served import Policy
@@ -58,7 +58,7 @@ from clawd.records import RecordWriter
 from clawd.serving.sessions import SessionTable
 from clawd.tokenizer import ChatTokenizer
 from clawd.trainer.link import TrainerSupervisor, trainer_options
-from clawd.turns import SHUTDOWN, FinishedTurn
+from clawd.turns import SHUTDOWN
 from clawd.weights import checkpointed_samples, is_adapter, restored_weights
 
 log = logging.getLogger("clawd")
@@ -76,31 +76,6 @@ class Shutdown:
 
     def request(self) -> None:
         (self.now if self.drain.is_set() else self.drain).set()
-
-
-@dataclass
-class TurnHandover:
-    """The edge from serving to scoring. Every finished turn passes privacy (consent, PII: what may be
-    trained and recorded), is written to the turn records and counted by its version's behaviour monitors;
-    it becomes a scoring task unless learning is paused (then it is served and recorded, never a sample)."""
-    records: RecordWriter
-    scorer: Scorer
-    pauses: Pauses
-    per_minute: Rate
-    privacy: Privacy
-    monitors: Monitors | None = None
-
-    def __call__(self, finished: FinishedTurn) -> None:
-        finished, record = self.privacy.admit(finished)
-        if record is not None:
-            self.records.write(record, finished.finished)
-        self.per_minute.tick()
-        if self.monitors is not None:
-            self.monitors.observe_turn(finished.turn.policy_version, finished.to_record(), keep_text=record is not None)
-        if self.pauses.learning:
-            self.pauses.turns_not_learned += 1
-            return
-        self.scorer.submit(finished)
 
 
 async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
@@ -213,7 +188,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
                                 max_turns=cfg.sessions.session_max_turns, max_sessions=cfg.sessions.max_sessions,
                                 new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
-        to_scoring = TurnHandover(turn_records, scorer, pauses, turns_per_minute, privacy, monitors)
+        to_scoring = TurnHandover(turn_records, scorer, pauses, privacy, monitors, on_turn=turns_per_minute.tick,
+                                  spawn=tasks.create_task)
         chat = ChatService(cfg, tokenizer, replicas, sessions, to_scoring, policy, spawn=tasks.create_task,
                            adapters=adapters)
 
@@ -232,7 +208,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         status = Status(cfg, policy, pauses, chat, store, scorer, engines, trainer, learner, started=time.time(),
                         requests=requests_per_minute, turns=turns_per_minute, disk=disk,
                         records=(turn_records, judge_records), versions=versions, watch=watcher,
-                        privacy=privacy, retention=retention)
+                        privacy=privacy, retention=retention, handover=to_scoring)
         auth = Authenticator(cfg)
         metrics = Metrics(status.snapshot, auth if cfg.auth.require_metrics_key else None)
         chat.on_first_token = metrics.observe_first_token
@@ -260,6 +236,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             watch = None if watcher is None else tasks.create_task(watcher.run(), name="monitors")
             unloader = None if adapters is None else tasks.create_task(
                 adapters.unload_retired(replicas, cfg.learner.publish_timeout), name="adapter-unloader")
+            loop_lag = tasks.create_task(metrics.watch_loop(), name="loop-lag")
             watchdog = None
             if (interval := systemd.watchdog_interval()) is not None:  # a stalled loop stops the pings
                 watchdog = tasks.create_task(systemd.watchdog(lambda: True, interval), name="watchdog")
@@ -298,6 +275,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                 await runner.cleanup()  # stops listening, waits for in-flight handlers
                 for finished in sessions.close_all(time.time(), SHUTDOWN):
                     to_scoring(finished)
+                await to_scoring.flush()  # turns whose PII scan is under way
                 sweeper.cancel()
                 disk_watch.cancel()
                 sweeps.cancel()
@@ -318,6 +296,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                     task.cancel()
                 if watchdog is not None:
                     watchdog.cancel()
+                loop_lag.cancel()
 
             await shutdown.drain.wait()
             systemd.notify("STOPPING=1", systemd.extend_timeout(3 * cfg.server.drain_timeout + 30), "STATUS=draining")

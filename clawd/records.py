@@ -5,7 +5,9 @@ sample journal owns that. Lines are appended from the event loop with one
 write each, without fsync. Files older than `retention_days` are deleted at rotation and by the
 retention sweep (`prune`, clawd.privacy.retention), mode 0600 whatever the umask. Records never hold API
 keys or headers: a `Turn` has none to give; what else they hold is clawd.privacy.policy's to decide.
-`select` and `remove` read and rewrite them per principal (clawctl export / forget).
+`select` and `remove` read and rewrite them per principal (clawctl export / forget); `remove` yields the
+loop every few thousand lines (a forget over a GB of records must not stall serving), and lines written
+meanwhile are held and appended once the files are replaced.
 
 A write that fails (a full disk) never reaches the caller, which is a chat request or a
 scoring task: the line is cut back out of the file (no torn line is left for the next to
@@ -14,6 +16,7 @@ daemon pauses learning for the disk). Serving goes on without its record.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -25,6 +28,8 @@ from clawd import faults
 from clawd.turns import FinishedTurn
 
 log = logging.getLogger("clawd.records")
+
+_LINES_PER_SLICE = 2000  # of a rewrite between two yields of the loop: a few ms of JSON decoding
 
 
 class RecordWriter:
@@ -39,6 +44,7 @@ class RecordWriter:
         self.failed = 0
         self.on_error: Callable[[OSError], None] | None = None
         self._logged_at = float("-inf")
+        self._held: list[tuple[dict, float]] | None = None  # written while `remove` rewrites: appended after
 
     def path_for(self, day: str) -> Path:
         return self.directory / f"{self.kind}-{day}.jsonl"
@@ -46,6 +52,9 @@ class RecordWriter:
     def write(self, record: dict, now: float | None = None) -> bool:
         """Append one line; False when it could not be written (see the module's docstring)."""
         now = time.time() if now is None else now
+        if self._held is not None:
+            self._held.append((record, now))
+            return True
         line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
         start = None
         try:
@@ -110,27 +119,48 @@ class RecordWriter:
                     if _belongs(line, principal):
                         yield line
 
-    def remove(self, principal: str) -> int:
+    async def remove(self, principal: str) -> int:
         """Rewrite every file without this principal's lines; returns how many went. Each file is replaced
         whole (a temporary file, fsynced, renamed over it), so a crash leaves the old file or the new one.
         The open file is closed first: the next write opens the new one."""
         self.close()
+        self._held = []
         removed = 0
-        for path in self.files():
-            with open(path, encoding="utf-8", errors="replace") as f:
-                lines = f.readlines()
-            kept = [line for line in lines if not _belongs(line, principal)]
-            if len(kept) == len(lines):
-                continue
-            removed += len(lines) - len(kept)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.unlink(missing_ok=True)  # one a crash left keeps its mode: made afresh, it is 0600
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "w",
-                      encoding="utf-8") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
+        try:
+            for path in self.files():
+                removed += await self._rewrite(path, principal)
+        finally:
+            held, self._held = self._held, None
+            for record, now in held:  # in the order written; theirs, written during the forget, go too
+                if record.get("principal") != principal:
+                    self.write(record, now)
+        return removed
+
+    async def _rewrite(self, path: Path, principal: str) -> int:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.unlink(missing_ok=True)  # one a crash left keeps its mode: made afresh, it is 0600
+        removed = 0
+        try:
+            with open(path, encoding="utf-8", errors="replace") as src, \
+                    open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "w",
+                         encoding="utf-8") as out:
+                for n, line in enumerate(src, 1):
+                    if _belongs(line, principal):
+                        removed += 1
+                    else:
+                        out.write(line)
+                    if n % _LINES_PER_SLICE == 0:
+                        await asyncio.sleep(0)
+                if removed:
+                    out.flush()
+                    os.fsync(out.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if removed:
             os.replace(tmp, path)
+        else:
+            tmp.unlink()
         return removed
 
     def close(self) -> None:

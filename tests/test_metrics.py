@@ -321,3 +321,18 @@ def test_every_metric_appears_and_moves_with_a_run(tiny_model, tmp_path):
     assert ("clawd_train_loss", (("part", "total"),)) in after
     assert total(after, "clawd_live_sessions") == 0  # the session ended with its last turn
     assert total(after, "clawd_engine_ready", role="policy") == 1 and total(after, "clawd_trainer_up") == 1
+
+
+async def test_a_step_that_holds_the_event_loop_shows_as_lag():
+    metrics = Metrics(snapshot)
+    watcher = asyncio.create_task(metrics.watch_loop())
+    await asyncio.sleep(0.12)  # a few quiet probes
+    time.sleep(0.3)  # a synchronous step: nothing else runs meanwhile
+    await asyncio.sleep(0.12)
+    watcher.cancel()
+    text = metrics.render().text
+    worst = float(re.search(r"^clawd_event_loop_lag_max_seconds (\S+)$", text, re.M).group(1))
+    assert worst >= 0.2
+    over = float(re.search(r'^clawd_event_loop_lag_seconds_bucket\{le="0.1"\} (\S+)$', text, re.M).group(1))
+    total = float(re.search(r"^clawd_event_loop_lag_seconds_count (\S+)$", text, re.M).group(1))
+    assert total - over >= 1  # the held step is counted above 0.1 s

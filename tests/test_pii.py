@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from clawd.privacy.phones import PHONE_BUDGET_UNITS, Budget
 from clawd.privacy.pii import CATEGORIES, Detector, Finding, entropy, redact
 
 DETECTOR = Detector()
@@ -229,3 +230,62 @@ def test_import_pulls_in_no_torch_no_spacy_and_uses_no_network():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# --- the bound on digit-dense text ----------------------------------------------------------------------------
+
+def test_stretches_are_where_a_phone_may_start_and_end():
+    from clawd.privacy.phones import _DIGIT_RUN, _stretches
+
+    def stretches(text):
+        return [text[a:b] for m in _DIGIT_RUN.finditer(text) for a, b in _stretches(text, *m.span())]
+
+    # One glue character (space, dot, dash, slash) joins digits: no phone starts or ends inside such a stretch.
+    assert stretches("2024-01-02 2024-01-02 2024-01-02") == []
+    assert stretches("12 34 56 78 90 12 34 56 78") == []
+    assert stretches("0161 496 0066") == ["0161 496 0066"]
+    # Wider gaps and brackets are places a phone may start or end; stretches that no 7-16 digits cover go.
+    assert stretches("(0161) 496 0066") == ["0161", "496 0066"]
+    assert stretches("1234567  1234567") == ["1234567", "1234567"]
+    assert stretches("12345678901234567  123") == []
+
+
+@pytest.mark.parametrize("text", ["2024-01-02 " * 727, "12 34 " * 1400, "1234567 " * 1000, "1 2 3 4 5 6 7 8 9 " * 450])
+def test_glued_digits_never_reach_the_phone_matcher(text):
+    """Each of these cost the old detector ~1 s per 8 KB (the matcher reading all of it in ten regions)."""
+    budget = Budget()
+    assert Detector(categories=("phone",)).detect(text, budget) == []
+    assert budget.units == PHONE_BUDGET_UNITS
+
+
+def test_a_turn_that_spends_its_phone_budget_reports_the_rest_unread():
+    text = "0123456  " * 900  # 900 possible national numbers
+    budget = Budget()
+    findings = Detector(categories=("phone",)).detect(text, budget)
+    assert budget.units <= 0 and budget.unread > 0
+    # Nothing is missed: every digit is in a finding, read or not (a run cut between two pieces of the text
+    # may come back as two findings).
+    covered = set().union(*(range(f.start, f.end) for f in findings))
+    assert all(i in covered for i, c in enumerate(text) if c.isdigit())
+    assert all(text[f.start:f.end].strip("0123456789") == "" for f in findings)
+    # A fresh budget for the next turn; a spent one makes the next text's possible phones unread at once.
+    spent = Budget(units=0)
+    assert found_with(spent, "Call 020 7946 0958 today") == ["020 7946 0958"] and spent.unread == 1
+
+
+def found_with(budget, text):
+    return [text[f.start:f.end] for f in Detector(categories=("phone",)).detect(text, budget)]
+
+
+def test_detection_in_steps_equals_detection_whole():
+    text = "Mail a@b.org, call +44 20 7946 0958, card 4111 1111 1111 1111, " * 40 + "0123456  " * 300
+    whole = Detector().detect(text)
+    steps, n = Detector().steps(text), 0
+    while True:
+        try:
+            next(steps)
+            n += 1
+        except StopIteration as stop:
+            assert stop.value == whole
+            break
+    assert n > 100  # it gave the loop back many times

@@ -2,6 +2,7 @@
 judge is shown, private file modes, the retention sweep, and records read and rewritten per principal."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -243,12 +244,44 @@ def test_records_are_selected_and_removed_per_principal_torn_lines_included(tmp_
         f.write('{"principal":"alice","messages":[{"content":"cut he\n')  # a torn line of theirs
     assert [json.loads(line)["n"] for line in list(w.select("alice"))[:2]] == [1, 3]
     assert len(list(w.select("alice"))) == 3
-    assert w.remove("alice") == 3
+    assert asyncio.run(w.remove("alice")) == 3
     assert [json.loads(line) for line in w.select("bob")] == [{"principal": "bob", "n": 2}]
     assert list(w.select("alice")) == [] and "cut he" not in (tmp_path / "turns-2026-09-22.jsonl").read_text()
     w.write({"principal": "alice", "n": 4}, now=T0 + DAY)  # the writer reopens after the rewrite
     assert len(list(w.select("alice"))) == 1
     assert _mode(w.path_for("2026-09-22")) == 0o600
+    w.close()
+
+
+def test_a_rewrite_gives_the_loop_back_and_keeps_the_lines_written_meanwhile(tmp_path):
+    """A forget over many records used to read and rewrite them with no yield (seconds per GB)."""
+    w = RecordWriter(tmp_path)
+    for n in range(5000):
+        w.write({"principal": "alice" if n % 2 else "bob", "n": n}, now=T0)
+
+    async def main():
+        ticks = 0
+
+        async def serve():  # a chat turn finishing while the forget runs
+            nonlocal ticks
+            while True:
+                ticks += 1
+                w.write({"principal": "bob" if ticks % 2 else "alice", "n": 10_000 + ticks}, now=T0)
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(serve())
+        await asyncio.sleep(0)
+        removed = await w.remove("alice")
+        other.cancel()
+        return removed, ticks
+
+    removed, ticks = asyncio.run(main())
+    assert removed == 2500 and ticks >= 2
+    lines = [json.loads(line) for line in w.path_for("2026-09-21").read_text().splitlines()]
+    # bob's lines from before, then bob's written during the rewrite, in order; none of alice's.
+    assert [r["n"] for r in lines[:2500]] == list(range(0, 5000, 2))
+    assert all(r["principal"] == "bob" for r in lines) and len(lines) > 2500
+    assert [r["n"] for r in lines[2500:]] == sorted(r["n"] for r in lines[2500:])
     w.close()
 
 

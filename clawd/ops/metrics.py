@@ -34,6 +34,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 PUBLISH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 HELD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+LAG_PROBE = 0.05  # seconds between two looks at the loop's lag
 
 UNMATCHED = "unmatched"  # the route label of a request no route matched (404, 405)
 UNPARSED = "unparsed"    # the route label of a request aiohttp answered itself, before any route (bad HTTP: 400)
@@ -87,7 +89,24 @@ class Metrics:
                                           "reason (header_timeout, body_timeout, write_timeout, evicted, refused).",
                                           ["reason"], registry=reg)
         self.connections_open = Gauge("clawd_connections_open", "Client connections open now.", registry=reg)
+        self.loop_lag = Histogram("clawd_event_loop_lag_seconds", f"How late the event loop woke a {LAG_PROBE}s "
+                                  "sleep: a synchronous step that held the loop (every request waits on it).",
+                                  buckets=LAG_BUCKETS, registry=reg)
+        self.loop_lag_max = Gauge("clawd_event_loop_lag_max_seconds", "The longest event loop lag since start.",
+                                  registry=reg)
         reg.register(SnapshotCollector(snapshot))
+
+    async def watch_loop(self) -> None:
+        """Sleeps `LAG_PROBE` seconds over and over and records how late each wake-up came."""
+        loop, worst = asyncio.get_running_loop(), 0.0
+        while True:
+            start = loop.time()
+            await asyncio.sleep(LAG_PROBE)
+            lag = max(0.0, loop.time() - start - LAG_PROBE)
+            self.loop_lag.observe(lag)
+            if lag > worst:
+                worst = lag
+                self.loop_lag_max.set(lag)
 
     def watch_connections(self, open_now: Callable[[], int]) -> Callable[[str], None]:
         """The connection tracker's numbers: the gauge reads `open_now` at scrape; the returned callable
@@ -318,6 +337,13 @@ def _privacy(st: dict) -> Iterator[Metric]:
                    "category", {c: pii["found"].get(c, 0) for c in pii["categories"]})
     yield counter("clawd_records_redacted_total", "Turn records written with their PII replaced.",
                   pii["redacted_records"])
+    yield counter("clawd_pii_phones_unread_total", "Possible phone numbers reported as PII unread: the turn's "
+                  "budget for the phone matcher was spent (digit-dense text).", pii["phones_unread"])
+    if (scans := pii["scans"]) is not None:
+        yield gauge("clawd_pii_scans_waiting", "Finished turns waiting for their PII scan.", scans["waiting"])
+        yield counter("clawd_pii_scans_deferred_total", "Turns whose PII scan needed more than one slice of "
+                      "the event loop (run in slices, in turn order).", scans["deferred"])
+        yield counter("clawd_pii_scans_failed_total", "Turns lost to an error in their PII scan.", scans["failed"])
     yield counter("clawd_turns_unrecorded_total", "Turns of API keys with record = false (no record kept).",
                   st["unrecorded_turns"])
     if (ret := st["retention"]) is not None:

@@ -93,6 +93,7 @@ class Status:
     watch: Any = None      # clawd.safety.watch.Watch: the behaviour monitors' verdicts (None: monitors off)
     privacy: Any = None    # clawd.privacy.policy.Privacy: PII found, turns kept out of training
     retention: Any = None  # clawd.privacy.retention.Retention: the sweeps
+    handover: Any = None   # clawd.scoring.handover.TurnHandover: turns whose PII scan waits
 
     def snapshot(self) -> dict:
         cfg, learner, trainer, store = self.cfg, self.learner, self.trainer, self.store
@@ -155,7 +156,10 @@ class Status:
         ps, rs = self.privacy.stats, None if self.retention is None else self.retention.stats
         return {"pii": {"categories": list(self.cfg.privacy.pii_categories), "turns_scanned": ps.scanned,
                         "turns_with_pii": ps.with_pii, "found": dict(ps.found),
-                        "redacted_records": ps.redacted_records},
+                        "redacted_records": ps.redacted_records, "phones_unread": ps.phones_unread,
+                        "scans": None if self.handover is None else {
+                            "waiting": self.handover.waiting, "deferred": self.handover.stats.deferred,
+                            "failed": self.handover.stats.failed}},
                 "not_trained": dict(ps.excluded), "unrecorded_turns": ps.unrecorded,
                 "retention": None if rs is None else {"days": self.cfg.records.retention_days, "sweeps": rs.sweeps,
                                                       "last": rs.last, "removed": dict(rs.removed),

@@ -13,9 +13,9 @@ strings, and its import takes ~170 ms and pulls in requests; see bench/pii.py fo
 What each category takes (docs/ARCHITECTURE.md §18; the context words are English, with a few others):
   email   a regex candidate (unavoidable; Presidio does the same) whose domain is checked offline: labels of
           letters, digits and inner hyphens, at most 63 each, and a TLD of letters (or xn--). ASCII only.
-  phone   `PhoneNumberMatcher` at leniency POSSIBLE, per region of `phone_regions` until every digit run is
-          read: "+CC ..." parses the same from any region, a national format ("(0161) 496 0066",
-          "06 12 34 56 78") only from its own. Many real and generated numbers lie outside the ranges VALID
+  phone   (clawd.privacy.phones) `PhoneNumberMatcher` at leniency POSSIBLE, per region of `phone_regions`
+          until every place a phone may stand is read, within a turn's `Budget`: "+CC ..." parses the same
+          from any region, a national format ("(0161) 496 0066", "06 12 34 56 78") only from its own. Many real and generated numbers lie outside the ranges VALID
           knows, so a formatted number (+, brackets, separators) needs a possible length only; a bare run of
           digits, as often a count or an id, must be VALID in a region and either start with one trunk 0
           or follow a phone word (call, tel, number, ...) in its sentence, with no other number between.
@@ -49,21 +49,21 @@ word nobody names as their own ("the password: letmein"); random tokens without 
 """
 from __future__ import annotations
 
-import bisect
 import copy
 import hashlib
 import ipaddress
-import itertools
 import math
 import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from operator import attrgetter
+from typing import Any, Generator, Iterable, Iterator, TypeVar
 
 import phonenumbers
 from stdnum import iban as stdnum_iban
-from stdnum import isbn as stdnum_isbn
 from stdnum import luhn
+
+from clawd.privacy.phones import OTHER_NUMBER, Budget, Scan, Spans, glued, in_pieces, phones
 
 CATEGORIES = ("email", "phone", "card", "iban", "ip", "secret")
 LABELS = {c: f"[{c.upper()}]" for c in CATEGORIES}
@@ -94,13 +94,11 @@ _DIGIT = re.compile(r"[0-9]")  # ASCII digits: a class `re` can skip through; \d
 _URL = re.compile(r"(?i)\b(?:https?|ftp|wss?)://[^\s<>\"'`]+|\bwww\.[^\s<>\"'`]+")
 
 
-def _glued(before: re.Pattern[str], text: str, start: int) -> bool:
-    """Whether the one or two characters just before `start` are what `before` matches."""
-    return any(before.fullmatch(text, i, start) for i in (start - 1, start - 2) if i >= 0)
 
 
-def _emails(text: str) -> Iterator[tuple[int, int]]:
+def _emails(text: str) -> Scan:
     for m in _EMAIL.finditer(text):
+        yield None
         local, _, domain = m.group().rpartition("@")
         if local.startswith(".") or local.endswith(".") or ".." in local or len(m.group()) > 254:
             continue
@@ -117,9 +115,18 @@ _CARD_BEFORE = re.compile(r"[\w+.,-]|\d[ -]")
 _MAESTRO_12 = re.compile(r"5[06-9]|6")
 
 
-def _cards(text: str) -> Iterator[tuple[int, int]]:
-    for m in _CARD.finditer(text):
-        if _glued(_CARD_BEFORE, text, m.start()):
+_BY_START = attrgetter("start", "end")
+_NOT_CARD_WORDS = re.compile(OTHER_NUMBER.format(""))
+_CARD_WORDS = re.compile(r"(?i)\b(?:card|visa|mastercard|amex|credit|debit)\b[\s.:#-]*(?:number|no\.?|nr\.?|num|#)?"
+                         r"(?:\s+(?:is|was))?[\s.:#=-]*\Z")
+
+
+def _cards(text: str) -> Scan:
+    for m in in_pieces(_CARD, text, longest=40):
+        if m is None:
+            yield None
+            continue
+        if glued(_CARD_BEFORE, text, m.start()):
             continue
         raw = m.group()
         digits = raw.replace(" ", "").replace("-", "")
@@ -139,9 +146,10 @@ def _cards(text: str) -> Iterator[tuple[int, int]]:
 _IBAN = re.compile(r"[A-Z]{2}\d{2}(?:[ -]?[A-Z0-9]{1,4}){3,8}(?![\w])")
 
 
-def _ibans(text: str) -> Iterator[tuple[int, int]]:
+def _ibans(text: str) -> Scan:
     for m in _IBAN.finditer(text):
-        if _glued(_WORD_BEFORE, text, m.start()) or (" " in m.group() and "-" in m.group()):
+        yield None
+        if glued(_WORD_BEFORE, text, m.start()) or (" " in m.group() and "-" in m.group()):
             continue
         # Grouped by fours (spaces or dashes), the pattern may have run into a following capitalised word: try
         # shorter.
@@ -159,9 +167,10 @@ _WORD_BEFORE = re.compile(r"\w")
 _IPV6 = re.compile(r"(?<![\w:.])[0-9A-Fa-f:]{2,39}(?:(?<=:)(?:\d{1,3}\.){3}\d{1,3})?(?:%[\w.]{1,16})?(?![\w:.]|\.\d)")
 
 
-def _ips(text: str) -> Iterator[tuple[int, int]]:
+def _ips(text: str) -> Scan:
     for m in _IPV4.finditer(text) if "." in text else ():
-        if _glued(_IPV4_BEFORE, text, m.start()):
+        yield None
+        if glued(_IPV4_BEFORE, text, m.start()):
             continue
         try:
             ipaddress.IPv4Address(m.group())
@@ -169,6 +178,7 @@ def _ips(text: str) -> Iterator[tuple[int, int]]:
             continue
         yield m.span()
     for m in _IPV6.finditer(text) if "::" in text or text.count(":") >= 3 else ():
+        yield None
         candidate = m.group().rstrip(":") if not m.group().endswith("::") else m.group()
         groups = [g for g in re.split(r"[:%]", candidate.split("%")[0]) if g]
         if candidate.count(":") < 2 or len(groups) + 3 * ("." in candidate) < 3:
@@ -243,13 +253,14 @@ def _high_entropy(token: str) -> bool:
     return entropy(token) >= min(4.0, 0.8 * math.log2(len(token)))
 
 
-def _secrets(text: str) -> Iterator[tuple[int, int]]:
+def _secrets(text: str) -> Scan:
     for hints, pattern in _SECRET_FORMATS:
         if any(h in text for h in hints):
             yield from (m.span() for m in pattern.finditer(text))
     lowered = text.lower()
     assignments = _ASSIGNMENT.finditer(text) if any(h in lowered for h in _KEY_HINTS) else ()
     for m in assignments:
+        yield None
         group = next(g for g in (2, 3, 4) if m.group(g) is not None)
         start, value = m.start(group), m.group(group)
         if group == 4:
@@ -267,132 +278,12 @@ def _secrets(text: str) -> Iterator[tuple[int, int]]:
             yield start, start + len(value)
     for m in _BEARER.finditer(text) if "earer" in text else ():
         yield m.span(1)
-    for m in _TOKEN.finditer(text):
+    for m in in_pieces(_TOKEN, text, longest=514):
+        if m is None:
+            yield None
+            continue
         if _high_entropy(m.group()) and not text.endswith("base64,", 0, m.start()):  # data: URIs hold data
             yield m.span()
-
-
-# --- phones ---------------------------------------------------------------------------------------------------------
-
-# Where any phone might be: a digit run with phone punctuation (the matcher's own scan is costly per region).
-# 7 digits at least: the few shorter numbers (some Italian, German and Austrian lines) are left out.
-_DIGIT_RUN = re.compile(r"[0-9](?:[\s\-.()/]{0,3}\d){6,}")
-_SENTENCE_END = re.compile(r"[.!?]\s+(?=[^\W\d])|\n")  # a new sentence starts with a letter
-_LETTER = re.compile(r"[^\W\d]")
-# Right before a number, a word that names another kind of number (the phone words below may be nearer).
-_OTHER_NUMBER = (
-    r"(?i)\b(?:order|invoice|inv|tracking|track|shipment|parcel|ref|reference|receipt|transaction|txn|account|acct"
-    r"|iban|isbn|issn|ean|upc|sku|serial|s/n|part|model|policy|ticket|case|booking|confirmation|reservation"
-    r"|customer|member|id|no|nr|num|zip|postal|postcode|code|pin|otp|cvv|version|build|patent|batch|lot|item"
-    r"|claim|registration|license|licence|passport{})\b"
-    r"[\s.:#-]*(?:number|no\.?|nr\.?|id|#)?(?:\s+(?:is|was|of))?[\s.:#=-]*\Z|#\s*\Z")
-_NOT_PHONE_WORDS = re.compile(_OTHER_NUMBER.format("|card|visa|mastercard|amex"))
-_NOT_CARD_WORDS = re.compile(_OTHER_NUMBER.format(""))
-_CARD_WORDS = re.compile(r"(?i)\b(?:card|visa|mastercard|amex|credit|debit)\b[\s.:#-]*(?:number|no\.?|nr\.?|num|#)?"
-                         r"(?:\s+(?:is|was))?[\s.:#=-]*\Z")
-# A bare run followed by a unit is a quantity: "449592966 bytes".
-_UNIT_AFTER = re.compile(r"\s?(?:%|€|\$|(?:[kKMGT]i?)?B|bytes?|rows?|lines?|items?|users?|people|times|km|kg|ms|"
-                         r"sec(?:ond)?s?|tokens?|words?|records?|EUR|USD|GBP|JPY)\b", re.IGNORECASE)
-_PHONE_WORDS = re.compile(r"(?i)\b(?:phone|tel|telephone|call|calling|mobile|cell|fax|whatsapp|sms|text|dial|ring"
-                          r"|contact|reach|number|hotline|landline|telefon|téléphone|portable|cellulare|móvil)\b")
-# OIDs, versions, decimals; not "206.269.0743"
-_DOTTED = re.compile(r"\d{1,3}(?:\.\d{1,3}){3,}|\d+(?:\.\d+)*\.\d(?:\.\d+)*|\d+\.\d+")
-_GLUED_BEFORE = re.compile(r"(?:\w|\d[ .\-/]?)\Z")
-_GLUED_AFTER = re.compile(r"\w|[ .\-/]\d|[-/][^\W\d_]")  # 1-800-FLOWERS
-_DATE = re.compile(r"\(?\d{1,4}[-./]\d{1,2}[-./]\d{1,4}\)?(?:\s+\d{1,2}[:.]\d{2})?")
-
-
-def _phone_context_ok(text: str, start: int) -> bool:
-    """False right after a word that names another kind of number ("order number", "ISBN", "#")."""
-    return not _NOT_PHONE_WORDS.search(text, max(0, start - 40), start)
-
-
-def _phone_word_before(text: str, start: int) -> bool:
-    """A phone word earlier in the same sentence, at most 40 characters back, with no other number between."""
-    before = text[max(0, start - 40):start]
-    cut = max((m.end() for m in _SENTENCE_END.finditer(before)), default=0)  # not after "Tel. "
-    words = list(_PHONE_WORDS.finditer(before, cut))
-    return bool(words) and not any(c.isdigit() for c in before[words[-1].end():])  # no other number between
-
-
-class _Spans:
-    """Spans that a later finding may not overlap, asked in O(log n): a log full of IPs and ids holds
-    thousands of them, and a linear scan per digit run was quadratic (seconds on 100 KB)."""
-
-    def __init__(self, spans: list[tuple[int, int]]):
-        spans = sorted(spans)
-        self.starts = [s for s, _ in spans]
-        self.reach = list(itertools.accumulate((e for _, e in spans), max))  # furthest end among the first i+1
-
-    def overlaps(self, start: int, end: int) -> bool:
-        i = bisect.bisect_left(self.starts, end)  # the spans that start before `end`
-        return i > 0 and self.reach[i - 1] > start
-
-
-def _phones(text: str, regions: tuple[str, ...], blocked: _Spans) -> Iterator[tuple[int, int]]:
-    windows: list[list[int]] = []
-    for m in _DIGIT_RUN.finditer(text):
-        if blocked.overlaps(m.start(), m.end()):
-            continue  # digits of an e-mail, a URL, a card, an IBAN, an IP or a secret
-        # What no region can make a phone of, tested once here rather than per region by the matcher.
-        if (_DATE.fullmatch(m.group()) or _DOTTED.fullmatch(m.group()) or _glued(_LETTER, text, m.start())
-                or (text[m.start() - 1:m.start()] != "+" and not _phone_context_ok(text, m.start()))):
-            continue
-        lo, hi = max(0, m.start() - 8), min(len(text), m.end() + 16)
-        if windows and lo <= windows[-1][1]:
-            windows[-1][1] = hi
-        else:
-            windows.append([lo, hi])
-    seen: set[tuple[int, int]] = set()
-    for lo, hi in windows:
-        chunk = text[lo:hi]
-        runs = [r.span() for r in _DIGIT_RUN.finditer(chunk)]
-        matched: list[tuple[int, int]] = []
-        for i, region in enumerate(regions):
-            # Once every digit run of the window is in a number some region read (accepted or not: what
-            # decides that is the same for every region), the other regions have nothing left to find.
-            if i and all(any(a <= r0 and r1 <= b for a, b in matched) for r0, r1 in runs):
-                break
-            for match in phonenumbers.PhoneNumberMatcher(chunk, region, leniency=phonenumbers.Leniency.POSSIBLE):
-                matched.append((match.start, match.end))
-                span = (lo + match.start, lo + match.end)
-                if span not in seen:
-                    seen.add(span)
-                    if _is_phone(text, span, match.raw_string, regions, blocked):
-                        yield span
-
-
-def _is_phone(text: str, span: tuple[int, int], raw: str, regions: tuple[str, ...],
-              blocked: _Spans) -> bool:
-    start, end = span
-    if blocked.overlaps(start, end) or _DATE.fullmatch(raw) or _DOTTED.fullmatch(raw):
-        return False
-    # At POSSIBLE the matcher does not look around the number: part of a word, a hash or a longer run is not one.
-    if _GLUED_BEFORE.search(text, max(0, start - 2), start) or _GLUED_AFTER.match(text, end):
-        return False
-    digits = re.sub(r"\D", "", re.split(r"(?i)[a-z#]", raw)[0])
-    if not 7 <= len(digits) <= 16:
-        return False  # E.164 allows 15 digits, one more for a trunk prefix; under 7: see _DIGIT_RUN
-    if len(digits) == 13 and digits[:3] in ("978", "979") and stdnum_isbn.is_valid(digits):
-        return False
-    if raw.lstrip("(").startswith("+"):
-        return True
-    if not _phone_context_ok(text, start):
-        return False
-    if re.search(r"[\s\-.()/]", raw):
-        return True
-    # A bare digit run is as often a count or an id: only a number valid in a region, and written with a trunk
-    # prefix (one leading 0, as most of these regions dial national numbers) or after a phone word.
-    national = raw.startswith("0") and not raw.startswith("00")
-    if not (national or _phone_word_before(text, start)) or _UNIT_AFTER.match(text, end):
-        return False
-    for region in regions:
-        try:
-            if phonenumbers.is_valid_number(phonenumbers.parse(raw, region)):
-                return True
-        except phonenumbers.NumberParseException:
-            continue
-    return False
 
 
 # --- the detector -------------------------------------------------------------------------------------------------
@@ -412,46 +303,53 @@ class Detector:
         if bad:
             raise ValueError(f"unknown phone regions {bad} (ISO 3166 alpha-2 codes libphonenumber knows)")
 
-    def detect(self, text: str) -> list[Finding]:
+    def detect(self, text: str, budget: Budget | None = None) -> list[Finding]:
         """Findings sorted by start, none overlapping: of two that overlap the longer, then the more specific.
         Remembered for the last texts seen (by digest): a conversation's messages come back with every turn,
         and a text scanned is usually redacted next."""
+        return finish(self.steps(text, budget))
+
+    def steps(self, text: str, budget: Budget | None = None) -> Generator[None, None, list[Finding]]:
+        """`detect` as a generator that yields between its costly steps, for a caller that must not hold the
+        event loop for long (`finish` runs it whole)."""
         if not text:
             return []
         key = hashlib.blake2b(text.encode(errors="surrogatepass"), digest_size=16).digest()
         if (hit := self._memo.get(key)) is not None:
             self._memo.move_to_end(key)
             return hit
-        found = self._detect(text if text.isascii() else text.translate(_FULLWIDTH))
+        found = yield from self._detect(text if text.isascii() else text.translate(_FULLWIDTH),
+                                        Budget() if budget is None else budget)
         self._memo[key] = found
         if len(self._memo) > _MEMO_TEXTS:
             self._memo.popitem(last=False)
         return found
 
-    def _detect(self, text: str) -> list[Finding]:
+    def _detect(self, text: str, budget: Budget) -> Generator[None, None, list[Finding]]:
         # Gates in C (substring and one-class scans) skip the patterns a text cannot match: most prose has no digit.
         wanted = self._wanted if _DIGIT.search(text) else self._wanted - {"iban", "card", "phone"}
         found: list[Finding] = []
-        emails = list(_emails(text)) if "@" in text else []
+        emails: list[tuple[int, int]] = []
+        if "@" in text:
+            emails = yield from _collect(_emails(text))
         if "email" in wanted:
             found += [Finding("email", s, e) for s, e in emails]
-        if "ip" in wanted:
-            found += [Finding("ip", s, e) for s, e in _ips(text)]
-        if "iban" in wanted:
-            found += [Finding("iban", s, e) for s, e in _ibans(text)]
-        if "secret" in wanted:
-            found += [Finding("secret", s, e) for s, e in _secrets(text)]
+        for category, scan in (("ip", _ips), ("iban", _ibans), ("secret", _secrets)):
+            if category in wanted:
+                found += [Finding(category, s, e) for s, e in (yield from _collect(scan(text)))]
         if wanted & {"card", "phone"}:
             # Digits inside an e-mail address or a URL are part of it, not a phone or a card.
             urls = [m.span() for m in _URL.finditer(text)] if "://" in text or "www." in text else []
             blocked = emails + urls
             if "card" in wanted:
-                found += [Finding("card", s, e) for s, e in _cards(text)
+                found += [Finding("card", s, e) for s, e in (yield from _collect(_cards(text)))
                           if not any(b0 <= s and e <= b1 for b0, b1 in blocked)]
             if "phone" in wanted and self.phone_regions:
                 # Phones last, and never in another finding's digits: the costliest step skips them.
                 blocked += [(f.start, f.end) for f in found]
-                found += [Finding("phone", s, e) for s, e in _phones(text, self.phone_regions, _Spans(blocked))]
+                found_phones = yield from _collect(phones(text, self.phone_regions, Spans(blocked), budget), every=1)
+                found += [Finding("phone", s, e) for s, e in found_phones]
+        yield
         return _resolve(found)
 
     def redact(self, text: str, findings: list[Finding]) -> str:
@@ -461,7 +359,7 @@ class Detector:
         """{category: count} over every text field of OpenAI chat messages; categories with none left out."""
         counts: dict[str, int] = {}
         for message in messages:
-            for text in _texts(message):
+            for text in message_texts(message):
                 for f in self.detect(text):
                     counts[f.category] = counts.get(f.category, 0) + 1
         return counts
@@ -469,7 +367,7 @@ class Detector:
     def scan_json(self, value: Any) -> dict[str, int]:
         """{category: count} over every string inside a JSON value: tool definitions (descriptions, enums,
         defaults), which are in every prompt that offers them."""
-        return self.scan_messages({"content": text} for text in _strings(value))
+        return self.scan_messages({"content": text} for text in json_strings(value))
 
     def redact_json(self, value: Any) -> Any:
         """A copy of a JSON value with every string in it redacted."""
@@ -510,7 +408,7 @@ class Detector:
                 function["arguments"] = clean(function["arguments"])
 
 
-def _texts(message: Any) -> Iterator[str]:
+def message_texts(message: Any) -> Iterator[str]:
     """Every text field of one chat message, in the shapes the OpenAI API allows (and tolerating others)."""
     if not isinstance(message, dict):
         return
@@ -526,27 +424,35 @@ def _texts(message: Any) -> Iterator[str]:
             yield function["arguments"]
 
 
-def _strings(value: Any) -> Iterator[str]:
+def json_strings(value: Any) -> Iterator[str]:
     if isinstance(value, str):
         yield value
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _strings(v)
+            yield from json_strings(v)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _strings(v)
+            yield from json_strings(v)
 
 
 def _resolve(found: list[Finding]) -> list[Finding]:
+    """Of findings that overlap, the longer stays, then the more specific (_RANK). Linear for findings that
+    do not overlap (most texts; a log of 100,000 IPs), and no worse than the characters they cover otherwise."""
+    found.sort(key=_BY_START)  # each scanner's are in order already: a merge
+    reach = -1
+    for f in found:
+        if f.start < reach:
+            break
+        reach = f.end
+    else:
+        return [f for f in found if f.end > f.start]
+    found = list(dict.fromkeys(found))
+    taken = bytearray(max(f.end for f in found))  # 1 where a kept finding stands
     kept: list[Finding] = []
-    starts: list[int] = []  # the kept spans, sorted and disjoint: their ends are sorted too
-    ends: list[int] = []
-    for f in sorted(set(found), key=lambda f: (-(f.end - f.start), _RANK[f.category], f.start)):
-        i = bisect.bisect_left(starts, f.end)  # kept spans that start before this one ends
-        if f.end > f.start and not (i > 0 and ends[i - 1] > f.start):
+    for f in sorted(found, key=lambda f: (-(f.end - f.start), _RANK[f.category], f.start)):
+        if f.end > f.start and taken.find(1, f.start, f.end) < 0:
             kept.append(f)
-            starts.insert(i, f.start)
-            ends.insert(i, f.end)
+            taken[f.start:f.end] = b"\x01" * (f.end - f.start)
     return sorted(kept, key=lambda f: f.start)
 
 
@@ -558,3 +464,28 @@ def redact(text: str, findings: Iterable[Finding]) -> str:
         last = f.end
     pieces.append(text[last:])
     return "".join(pieces)
+
+
+def _collect(scan: Scan, every: int = 8) -> Generator[None, None, list[tuple[int, int]]]:
+    """The spans of a scan, yielding once every `every` candidates it reads."""
+    spans, read = [], 0
+    for span in scan:
+        if span is not None:
+            spans.append(span)
+        else:
+            read += 1
+            if read % every == 0:
+                yield
+    return spans
+
+
+_T = TypeVar("_T")
+
+
+def finish(steps: Generator[None, None, _T]) -> _T:
+    """Runs a generator of steps (`Detector.steps`) to its end and returns its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value

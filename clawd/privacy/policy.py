@@ -11,15 +11,21 @@ At the edge from serving to scoring every finished turn passes through `Privacy.
 The scorer asks `for_judge` for the view of a turn an external judge gets, and `judge_record` for the
 judge record it writes. Scans are cached per message text: a conversation's earlier messages come
 back with every turn, and are scanned once (the detector remembers texts by digest).
+
+Detection is costly on some text (~1 µs a character of digit-dense text, more for phones), and the daemon
+has one thread: `scan_turn(finished)` is a generator that detects every text of a turn in steps, with one phone
+`Budget` for the turn, so that its caller (clawd.scoring.handover) can give the loop back between them;
+`admit` then finds each text's findings remembered.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, Generator, Iterable, Iterator
 
 from clawd.config import ApiKey
-from clawd.privacy.pii import Detector
+from clawd.privacy.phones import Budget
+from clawd.privacy.pii import Detector, json_strings, message_texts
 from clawd.privacy_config import PrivacyConfig
 from clawd.turns import NO_TRAIN, FinishedTurn, Turn
 
@@ -37,6 +43,7 @@ class PrivacyStats:
     excluded: dict[str, int] = field(default_factory=dict)  # turns kept out of training: consent, pii
     redacted_records: int = 0                          # records written with findings replaced
     unrecorded: int = 0                                # turns of keys with record = false
+    phones_unread: int = 0                             # possible phones reported unread: the turn's budget spent
 
 
 class Privacy:
@@ -60,6 +67,15 @@ class Privacy:
         return key is None or key.record
 
     # --- the edge from serving to scoring ---------------------------------------------------
+
+    def scan_turn(self, finished: FinishedTurn) -> Generator[None, None, None]:
+        """Detects every text `admit` will ask about, in steps (see the module's docstring)."""
+        if self.detector is None:
+            return
+        budget = Budget()
+        for text in _turn_texts(finished):
+            yield from self.detector.steps(text, budget)
+        self.stats.phones_unread += budget.unread
 
     def admit(self, finished: FinishedTurn) -> tuple[FinishedTurn, dict[str, Any] | None]:
         """(the turn as scoring gets it, its record or None). Counts what it decided."""
@@ -153,3 +169,11 @@ def _without_words(record: dict[str, Any]) -> dict[str, Any]:
     return record | {"messages": sizes(record["messages"]), "reply": sizes([record["reply"]])[0],
                      "next_state": sizes(record["next_state"]), "tools": None, "content": "withheld",
                      **{k: len(record[k]) for k in _IDS}}
+
+
+def _turn_texts(finished: FinishedTurn) -> Iterator[str]:
+    turn = finished.turn
+    for message in (*turn.messages, turn.reply, *(finished.next_state or ())):
+        yield from message_texts(message)
+    if turn.tools:
+        yield from json_strings(turn.tools)
