@@ -1,6 +1,6 @@
 """Run by tests/test_distributed_trainer.py under `torchrun --nproc-per-node 2`: the FSDP2 step on 2
-gloo ranks against the single-process step on the same global batch, and checkpoints across world
-sizes. Rank 0 also builds the single-process trainers (no process group: today's trainer) and
+gloo ranks against the single-process step on the same global batch, checkpoints across world
+sizes, and the world's sharded start-up against a plain load. Rank 0 also builds the single-process trainers (no process group: today's trainer) and
 writes every measured difference to the JSON file named on the command line; the test asserts them.
 
     torchrun --nproc-per-node 2 tests/distributed_step.py MODEL_DIR WORK_DIR OUT.json
@@ -200,6 +200,7 @@ def main() -> None:
                           "next_step_rel_max": worst(w_migrated_next, w_ref_next)}
     world.barrier()
     out["lora"] = _lora(model_dir, work, world)
+    out["startup"] = _startup(model_dir, work, world)
     if world.writer:
         out_path.write_text(json.dumps(out, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
     world.barrier()
@@ -214,7 +215,7 @@ def _lora(model_dir: Path, work: Path, world) -> dict | None:
                       seed=5)
     grads: dict = {}
     two = Trainer(model_dir, work / "lora-two", cfg, world=world)
-    before = full_weights(two)
+    before = full_weights(two)  # the adapters' init came from rank 0, drawn as one process draws it
     capture_grads(two, grads)
     m = two.train_step(skewed_batch("combine"), "combine")
     two_grads, two_after = dict(grads), full_weights(two)
@@ -223,6 +224,7 @@ def _lora(model_dir: Path, work: Path, world) -> dict | None:
     out = None
     if world.writer:
         one = Trainer(model_dir, work / "lora-one", cfg)
+        one_before = full_weights(one)
         capture_grads(one, grads)
         m1 = one.train_step(skewed_batch("combine"), "combine")
         one.publish(1)
@@ -237,10 +239,84 @@ def _lora(model_dir: Path, work: Path, world) -> dict | None:
                "base_unchanged": all(torch.equal(before[k], two_after[k]) for k in base),
                "published_rel_max": worst(files[0], files[1]), "published_tensors": len(files[0]),
                "resumed_equal": all(torch.equal(w_resumed[k], two_after[k]) for k in two_after),
-               "resumed_step": resumed.step}
+               "resumed_step": resumed.step,
+               "init_equal": before.keys() == one_before.keys() and all(torch.equal(before[k], one_before[k])
+                                                                        for k in before)}
         del one, resumed
     world.barrier()
     return out
+
+
+def _tiny_variants(work: Path) -> list[Path]:
+    """Two more tiny architectures beside the tests' Qwen2 (tied): a Llama, tied and with llama3 RoPE scaling
+    (SmolLM2's family; a rotary init other than the default one), and a Qwen3, untied, with q/k norms."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    made = [(LlamaForCausalLM, LlamaConfig(**shape, tie_word_embeddings=True, rope_parameters=rope), "tiny-llama"),
+            (Qwen3ForCausalLM, Qwen3Config(**shape, head_dim=16, tie_word_embeddings=False), "tiny-qwen3")]
+    out = []
+    for cls, config, name in made:
+        torch.manual_seed(1)
+        cls(config).eval().save_pretrained(work / name)
+        out.append(work / name)
+    return out
+
+
+def _startup(model_dir: Path, work: Path, world) -> dict | None:
+    """The world's start-up (clawd/trainer/sharded_load.py): every rank builds on the meta device and only rank 0
+    reads the weights (from_pretrained calls counted per rank). Every gathered parameter and every buffer,
+    the non-persistent rotary ones included, against the model `from_pretrained` loads plainly, bit for bit,
+    for the tests' model through the Trainer and for a tiny Llama and Qwen3 through the loader itself."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from clawd.trainer import sharded_load
+
+    saved, calls = AutoModelForCausalLM.__dict__["from_pretrained"], []
+
+    def counting(cls, *args, **kwargs):
+        calls.append(str(args[0]))
+        return saved.__func__(cls, *args, **kwargs)
+
+    def whole(model) -> dict[str, torch.Tensor]:  # a collective per tensor; the buffers are whole on every rank
+        state = {k: sharding.full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
+        return {**state, **{k: b.detach().cpu().clone() for k, b in model.named_buffers()}}
+
+    def compare(got: dict, path: Path, model) -> dict:
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+        want = {**ref.state_dict(), **dict(ref.named_buffers())}
+        return {"keys_equal": got.keys() == want.keys(),
+                "unequal": sorted(k for k in want if k not in got or got[k].dtype != want[k].dtype
+                                  or not torch.equal(got[k], want[k])),
+                "buffers": sorted(k for k, _ in ref.named_buffers()), "tensors": len(want),
+                "tied": sharded_load.tied(model),  # one parameter under both names, when the config ties them
+                "generation_config_equal": model.generation_config.to_dict() == ref.generation_config.to_dict()}
+
+    out: dict = {}
+    AutoModelForCausalLM.from_pretrained = classmethod(counting)
+    try:
+        trainer = Trainer(model_dir, work / "startup", TrainConfig(**UNIT, micro_batch_tokens=256), world=world)
+        loads = world.gather(len(calls))
+    finally:
+        AutoModelForCausalLM.from_pretrained = saved
+    got = whole(trainer.model)
+    if world.writer:
+        out["qwen2"] = {**compare(got, model_dir, trainer.model), "from_pretrained_calls": loads}
+    del trainer
+    paths = world.broadcast(_tiny_variants(work) if world.writer else None)
+    for path in paths:
+        scorer = sharded_load.load(path, TrainConfig(), world.device, world, contextlib.nullcontext)
+        got = whole(scorer.model)
+        if world.writer:
+            out[path.name] = compare(got, path, scorer.model)
+        del scorer
+    world.barrier()
+    return out if world.writer else None
 
 
 def _format1(trainer: Trainer, state_dir: Path) -> None:

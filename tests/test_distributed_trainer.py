@@ -3,7 +3,7 @@ single-process trainer on the same global batch; checkpoints move between world 
 that dies or hangs mid-step is recovered from the last checkpoint with no sample lost.
 
 The comparisons run in one torchrun world (tests/distributed_step.py, ~30 s on 2 cores); the tests
-below read what it measured. Tolerance: 1e-6 relative, per quantity, as asserted.
+below read what it measured. Tolerance: 1e-6 relative, per quantity, as asserted; the start-up is exact.
 """
 from __future__ import annotations
 
@@ -103,6 +103,20 @@ def test_lora_adapters_train_publish_and_checkpoint_in_the_world(measured):
     for key in ("loss_rel", "grad_rel_max", "weights_rel_max", "published_rel_max"):
         assert lora[key] <= TOLERANCE, key
     assert lora["resumed_equal"] and lora["resumed_step"] == 1
+    assert lora["init_equal"]  # the adapters' random init, broadcast from rank 0: one process's, bit for bit
+
+
+def test_the_world_starts_from_rank_0s_load_bit_for_bit(measured):
+    """Every rank builds the model on the meta device and only rank 0 reads the weights (clawd/trainer/
+    sharded_load.py): each gathered parameter and buffer, the rotary inv_freq recomputed on each rank included,
+    equals what from_pretrained loads alone, bit for bit; tied embeddings stay one parameter. The tests' Qwen2
+    through the Trainer; a tiny Llama (tied, llama3 RoPE) and Qwen3 (untied) through the loader."""
+    startup = measured["startup"]
+    assert startup["qwen2"]["from_pretrained_calls"] == [1, 0]  # rank 1 never loads the model
+    for name in ("qwen2", "tiny-llama", "tiny-qwen3"):
+        m = startup[name]
+        assert m["keys_equal"] and m["unequal"] == [] and m["tied"] and m["generation_config_equal"], name
+        assert m["buffers"] == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"], name
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ import torch
 from clawd import faults
 from clawd.train_config import TrainConfig
 from clawd.samples import MODES, Sample
-from clawd.trainer import adapters, checkpoints, head, losses, recompute, sharding
+from clawd.trainer import adapters, checkpoints, head, losses, sharded_load, sharding
 from clawd.trainer.batches import MicroBatch, micro_batch, mini_batches, pack
 from clawd.trainer.failures import OutOfMemory, StepFailed, TrainingPaused, out_of_memory
 from clawd.trainer.sharding import World
@@ -65,7 +65,6 @@ class Trainer:
         min_free_bytes: `[state] min_free_bytes`, what a write must leave free on the state directory;
         world: this rank's place in a trainer world of several ranks (`sharding.World`), None alone;
         keep_checkpoints: complete checkpoints kept (the rollback targets among them)."""
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         if problems := cfg.check():
@@ -87,23 +86,7 @@ class Trainer:
         if cuda and cfg.memory_fraction > 0:  # before anything is allocated: an engine may share the GPU
             torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device)
 
-        def load() -> head.ResponseScorer:
-            # sdpa named: with no attention mask it runs the causal flash kernel on CUDA. A LoRA base is
-            # frozen: bf16 on CUDA (no float32 master copy to keep), float32 on CPU as the CPU engine serves it.
-            base_dtype = torch.bfloat16 if cfg.lora and cuda else torch.float32
-            m = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=base_dtype,
-                                                     attn_implementation="sdpa").eval()  # dropout off
-            if cfg.lora:  # the adapters' random init from the seed: every rank and every run the same
-                torch.manual_seed(cfg.seed)
-                m = adapters.wrap(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
-            if recompute.wanted(cfg.recompute, self.device):  # before sharding: FSDP's hooks go around it
-                recompute.apply(m)
-            scorer = head.ResponseScorer(m, self._autocast)
-            if world is None:
-                return scorer.to(self.device)
-            return sharding.shard(scorer, world)  # moves each rank's shards to its device
-
-        self.scorer = load()
+        self.scorer = sharded_load.load(self.model_dir, cfg, self.device, world, self._autocast)
         self.model = self.scorer.model
         for attr in ("final_logit_softcapping", "logit_scale"):  # the head would not be the plain lm_head
             if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
