@@ -53,6 +53,7 @@ from clawd.served import Policy
 from clawd.serving.api import CONNECTIONS, Gate, make_app
 from clawd.serving.auth import Authenticator
 from clawd.serving.completion import ChatService
+from clawd.serving.encoder import Encoder
 from clawd.serving.connections import TrackedSite, raise_open_file_limit
 from clawd.records import RecordWriter
 from clawd.serving.sessions import SessionTable
@@ -190,8 +191,10 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                                 new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
         to_scoring = TurnHandover(turn_records, scorer, pauses, privacy, monitors, on_turn=turns_per_minute.tick,
                                   spawn=tasks.create_task)
+        encoder = Encoder(cfg.model_path)  # long prompts are encoded in a worker, off the loop
+        exits.push_async_callback(encoder.close)
         chat = ChatService(cfg, tokenizer, replicas, sessions, to_scoring, policy, spawn=tasks.create_task,
-                           adapters=adapters)
+                           adapters=adapters, encoder=encoder)
 
         # The monitors' verdicts on the version serving: alarm, halt learning, or roll back (clawd.safety.watch).
         watcher = None if monitors is None else Watch(monitors, versions, policy, pauses, state_dir,

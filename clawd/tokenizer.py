@@ -13,10 +13,9 @@ import json
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generator
 
 import jinja2
 import jinja2.ext
@@ -252,28 +251,55 @@ class ChatTokenizer:
     def encode_held(self, text: str) -> tuple[list[int], dict[str, array]]:
         """`encode` that leaves the cache as it was: the pieces seen for the first time come back with the
         ids, for `keep` once the caller accepts the text (a refused prompt leaves nothing behind)."""
-        if self._splitter is None:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids, {}
+        steps = self.encode_steps(text)
+        try:
+            piece = next(steps)
+            while True:  # run whole here: every piece is encoded in this process
+                piece = steps.send(None if piece is None else self._encode(piece))
+        except StopIteration as done:
+            return done.value
+
+    def encode_steps(self, text: str, inline_chars: int | None = None
+                     ) -> Generator[str | None, list[int] | None, tuple[list[int], dict[str, array]]]:
+        """`encode_held` in steps, for a caller that must not hold its event loop for long: each uncached
+        piece longer than `inline_chars` is yielded for the caller to encode elsewhere (it sends the ids back),
+        and after every `inline_chars` characters encoded here a None is yielded (the caller sends None
+        back): a moment to yield the loop. Pieces are what the tokenizer encodes independently (the text
+        between added tokens), so the ids equal those of the whole text. None: everything here, no yield."""
+        budget = inline_chars if inline_chars is not None else float("inf")
         ids: list[int] = []
         fresh: dict[str, array] = {}
-        for piece in self._splitter.split(text):
+        pieces = [text] if self._splitter is None else self._splitter.split(text)
+        done_here = 0
+        for piece in pieces:
             if piece in self._added:
                 ids.append(self._added[piece])
-            elif piece:
-                ids += self._encode_piece(piece, fresh)
+                continue
+            if not piece:
+                continue
+            cached = self._cache.get(piece)
+            if cached is not None:
+                self._cache.move_to_end(piece)
+                ids += cached
+                continue
+            if (cached := fresh.get(piece)) is not None:
+                ids += cached
+                continue
+            if len(piece) > budget:
+                piece_ids = yield piece
+            else:
+                if done_here + len(piece) > budget:
+                    yield None
+                    done_here = 0
+                piece_ids = self._encode(piece)
+                done_here += len(piece)
+            ids += piece_ids
+            if self._splitter is not None and cache_entry_bytes(piece, len(piece_ids)) <= MAX_ENTRY_BYTES:
+                fresh[piece] = array("I", piece_ids)
         return ids, fresh
 
-    def _encode_piece(self, piece: str, fresh: dict[str, array]) -> Sequence[int]:
-        cached = self._cache.get(piece)
-        if cached is not None:
-            self._cache.move_to_end(piece)
-            return cached
-        if (cached := fresh.get(piece)) is not None:
-            return cached
-        ids = self.tokenizer.encode(piece, add_special_tokens=False).ids
-        if cache_entry_bytes(piece, len(ids)) <= MAX_ENTRY_BYTES:
-            fresh[piece] = array("I", ids)
-        return ids
+    def _encode(self, piece: str) -> list[int]:
+        return self.tokenizer.encode(piece, add_special_tokens=False).ids
 
     def keep(self, fresh: dict[str, array]) -> None:
         """Cache the pieces `encode_held` saw first, evicting the least recently used beyond the budget."""

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, SAMPLING_PARAMS, FinishedTurn, Turn
+from clawd.serving.encoder import Encoder, encode_prompt
 from clawd.serving.request import ChatRequest
 from clawd.config import Config
 from clawd.serving.connections import note_hangup
@@ -86,12 +87,14 @@ class _SessionLocks:
 class ChatService:
     def __init__(self, cfg: Config, tokenizer: ChatTokenizer, replicas: Replicas, sessions: SessionTable,
                  on_finished: Callable[[FinishedTurn], None], policy: Policy,
-                 spawn: Callable[[Any], Any], adapters: AdapterUse | None = None):
+                 spawn: Callable[[Any], Any], adapters: AdapterUse | None = None, encoder: Encoder | None = None):
+        """encoder: the worker long prompts are encoded in (None: in the daemon, yielding between pieces)."""
         self.cfg = cfg
         # Top-K distillation asks the engine for each reply token's top-k ids (0: not asked).
         self.top_k = cfg.train.opd_top_k if cfg.scoring.mode != "rl" else 0
         self.adapters = adapters  # LoRA mode: the policy's adapter, named in each request and counted while used
         self.tok = tokenizer
+        self.encoder = encoder
         self.replicas = replicas
         self.sessions = sessions
         self.on_finished = on_finished
@@ -109,7 +112,7 @@ class ChatService:
 
     # ---- request → engine payload -------------------------------------------------
 
-    def _prompt_ids(self, req: ChatRequest) -> tuple[list[int], dict]:
+    async def _prompt_ids(self, req: ChatRequest) -> tuple[list[int], dict]:
         """The prompt's ids and its pieces new to the tokenizer's cache, kept only once the request passes
         the context checks; text that cannot fit the context is refused before it is encoded."""
         try:
@@ -121,7 +124,7 @@ class ChatService:
                            f"{self.context_length} tokens can hold (a token stands for at most "
                            f"{self.tok.max_chars_per_token} characters)", param="messages",
                            code="context_length_exceeded")
-        return self.tok.encode_held(text)
+        return await encode_prompt(self.tok, text, self.encoder)
 
     def _sampling(self, req: ChatRequest, prompt_len: int, main: bool) -> tuple[dict, float, str | None]:
         s, cfg = req.sampling, self.cfg.sampling
@@ -173,7 +176,7 @@ class ChatService:
         """`release` gives back the request's slot (idempotent) once the engine's part is over."""
         self.stats.requests += 1
         started = time.monotonic()
-        prompt_ids, new_pieces = self._prompt_ids(req)
+        prompt_ids, new_pieces = await self._prompt_ids(req)
         turn_type = req.turn_type or self.cfg.sessions.default_turn_type
         main = turn_type == "main"
         params, temperature, excluded = self._sampling(req, len(prompt_ids), main)

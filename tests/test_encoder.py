@@ -1,0 +1,113 @@
+"""clawd.serving.encoder: long prompts are encoded in a worker with the ids the daemon would compute, and the
+event loop runs while they are (the old path encoded a 600,000-character prompt in one ~1 s step)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+
+from clawd.serving.encoder import INLINE_CHARS, Encoder, encode_prompt
+from clawd.tokenizer import ChatTokenizer
+
+
+def _texts() -> list[str]:
+    rng = random.Random(7)
+    words = "the quick brown fox jumps over the lazy dog 2024 12.5% naïve café 東京 🙂 \t".split(" ")
+    prose = " ".join(rng.choice(words) for _ in range(12_000))
+    odd = "".join(rng.choice(["a", " ", "  ", "\n", "1", "x\u0301", "\U0001f600", "漢", "'s", "\r\n"])
+                  for _ in range(40_000))
+    return [prose, " " * 70_000, "1234567890" * 3_000, odd, "short"]
+
+
+@pytest.fixture
+def tok(tiny_model):
+    return ChatTokenizer(tiny_model)
+
+
+def test_long_pieces_go_to_the_worker_and_come_back_with_the_same_ids(tok, tiny_model):
+    async def main():
+        encoder = Encoder(tiny_model)
+        try:
+            for text in _texts():
+                conversation = tok.render([{"role": "system", "content": text[:500]},
+                                           {"role": "user", "content": text}], None)
+                assert await encode_prompt(tok, conversation, encoder) == tok.encode_held(conversation)
+            return encoder.stats
+        finally:
+            await encoder.close()
+
+    stats = asyncio.run(main())
+    assert stats.pieces == 4 and stats.fallbacks == 0 and stats.starts == 1  # "short" stayed in the daemon
+
+
+def test_the_loop_runs_while_a_long_prompt_is_encoded(tok, tiny_model):
+    async def main():
+        encoder = Encoder(tiny_model)
+        ticks = 0
+
+        async def other_work():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(other_work())
+        try:
+            await encode_prompt(tok, "warm up " * 5_000, encoder)  # the worker's start is not what we count
+            text = tok.render([{"role": "user", "content": "a b c " * 100_000}], None)
+            before = ticks
+            ids, _ = await encode_prompt(tok, text, encoder)
+            return ticks - before, len(ids)
+        finally:
+            other.cancel()
+            await encoder.close()
+
+    ticks, n = asyncio.run(main())
+    assert n > 300_000 and ticks >= 2
+
+
+def test_pieces_between_added_tokens_encoded_here_give_the_loop_back(tok):
+    async def main():
+        ticks = 0
+
+        async def other_work():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(other_work())
+        await asyncio.sleep(0)
+        messages = [{"role": "user", "content": f"message {i} " + "x y " * (INLINE_CHARS // 5)} for i in range(6)]
+        text = tok.render(messages, None)
+        before = ticks
+        got = await encode_prompt(tok, text, None)  # no worker: every piece here, short enough to stay
+        other.cancel()
+        return got, ticks - before, text
+
+    got, ticks, text = asyncio.run(main())
+    assert got == tok.encode_held(text) and ticks >= 3
+
+
+def test_a_worker_that_dies_costs_one_piece_here_and_the_next_one_starts_afresh(tok, tiny_model, caplog):
+    text = tok.render([{"role": "user", "content": "hello world " * 5_000}], None)
+
+    async def main():
+        encoder = Encoder(tiny_model)
+        try:
+            first = await encode_prompt(tok, text, encoder)
+            os.kill(encoder._process.pid, signal.SIGKILL)
+            await asyncio.sleep(0.2)
+            second = await encode_prompt(tok, text, encoder)
+            third = await encode_prompt(tok, text, encoder)
+            return first, second, third, encoder.stats
+        finally:
+            await encoder.close()
+
+    first, second, third, stats = asyncio.run(main())
+    assert first == second == third == tok.encode_held(text)
+    assert stats.fallbacks == 1 and stats.starts == 2 and stats.pieces == 2
+    assert "the encoder worker failed" in caplog.text
