@@ -37,11 +37,25 @@ def test_versions_are_recorded_promoted_and_read_back(tmp_path):
     again = Versions(path)
     assert [(v.version, v.status, v.detail) for v in again] == [
         (0, RETIRED, "replaced by v1"), (1, SERVING, "gate passed"), (2, REJECTED, "gate: worse")]
-    assert again.get(1).principals == {"alice": 5, "bob": 3} and again.get(1).steps == (1,)
+    # Principals are kept as keyed pseudonyms, never their names (which a forget must not leave behind).
+    assert again.get(1).principals == {again.pseudonym("alice"): 5, again.pseudonym("bob"): 3}
+    assert "alice" not in path.read_text() and again.get(1).steps == (1,)
+    assert again.pseudonym("alice") == history.pseudonym("alice") != Versions(tmp_path / "b" / "v.jsonl").pseudonym(
+        "alice")  # the key is the state directory's own
     assert again.serving().version == 1 and again.newest == 2
     assert [v.version for v in again.good()] == [0, 1]
     assert again.lineage(2) == [2, 1, 0]
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "principal.key").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_history_written_with_names_is_rewritten_with_pseudonyms_when_loaded(tmp_path):
+    path = tmp_path / "versions.jsonl"
+    path.write_text(json.dumps({"version": 1, "parent": 0, "created": 1.0, "status": "serving", "steps": [1],
+                                "samples": 3, "principals": {"ana@example.org": 3}}) + "\n")
+    history = Versions(path)
+    assert history.get(1).principals == {history.pseudonym("ana@example.org"): 3}
+    assert "ana@example.org" not in path.read_text()
 
 
 def test_a_torn_last_line_is_dropped_and_not_joined_and_the_file_is_compacted(tmp_path):
@@ -162,7 +176,8 @@ def test_clawctl_rollback_serves_a_versions_weights_again_and_training_goes_on_f
         listing = json.loads(clawctl(daemon, "versions", "--json").stdout)
         assert [(v["version"], v["parent"], v["status"]) for v in listing["versions"]] == [
             (0, None, RETIRED), (1, 0, RETIRED), (2, 1, RETIRED), (3, 2, SERVING)]
-        assert listing["versions"][1]["samples"] == 2 and listing["versions"][1]["principals"] == {"anonymous": 2}
+        assert listing["versions"][1]["samples"] == 2 and listing["versions"][1]["principals"] == {
+            Versions(daemon.state / "versions.jsonl").pseudonym("anonymous"): 2}
 
         from safetensors.torch import load_file
         v1 = load_file(daemon.state / "weights" / "v000001" / "model.safetensors")  # before keep_versions drops it

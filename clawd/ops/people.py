@@ -127,7 +127,8 @@ class Holdings:
     def trained_on(self, principal: str) -> list[int]:
         """Versions whose own steps trained on the principal's samples (a descendant inherits them: the
         operator rolls back to before the oldest)."""
-        return [v.version for v in self.versions if principal in v.principals]
+        pseudonym = self.versions.pseudonym(principal)
+        return [v.version for v in self.versions if pseudonym in v.principals]
 
     def _serving_trained(self, trained_on: list[int]) -> bool:
         """Whether the version serving descends from one trained on them."""

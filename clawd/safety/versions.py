@@ -13,7 +13,9 @@ One JSON line per change of a version's record; the last line of a version is it
                  rolled_back  served, then rolled back (a monitor or the operator)
     steps        the trainer steps that made it from its parent
     samples      how many samples those steps trained on
-    principals   {principal: samples} of those steps (a version's ancestors add theirs: `lineage`)
+    principals   {pseudonym: samples} of those steps (a version's ancestors add theirs: `lineage`): each
+                 principal as a keyed pseudonym (`pseudonym`), never the name, which is often an e-mail
+                 address and would outlive a forget here; `clawctl forget NAME` finds their versions by it
     gate         the gate's verdict on it (clawd.safety.gate), or null
     monitors     its live monitors' last summary and alarms (clawd.safety.monitors), or null
     detail       why its status is what it is, for the operator
@@ -22,12 +24,18 @@ One JSON line per change of a version's record; the last line of a version is it
 The file is appended (and fsynced) on every change and rewritten compacted, atomically, when it holds
 four times more lines than versions. A torn last line (a crash while appending) is dropped; any other
 unreadable line is logged and skipped, so a damaged history never stops the daemon.
+
+The pseudonym key is `principal.key` beside the file (32 random bytes, 0600, made once). A history written
+before pseudonyms (a file and no key) has its names replaced, and is rewritten, when it is loaded.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -72,7 +80,42 @@ class Versions:
         self.path = Path(path)
         self.records: dict[int, Version] = {}
         self._lines = 0
+        self._key_path = self.path.with_name("principal.key")
+        named = self.path.exists() and not self._key_path.exists()  # written before pseudonyms
+        self._key = self._pseudonym_key()
         self._load()
+        if named and any(v.principals for v in self.records.values()):
+            for record in list(self.records.values()):
+                self.records[record.version] = replace(record, principals=self._hide(record.principals))
+            self._compact()
+            log.info("%s: principal names replaced by their pseudonyms", self.path)
+
+    def pseudonym(self, principal: str) -> str:
+        """The name a principal has in the history: an HMAC of it under this state directory's key."""
+        return "p-" + hmac.new(self._key, principal.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:16]
+
+    def _hide(self, principals: dict[str, int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, n in principals.items():
+            out[self.pseudonym(name)] = out.get(self.pseudonym(name), 0) + n
+        return out
+
+    def _pseudonym_key(self) -> bytes:
+        try:
+            return self._key_path.read_bytes()
+        except FileNotFoundError:
+            pass
+        self._key_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self._key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:  # made meanwhile (another reader of the same state)
+            return self._key_path.read_bytes()
+        try:
+            os.write(fd, secrets.token_bytes(32))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return self._key_path.read_bytes()
 
     def __iter__(self):
         return iter(sorted(self.records.values(), key=lambda v: v.version))
@@ -114,12 +157,16 @@ class Versions:
         return out
 
     def add(self, record: Version) -> Version:
+        """Record a new version; its `principals` are given by name and kept as pseudonyms."""
         if record.version in self.records:
             raise ValueError(f"v{record.version} is already recorded: versions are never reused")
-        return self._write(record)
+        return self._write(replace(record, principals=self._hide(record.principals)))
 
     def update(self, version: int, **changes) -> Version:
-        """Change fields of a recorded version (an unknown version is recorded from the changes)."""
+        """Change fields of a recorded version (an unknown version is recorded from the changes); `principals`
+        given by name."""
+        if "principals" in changes:
+            changes["principals"] = self._hide(changes["principals"])
         record = self.records.get(version)
         if record is None:
             record = Version(version=version, parent=changes.pop("parent", None), created=time.time(),
