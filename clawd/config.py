@@ -64,6 +64,8 @@ class ServerConfig:
     keepalive_timeout: float = 15.0      # an idle keep-alive connection is closed after this
     write_timeout: float = 60.0          # seconds a client may take no byte of its reply (aiohttp has no bound)
     max_connections: int = 8192          # open connections; when full, the longest-stalled one is closed
+    peer_connection_share: float = 0.5   # of max_connections one peer address may hold (1: no share)
+    principal_request_share: float = 0.25  # of max_concurrent_requests kept for others (2+ API keys; 1: no share)
     allowed_hosts: tuple[str, ...] = ()  # Host names served (empty: the loopback names on loopback, else any)
     allowed_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port]) that may call the API (CORS)
 
@@ -76,6 +78,8 @@ class ServerConfig:
             errors["allowed_origins"] = f"each must be scheme://host[:port], as browsers send it, not {bad[0]!r}"
         errors |= below(self, 0, "drain_timeout") | not_positive(self, "header_timeout", "body_timeout",
                                                                     "keepalive_timeout", "write_timeout")
+        errors |= {k: "must be above 0 and at most 1" for k in ("peer_connection_share", "principal_request_share")
+                   if not 0 < getattr(self, k) <= 1}
         try:
             ipaddress.ip_address(self.host)
         except ValueError:

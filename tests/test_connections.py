@@ -273,7 +273,7 @@ async def test_idle_keepalive_connection_is_closed_after_keepalive_timeout():
 
 
 async def test_at_the_cap_a_new_connection_evicts_the_longest_waiting_one():
-    async with serving(max_connections=3) as (port, connections, chat):
+    async with serving(max_connections=3, peer_connection_share=1.0) as (port, connections, chat):
         streaming_r, streaming_w = await connect(port)  # the oldest connection, but an active reply
         streaming_w.write(chat_request(json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                                    "stream": True}).encode()))
@@ -297,7 +297,7 @@ async def test_at_the_cap_a_new_connection_evicts_the_longest_waiting_one():
 
 
 async def test_when_every_connection_is_active_a_new_one_is_refused():
-    async with serving(max_connections=1) as (port, connections, chat):
+    async with serving(max_connections=1, peer_connection_share=1.0) as (port, connections, chat):
         reader, writer = await connect(port)
         writer.write(chat_request(json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                               "stream": True}).encode()))
@@ -309,6 +309,48 @@ async def test_when_every_connection_is_active_a_new_one_is_refused():
         await reader.readuntil(b"data: [DONE]\n\n")
         writer.close()
         refused_w.close()
+
+
+async def test_one_peer_holds_at_most_its_share_of_the_cap_and_evicts_its_own_connections_first():
+    async with serving(max_connections=8, peer_connection_share=0.5) as (port, connections, chat):
+        other_r, other_w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+        await until(lambda: connections.open == 1, "the other peer's connection")
+        ours = []
+        for i in range(4):  # 127.0.0.1's share: 4 of the 8
+            ours.append(await connect(port))
+            await until(lambda: connections.open == 2 + i, "our connection")
+        new_r, new_w = await connect(port)  # a fifth: our own oldest makes room, though the cap is not reached
+        assert await closed(ours[0][0], SLACK)
+        new_w.write(chat_request())
+        assert (await response(new_r))[0] == 200
+        assert connections.closed == {"peer_share": 1} and connections.open == 5
+        other_w.write(chat_request())  # the other peer's idle connection was never touched
+        assert (await response(other_r))[0] == 200
+        for _, w in (*ours, (other_r, other_w), (new_r, new_w)):
+            w.close()
+
+
+async def test_a_peer_whose_share_is_all_active_is_refused_a_new_connection():
+    async with serving(max_connections=4, peer_connection_share=0.5) as (port, connections, chat):
+        streams = []
+        for _ in range(2):
+            r, w = await connect(port)
+            w.write(chat_request(json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                             "stream": True}).encode()))
+            await r.readuntil(b"data: {}\n\n")
+            streams.append((r, w))
+        refused_r, refused_w = await connect(port)
+        assert await closed(refused_r, SLACK)
+        assert connections.closed == {"peer_share": 1}
+        other_r, other_w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+        other_w.write(chat_request())
+        assert (await response(other_r))[0] == 200  # another peer still gets in
+        chat.release.set()
+        for r, w in streams:
+            await r.readuntil(b"data: [DONE]\n\n")
+            w.close()
+        refused_w.close()
+        other_w.close()
 
 
 async def test_a_reply_the_client_stops_reading_is_cut_after_write_timeout():
@@ -483,3 +525,62 @@ async def test_clients_that_stop_reading_hold_connections_not_request_slots(tiny
         finally:
             for sock in stalled:
                 sock.close()
+
+
+# ---- request slots per API key -------------------------------------------------------------------
+
+def test_over_share_keeps_the_last_slots_for_other_keys():
+    from clawd.serving.api import Gate, over_share
+
+    gate = Gate()
+    gate.in_flight, gate.held = 3, {"a": 3}
+    #               key   slots share keys  -> must wait
+    assert over_share(gate, "a", 4, 0.25, 2) is True     # holds 3 >= reserve 1, 1 free <= 1
+    assert over_share(gate, "b", 4, 0.25, 2) is False    # holds none: takes the kept slot
+    assert over_share(gate, "a", 5, 0.25, 2) is False    # 2 free > reserve 1: alone it gets the rest
+    assert over_share(gate, "a", 4, 0.25, 1) is False    # one key: nobody to keep slots for
+    assert over_share(gate, "a", 4, 1.0, 2) is False     # share 1: off
+    assert over_share(gate, None, 4, 0.25, 2) is False   # no keys: one anonymous crowd
+    gate.in_flight, gate.held = 10, {"a": 10}
+    assert over_share(gate, "a", 64, 0.25, 3) is False and over_share(gate, "a", 13, 0.25, 3) is True  # reserve 3
+
+
+async def test_one_busy_key_leaves_the_kept_slots_to_another_key():
+    keys = {"keys": [{"name": "a", "key": "sk-a-1234567"}, {"name": "b", "key": "sk-b-1234567"}]}
+    cfg = config_from_dict({"server": {"port": 0, "max_concurrent_requests": 4, "principal_request_share": 0.25},
+                            "auth": keys})
+    chat = FakeChat()
+    app = make_app(cfg, chat)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1, **app[CONNECTIONS].runner_options())
+    await runner.setup()
+    await TrackedSite(runner, app[CONNECTIONS], "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    stream = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+
+    async def ask(key: str, body: bytes = stream):
+        r, w = await connect(port)
+        head = CHAT + f"Authorization: Bearer sk-{key}-1234567\r\n".encode()
+        w.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        return r, w
+
+    try:
+        held = []
+        for _ in range(3):  # key a takes 3 of 4: the last is kept for another key
+            r, w = await ask("a")
+            await r.readuntil(b"data: {}\n\n")
+            held.append((r, w))
+        r, w = await ask("a")
+        status, _, body = await response(r)
+        assert status == 429 and json.loads(body)["error"]["code"] == "key_share_exceeded"
+        w.close()
+        r, w = await ask("b")  # key b gets the slot kept for it
+        await r.readuntil(b"data: {}\n\n")
+        held.append((r, w))
+        assert app[GATE].held == {"a": 3, "b": 1}
+    finally:
+        chat.release.set()
+        for r, w in held:
+            await r.readuntil(b"data: [DONE]\n\n")
+            w.close()
+        await runner.cleanup()
+    assert app[GATE].held == {} and app[GATE].in_flight == 0

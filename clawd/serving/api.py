@@ -57,6 +57,7 @@ class Gate:
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.held: dict[str, int] = {}  # slots by API key (see `principal_share`)
         self._closed = asyncio.Event()
 
     @property
@@ -74,15 +75,32 @@ class Slot:
     """One of the `max_concurrent_requests` slots: they bound the engine's work, so a request gives its
     slot back once the engine's part is over, while a reply a slow client reads may still be written."""
 
-    def __init__(self, gate: Gate):
-        self.gate, self.held = gate, True
+    def __init__(self, gate: Gate, key: str | None = None):
+        self.gate, self.key, self.held = gate, key, True
         gate.in_flight += 1
+        if key is not None:
+            gate.held[key] = gate.held.get(key, 0) + 1
 
     def release(self) -> None:
         """Idempotent: the chat service calls it when the engine is done, the handler when it ends."""
         if self.held:
             self.held = False
             self.gate.in_flight -= 1
+            if self.key is not None:
+                left = self.gate.held[self.key] - 1
+                if left:
+                    self.gate.held[self.key] = left
+                else:
+                    del self.gate.held[self.key]
+
+
+def over_share(gate: Gate, key: str | None, slots: int, share: float, keys: int) -> bool:
+    """Whether an API key must wait: with two keys or more, the last `share` of the slots are kept for keys
+    holding fewer than that many, so one busy key cannot take them all (alone it still gets the rest). Pure."""
+    if key is None or keys < 2 or share >= 1:
+        return False
+    reserve = max(1, int(slots * share))
+    return gate.held.get(key, 0) >= reserve and slots - gate.in_flight <= reserve
 
 
 CONFIG = web.AppKey("config", Config)
@@ -165,7 +183,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if gate.in_flight >= cfg.server.max_concurrent_requests:
         raise ApiError(429, f"More than {cfg.server.max_concurrent_requests} requests in flight; retry shortly",
                        code="too_many_requests", retry_after=1)
-    slot = Slot(gate)
+    auth = app[AUTH]
+    if over_share(gate, key_name, cfg.server.max_concurrent_requests, cfg.server.principal_request_share,
+                  len(auth.keys)):
+        raise ApiError(429, f"This API key holds {gate.held.get(key_name, 0)} of the "
+                       f"{cfg.server.max_concurrent_requests} request slots; the rest are kept for other keys. "
+                       "Retry shortly", code="key_share_exceeded", retry_after=1)
+    slot = Slot(gate, key_name)
     try:
         req = parse_chat_request(body, request.headers, app[LIMITS])
         return await app[CHAT].complete(req, app[AUTH].principal_for(key_name, req.user), request,

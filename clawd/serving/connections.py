@@ -14,7 +14,10 @@ headers or body, no cap on connections, and logs a traceback for every request i
   stay paused for `write_timeout` is closed (the handler is cancelled, its request slot freed).
 - At `max_connections` open, a new connection closes the longest-waiting one that is not active; if every
   connection is active the new one is closed instead (a reply being written is worth more than a
-  connection that has sent nothing yet).
+  connection that has sent nothing yet). One peer address may hold at most `peer_connection_share` of the
+  cap (connections come before any header names a principal): past it, its own longest-waiting
+  connection is closed for the new one, or the new one when all of its are active, so one host that opens
+  thousands of connections cannot push everyone else's out.
 - `QuietLog`: what a scanner or a flaky client can cause (unparsable requests, hang-ups, stalls) is logged
   in at most one line per kind per minute, saying how many happened since the last such line.
 - `raise_open_file_limit`: the soft RLIMIT_NOFILE raised to the hard limit at start, so the cap, not the
@@ -128,10 +131,12 @@ class ServerLog(logging.LoggerAdapter):
 
 class _Conn:
     __slots__ = ("handler", "transport", "phase", "since", "timer", "write_timer", "in_handler", "body_pending",
-                 "next_bytes")
+                 "next_bytes", "peer")
 
     def __init__(self, handler: RequestHandler, transport: asyncio.Transport, now: float):
         self.handler, self.transport = handler, transport
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, (tuple, list)) and peer else str(peer)
         self.phase, self.since, self.timer, self.write_timer = IDLE, now, None, None
         self.in_handler = self.body_pending = self.next_bytes = False
 
@@ -143,6 +148,8 @@ class Connections:
         self.header_timeout, self.body_timeout = server.header_timeout, server.body_timeout
         self.keepalive_timeout, self.write_timeout = server.keepalive_timeout, server.write_timeout
         self.cap = server.max_connections
+        self.peer_cap = max(1, int(server.max_connections * server.peer_connection_share))
+        self._per_peer: dict[str, int] = {}
         self.quiet = quiet or QUIET
         self.on_close: Callable[[str], None] = lambda reason: None  # metrics: a connection clawd closed
         self.closed: dict[str, int] = {}
@@ -168,6 +175,16 @@ class Connections:
     # ---- events ----------------------------------------------------------------------------
 
     def _opened(self, handler: RequestHandler, transport: asyncio.Transport) -> bool:
+        conn = _Conn(handler, transport, self._now())
+        if self.peer_cap < self.cap and self._per_peer.get(conn.peer, 0) >= self.peer_cap:
+            victim = self._longest_waiting(conn.peer)
+            if victim is None:
+                self._count("peer_share", f"refused a connection from {conn.peer}: all its {self.peer_cap} open "
+                            "connections (its share) are busy", logging.WARNING)
+                transport.abort()
+                return False
+            self._close(victim, "peer_share", f"closed the longest-waiting connection of {conn.peer} to take its "
+                        f"new one: it holds its share, {self.peer_cap} open", logging.WARNING)
         if len(self._conns) >= self.cap:
             victim = self._longest_waiting()
             if victim is None:
@@ -177,8 +194,8 @@ class Connections:
                 return False
             self._close(victim, "evicted", f"closed the longest-waiting connection ({victim.phase} for "
                         f"{self._now() - victim.since:.1f}s) to take a new one: {self.cap} open", logging.WARNING)
-        conn = _Conn(handler, transport, self._now())
         self._conns[handler] = conn
+        self._per_peer[conn.peer] = self._per_peer.get(conn.peer, 0) + 1
         self._phases[IDLE][handler] = conn
         return True
 
@@ -266,9 +283,14 @@ class Connections:
             self._close(conn, f"{what}_timeout", f"closed a connection whose request {what} did not arrive "
                         f"within {limit:g}s")
 
-    def _longest_waiting(self) -> _Conn | None:
-        heads = [next(iter(conns.values())) for phase, conns in self._phases.items() if phase in WAITING and conns]
-        return min(heads, key=lambda c: c.since, default=None)
+    def _longest_waiting(self, peer: str | None = None) -> _Conn | None:
+        """The connection waiting longest (not active), of `peer` alone when one is named."""
+        if peer is None:
+            heads = [next(iter(conns.values())) for phase, conns in self._phases.items() if phase in WAITING and conns]
+        else:
+            heads = [next((c for c in conns.values() if c.peer == peer), None) for phase, conns in self._phases.items()
+                     if phase in WAITING]
+        return min(filter(None, heads), key=lambda c: c.since, default=None)
 
     def _close(self, conn: _Conn, reason: str, detail: str, level: int = logging.INFO) -> None:
         self._count(reason, detail, level)
@@ -278,6 +300,12 @@ class Connections:
         conn.transport.abort()
 
     def _forget(self, conn: _Conn) -> None:
+        """What the tracker holds of a connection that left `_conns`."""
+        left = self._per_peer.get(conn.peer, 0) - 1
+        if left > 0:
+            self._per_peer[conn.peer] = left
+        else:
+            self._per_peer.pop(conn.peer, None)
         self._phases[conn.phase].pop(conn.handler, None)
         for timer in (conn.timer, conn.write_timer):
             if timer is not None:
