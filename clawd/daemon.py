@@ -53,7 +53,7 @@ from clawd.served import Policy
 from clawd.serving.api import CONNECTIONS, Gate, make_app
 from clawd.serving.auth import Authenticator
 from clawd.serving.completion import ChatService
-from clawd.serving.encoder import Encoder
+from clawd.encoding import Encoder
 from clawd.serving.connections import TrackedSite, raise_open_file_limit
 from clawd.records import RecordWriter
 from clawd.serving.sessions import SessionTable
@@ -152,13 +152,15 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         engine_for["policy"] = Balanced(replicas, adapters)
         if adapters is not None:
             engine_for["reference"] = Balanced(replicas)
-        judge = _judge(cfg, tokenizer, engine_for)
+        encoder = Encoder(cfg.model_path)  # long prompts (and judge and teacher prompts) encoded off the loop
+        exits.push_async_callback(encoder.close)
+        judge = _judge(cfg, tokenizer, engine_for, encoder)
         if isinstance(judge, OpenAIJudge):
             await judge.start()
             exits.push_async_callback(judge.close)
         teacher, reference = _teachers(cfg, engine_for)
         scorer = Scorer(cfg, tokenizer=tokenizer, judge=judge, teacher=teacher, store=store, records=judge_records,
-                        spawn=tasks.create_task, reference=reference)
+                        spawn=tasks.create_task, reference=reference, encoder=encoder)
         scorer.on_write_error = disk.failed
         scorer.record_view = privacy.judge_record
         if isinstance(judge, OpenAIJudge):  # a third party: PII replaced in what it is shown
@@ -191,8 +193,6 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                                 new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
         to_scoring = TurnHandover(turn_records, scorer, pauses, privacy, monitors, on_turn=turns_per_minute.tick,
                                   spawn=tasks.create_task)
-        encoder = Encoder(cfg.model_path)  # long prompts are encoded in a worker, off the loop
-        exits.push_async_callback(encoder.close)
         chat = ChatService(cfg, tokenizer, replicas, sessions, to_scoring, policy, spawn=tasks.create_task,
                            adapters=adapters, encoder=encoder)
 
@@ -452,7 +452,7 @@ def _call_policy(j: JudgeConfig) -> CallPolicy:
                       backoff_max=j.backoff_max, concurrency=j.concurrency)
 
 
-def _judge(cfg: Config, tokenizer: ChatTokenizer, engine_for: dict[str, EngineClient]):
+def _judge(cfg: Config, tokenizer: ChatTokenizer, engine_for: dict[str, EngineClient], encoder: Encoder):
     """The judge backend; None for the rules judge (scored in-process)."""
     j = cfg.judge
     if j.backend == "rules":
@@ -462,7 +462,7 @@ def _judge(cfg: Config, tokenizer: ChatTokenizer, engine_for: dict[str, EngineCl
                            policy=_call_policy(j), ca_file=j.ca_file, nameserver=j.nameserver)
     # The reference engine holds the initial weights: the policy's tokenizer fits it.
     return SGLangJudge(engine_for[j.engine], tokenizer, temperature=j.temperature,
-                       max_new_tokens=j.max_new_tokens, policy=_call_policy(j))
+                       max_new_tokens=j.max_new_tokens, policy=_call_policy(j), encoder=encoder)
 
 
 def _teachers(cfg: Config, engine_for: dict[str, EngineClient]) -> tuple[Teacher | None, Teacher | None]:

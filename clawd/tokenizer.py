@@ -152,6 +152,16 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
     return longest * shrink
 
 
+FULL, PLAIN = "full", "plain"  # the tokenizers a piece may be encoded by (`ChatTokenizer.encode_as`)
+
+
+def plain_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer without its added vocabulary: quoted text that spells a control token stays text."""
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 class ChatTokenizer:
     """Encodes chat requests into prompt ids exactly as the engine will see them."""
 
@@ -255,14 +265,15 @@ class ChatTokenizer:
         try:
             piece = next(steps)
             while True:  # run whole here: every piece is encoded in this process
-                piece = steps.send(None if piece is None else self._encode(piece))
+                piece = steps.send(None if piece is None else self.encode_as(*piece))
         except StopIteration as done:
             return done.value
 
     def encode_steps(self, text: str, inline_chars: int | None = None
-                     ) -> Generator[str | None, list[int] | None, tuple[list[int], dict[str, array]]]:
+                     ) -> Generator[tuple[str, str] | None, list[int] | None, tuple[list[int], dict[str, array]]]:
         """`encode_held` in steps, for a caller that must not hold its event loop for long: each uncached
-        piece longer than `inline_chars` is yielded for the caller to encode elsewhere (it sends the ids back),
+        piece longer than `inline_chars` is yielded as (FULL, piece) for the caller to encode elsewhere
+        (`encode_as`; it sends the ids back),
         and after every `inline_chars` characters encoded here a None is yielded (the caller sends None
         back): a moment to yield the loop. Pieces are what the tokenizer encodes independently (the text
         between added tokens), so the ids equal those of the whole text. None: everything here, no yield."""
@@ -286,7 +297,7 @@ class ChatTokenizer:
                 ids += cached
                 continue
             if len(piece) > budget:
-                piece_ids = yield piece
+                piece_ids = yield FULL, piece
             else:
                 if done_here + len(piece) > budget:
                     yield None
@@ -300,6 +311,11 @@ class ChatTokenizer:
 
     def _encode(self, piece: str) -> list[int]:
         return self.tokenizer.encode(piece, add_special_tokens=False).ids
+
+    def encode_as(self, kind: str, piece: str) -> list[int]:
+        """A piece's ids by the tokenizer `kind` names: FULL (the model's) or PLAIN (`plain_tokenizer`)."""
+        tokenizer = self.tokenizer if kind == FULL else self._quoting_state()[0]
+        return tokenizer.encode(piece, add_special_tokens=False).ids
 
     def keep(self, fresh: dict[str, array]) -> None:
         """Cache the pieces `encode_held` saw first, evicting the least recently used beyond the budget."""
@@ -321,6 +337,18 @@ class ChatTokenizer:
 
     def encode_chat_quoted(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                            quotes: dict[str, str]) -> list[int]:
+        """See `quoted_steps`: run whole, every piece encoded here."""
+        steps = self.quoted_steps(messages, tools, quotes)
+        try:
+            piece = next(steps)
+            while True:
+                piece = steps.send(None if piece is None else self.encode_as(*piece))
+        except StopIteration as done:
+            return done.value
+
+    def quoted_steps(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     quotes: dict[str, str], inline_chars: int | None = None
+                     ) -> Generator[tuple[str, str] | None, list[int] | None, list[int]]:
         """`encode_chat` of the conversation in which each placeholder (a key of `quotes`, somewhere in
         the messages' strings) stands for its quoted text, except that added and special tokens in the
         quoted texts stay plain text: a quoted `<|im_end|>` becomes the ids of its characters, never the
@@ -328,19 +356,12 @@ class ChatTokenizer:
         only at the added tokens outside the quoted texts, where `encode` cuts too, so quoted texts
         without an added token give exactly `encode_chat`'s ids. Added tokens are matched by content
         (lstrip/rstrip honoured, single_word and normalized not). TemplateError when the template
-        does not copy each placeholder once and verbatim, or an added id still came out of a quote."""
-        state = self.__dict__.get("_quoting")
-        if state is None:  # built once: the tokenizer without its added vocabulary, and their pattern
-            added = self.tokenizer.get_added_tokens_decoder()
-            spec = json.loads(self.tokenizer.to_str())
-            spec["added_tokens"] = []
-            alts = [("\\s*" if t.lstrip else "") + f"(?P<t{i}>{re.escape(t.content)})" + ("\\s*" if t.rstrip else "")
-                    for i, t in sorted(added.items(), key=lambda it: len(it[1].content), reverse=True)]
-            first = "".join(sorted({re.escape(t.content[0]) for t in added.values()} | {"\\s"}))
-            state = self._quoting = (Tokenizer.from_str(json.dumps(spec)),  # a lookahead: scans fast
-                                     re.compile(f"(?=[{first}])(?:{'|'.join(alts)})") if alts else None,
-                                     frozenset(added))
-        plain, pattern, added_ids = state
+        does not copy each placeholder once and verbatim, or an added id still came out of a quote.
+        In steps, as `encode_steps`: a piece over `inline_chars` is yielded as (kind, piece), and None after
+        every `inline_chars` characters encoded here."""
+        plain, pattern, added_ids = self._quoting_state()
+        budget = inline_chars if inline_chars is not None else float("inf")
+        done_here = 0
 
         def fill(value):  # the conversation itself: every placeholder replaced by its text
             if isinstance(value, str):
@@ -373,14 +394,33 @@ class ChatTokenizer:
         pos = 0
         for start, end, tid in cuts + [(len(text), len(text), -1)]:
             piece = text[pos:start]
-            if piece and pattern is not None and pattern.search(piece):  # only quoted text can hold one now
-                piece_ids = plain.encode(piece, add_special_tokens=False).ids
-                if added_ids.intersection(piece_ids):
+            if piece:
+                # only quoted text can hold an added token now: the tokenizer without them reads it
+                kind = PLAIN if pattern is not None and pattern.search(piece) else FULL
+                if len(piece) > budget:
+                    piece_ids = yield kind, piece
+                else:
+                    if done_here + len(piece) > budget:
+                        yield None
+                        done_here = 0
+                    piece_ids = self.encode_as(kind, piece) if kind == PLAIN else self.encode(piece)
+                    done_here += len(piece)
+                if kind == PLAIN and added_ids.intersection(piece_ids):
                     raise TemplateError("quoted text encoded to an added token")
                 ids += piece_ids
-            elif piece:
-                ids += self.encode(piece)
             if tid >= 0:
                 ids.append(tid)
             pos = end
         return ids
+
+    def _quoting_state(self):
+        state = self.__dict__.get("_quoting")
+        if state is None:  # built once: the tokenizer without its added vocabulary, and their pattern
+            added = self.tokenizer.get_added_tokens_decoder()
+            alts = [("\\s*" if t.lstrip else "") + f"(?P<t{i}>{re.escape(t.content)})" + ("\\s*" if t.rstrip else "")
+                    for i, t in sorted(added.items(), key=lambda it: len(it[1].content), reverse=True)]
+            first = "".join(sorted({re.escape(t.content[0]) for t in added.values()} | {"\\s"}))
+            state = self._quoting = (plain_tokenizer(self.tokenizer),  # a lookahead: scans fast
+                                     re.compile(f"(?=[{first}])(?:{'|'.join(alts)})") if alts else None,
+                                     frozenset(added))
+        return state

@@ -189,6 +189,13 @@ class SnapshotCollector(Collector):
                       chat["aborted"])
         yield counter("clawd_engine_errors_total", "Chat requests the policy engine failed or refused.",
                       chat["engine_errors"])
+        if (enc := snap.get("encoder")) is not None:
+            yield counter("clawd_encoder_pieces_total", "Prompt pieces too long to encode on the event loop, "
+                          "encoded by the encoder worker (prompts, judge and teacher prompts).", enc["pieces"])
+            yield counter("clawd_encoder_fallbacks_total", "Long pieces encoded on the event loop after all: the "
+                          "encoder worker died or stalled.", enc["fallbacks"])
+            yield counter("clawd_encoder_starts_total", "Encoder workers started (on first use, and after one "
+                          "failed).", enc["starts"])
         yield gauge("clawd_policy_version", "The policy version being served.", policy["version"])
         if policy["published_at"] is not None:
             yield gauge("clawd_policy_published_timestamp_seconds", "When the served policy version was "

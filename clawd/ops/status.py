@@ -118,6 +118,7 @@ class Status:
             "tokenizer_cache": {"bytes": self.chat.tok.cache_bytes, "max_bytes": self.chat.tok.cache_max_bytes,
                                 "entries": self.chat.tok.cache_entries},
             "chat": dataclasses.asdict(self.chat.stats),
+            "encoder": None if self.chat.encoder is None else dataclasses.asdict(self.chat.encoder.stats),
             "rates": {"requests_per_min": self.requests.per_minute(), "turns_per_min": self.turns.per_minute()},
             "scoring": {"turns": sc.submitted, "samples": sc.emitted, "pending": sc.pending,
                         "pending_bytes": sc.pending_bytes, "votes": dict(sc.votes),

@@ -51,6 +51,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from clawd.devices import nameserver_problem, parse_nameserver
+from clawd.encoding import Encoder, encode_quoted
 from clawd.engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable
 from clawd.messages import content_parts
 from clawd.scoring import judging
@@ -198,22 +199,31 @@ def engine_failure(exc: EngineError) -> AttemptFailed:
 
 # --- prompt ids with quoted text -------------------------------------------------------------
 
-def judge_prompt_ids(tok: ChatTokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    """A judge prompt's ids: every message's text (clawd's words and the material judging.py quotes)
-    is quoted, so none of it can become a control token."""
+def judge_prompt(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], None, dict[str, str]]:
+    """A judge prompt as (messages, tools, quotes) for `encode_chat_quoted`: every message's text (clawd's
+    words and the material judging.py quotes) is quoted, so none of it can become a control token."""
     key = secrets.token_hex(8)
     quotes = {f"QUOTED{key}N{i}": m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
     skeleton = [{**m, "content": f"QUOTED{key}N{i}"} if f"QUOTED{key}N{i}" in quotes else m
                 for i, m in enumerate(messages)]
-    return tok.encode_chat_quoted(skeleton, None, quotes)
+    return skeleton, None, quotes
+
+
+def judge_prompt_ids(tok: ChatTokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    return tok.encode_chat_quoted(*judge_prompt(messages))
+
+
+def teacher_prompt(tok: ChatTokenizer, turn: Any, hint: str, placement: str = "user"
+                   ) -> tuple[list[dict[str, Any]], Any, dict[str, str]]:
+    """The teacher's prompt P' (judging.teacher_messages) as (messages, tools, quotes): the turn's messages
+    encoded as the policy's prompt was, the hint quoted (the judge wrote it, maybe copying user text)."""
+    ph = f"QUOTED{secrets.token_hex(8)}HINT"
+    messages = judging.teacher_messages(turn, ph, placement, tok.default_system() if placement == "system" else "")
+    return messages, turn.tools, {ph: judging.teacher_hint(hint)}
 
 
 def teacher_prompt_ids(tok: ChatTokenizer, turn: Any, hint: str, placement: str = "user") -> list[int]:
-    """The teacher's prompt P' (judging.teacher_messages): the turn's messages encoded as the policy's
-    prompt was, the hint quoted (the judge wrote it, maybe copying user text)."""
-    ph = f"QUOTED{secrets.token_hex(8)}HINT"
-    messages = judging.teacher_messages(turn, ph, placement, tok.default_system() if placement == "system" else "")
-    return tok.encode_chat_quoted(messages, turn.tools, {ph: judging.teacher_hint(hint)})
+    return tok.encode_chat_quoted(*teacher_prompt(tok, turn, hint, placement))
 
 
 # --- the wrapper -----------------------------------------------------------------------------
@@ -287,9 +297,10 @@ class SGLangJudge(Backend):
 
     def __init__(self, engine: EngineClient, tokenizer: ChatTokenizer, *, temperature: float = 0.6,
                  top_p: float = 1.0, top_k: int = -1, max_new_tokens: int = 1024,
-                 policy: CallPolicy = CallPolicy()):
+                 policy: CallPolicy = CallPolicy(), encoder: Encoder | None = None):
+        """encoder: the worker long prompts are encoded in (None: here, yielding between pieces)."""
         super().__init__(policy)
-        self.engine, self.tokenizer = engine, tokenizer
+        self.engine, self.tokenizer, self.encoder = engine, tokenizer, encoder
         self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
         self.max_new_tokens = max_new_tokens
 
@@ -299,8 +310,8 @@ class SGLangJudge(Backend):
         self.max_new_tokens = max_tokens
 
     async def complete(self, messages: list[dict[str, Any]], *, rid: str | None = None) -> str:
-        try:
-            ids = judge_prompt_ids(self.tokenizer, messages)
+        try:  # a long turn's prompt is encoded off the loop (clawd.encoding)
+            ids = await encode_quoted(self.tokenizer, *judge_prompt(messages), self.encoder)
         except TemplateError as exc:
             raise self._refuse("template", str(exc)) from None
         room = self.tokenizer.info.context_length - len(ids)

@@ -22,7 +22,8 @@ from clawd import quoting
 from clawd.scoring import judging, rules
 from clawd.config import Config
 from clawd.learning.journal import JournalError
-from clawd.scoring.judges import JudgeFailed, teacher_prompt_ids
+from clawd.encoding import Encoder, encode_quoted
+from clawd.scoring.judges import JudgeFailed, teacher_prompt
 from clawd.scoring.teacher import Teacher, TeacherScores
 from clawd.records import RecordWriter
 from clawd.learning.store import SampleStore
@@ -61,7 +62,7 @@ class ScoringStats:
 class Scorer:
     def __init__(self, cfg: Config, *, tokenizer: ChatTokenizer, judge: Judge | None, teacher: Teacher | None,
                  store: SampleStore, records: RecordWriter, spawn: Callable[[Coroutine], asyncio.Task] | None = None,
-                 reference: Teacher | None = None):
+                 reference: Teacher | None = None, encoder: Encoder | None = None):
         self.mode = cfg.scoring.mode
         self.m = cfg.scoring.prm_m
         self.at_least_one = cfg.scoring.at_least_one
@@ -69,6 +70,7 @@ class Scorer:
         self.max_pending_bytes = cfg.scoring.max_pending_bytes
         self.text_chars = cfg.judge.record_text_chars
         self.tok = tokenizer
+        self.encoder = encoder      # teacher prompts of long turns are encoded there (clawd.encoding)
         self.judge = judge          # None: the rules judge
         self.teacher = teacher      # None in rl mode
         self.hint_placement = cfg.judge.hint_placement
@@ -112,6 +114,9 @@ class Scorer:
         task.add_done_callback(self._forget_task)
         # A done callback, not a finally: it also runs for a task cancelled before it started.
         task.add_done_callback(lambda _task: self._release(size))
+
+    async def _teacher_prompt(self, turn: Turn, hint: str) -> list[int]:
+        return await encode_quoted(self.tok, *teacher_prompt(self.tok, turn, hint, self.hint_placement), self.encoder)
 
     def _forget_task(self, task: asyncio.Task) -> None:
         self._tasks.pop(task, None)
@@ -281,11 +286,11 @@ class Scorer:
         try:
             if len(candidates) < 2:
                 # the hint cannot forge control tokens
-                prompt = teacher_prompt_ids(self.tok, turn, outcome.hint, self.hint_placement)
+                prompt = await self._teacher_prompt(turn, outcome.hint)
                 return await self.teacher.scores(prompt, response, tops), outcome.decision, outcome, None
-            tried = await asyncio.gather(*(self.teacher.scores(teacher_prompt_ids(self.tok, turn, h, self.hint_placement),
-                                                               response, tops, with_overlap=True) for h in candidates),
-                                         return_exceptions=True)
+            prompts = [await self._teacher_prompt(turn, h) for h in candidates]
+            tried = await asyncio.gather(*(self.teacher.scores(prompt, response, tops, with_overlap=True)
+                                           for prompt in prompts), return_exceptions=True)
             for exc in tried:
                 if isinstance(exc, BaseException) and not isinstance(exc, (JudgeFailed, TemplateError)):
                     raise exc

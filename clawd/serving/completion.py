@@ -25,7 +25,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, SAMPLING_PARAMS, FinishedTurn, Turn
-from clawd.serving.encoder import Encoder, encode_prompt
+from clawd.encoding import Encoder, encode_prompt
 from clawd.serving.request import ChatRequest
 from clawd.config import Config
 from clawd.serving.connections import note_hangup

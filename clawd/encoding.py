@@ -4,7 +4,8 @@ The tokenizer encodes ~0.7-1.8 µs a character (SmolLM2, 2 cores): a 600,000-cha
 SmolLM2's context admits (80 spaces fit one token), held the event loop for ~1 s, and every request and
 health poll waited. `ChatTokenizer.encode_steps` hands each uncached piece longer than `INLINE_CHARS`
 to its caller; `encode_prompt` sends it here, to a worker that loads the same tokenizer.json with the same
-library, so the ids are the ones the daemon would compute (tests/test_encoder.py checks them equal).
+library, so the ids are the ones the daemon would compute (tests/test_encoder.py checks them equal). The
+judge's and the teacher's prompts, which quote the turn, go the same way (`encode_quoted`).
 Shorter pieces are encoded in the daemon, yielding the loop every `INLINE_CHARS` characters.
 
 The worker is started on first use (~0.5 s: most prompts never need it) with multiprocessing's `spawn`
@@ -27,14 +28,15 @@ from array import array
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Generator
+from typing import Any, Generator
 
 from clawd.lifetime import die_with_parent
-from clawd.tokenizer import ChatTokenizer
+from clawd.tokenizer import FULL, PLAIN, ChatTokenizer, plain_tokenizer
 
 log = logging.getLogger("clawd.encoder")
 
 INLINE_CHARS = 16_384  # encoded in the daemon between two yields: ~10-30 ms
+_KINDS = {FULL: b"F", PLAIN: b"P"}  # a request's first byte: the tokenizer to encode it with
 
 
 @dataclass
@@ -55,13 +57,14 @@ class Encoder:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def encode(self, piece: str) -> list[int] | None:
-        """The piece's ids from the worker; None when the worker failed (the caller encodes it itself)."""
+    async def encode(self, kind: str, piece: str) -> list[int] | None:
+        """The piece's ids by the tokenizer `kind` names (clawd.tokenizer FULL or PLAIN) from the worker; None
+        when the worker failed (the caller encodes it itself)."""
         async with self._lock:
             try:
                 if self._writer is None:
                     await self._start()
-                data = piece.encode("utf-8", errors="surrogatepass")
+                data = _KINDS[kind] + piece.encode("utf-8", errors="surrogatepass")
                 self._writer.write(struct.pack("!i", len(data)) + data)
                 ids = await asyncio.wait_for(self._reply(), self.timeout)
             except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError) as exc:
@@ -115,16 +118,27 @@ class Encoder:
 async def encode_prompt(tok: ChatTokenizer, text: str, encoder: Encoder | None
                         ) -> tuple[list[int], dict[str, array]]:
     """`tok.encode_held(text)` with long pieces sent to `encoder` and the loop yielded between the rest."""
-    steps: Generator = tok.encode_steps(text, INLINE_CHARS)
+    return await drive(tok, tok.encode_steps(text, INLINE_CHARS), encoder)
+
+
+async def encode_quoted(tok: ChatTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        quotes: dict[str, str], encoder: Encoder | None) -> list[int]:
+    """`tok.encode_chat_quoted` (a judge's or a teacher's prompt) the same way."""
+    return await drive(tok, tok.quoted_steps(messages, tools, quotes, INLINE_CHARS), encoder)
+
+
+async def drive(tok: ChatTokenizer, steps: Generator, encoder: Encoder | None) -> Any:
+    """Runs the tokenizer's steps: a None is a moment to yield the loop; a (kind, piece) is encoded by the
+    worker, or here when there is none or it failed."""
     try:
-        piece = next(steps)
+        request = next(steps)
         while True:
-            if piece is None:
+            if request is None:
                 await asyncio.sleep(0)
-                piece = steps.send(None)
+                request = steps.send(None)
                 continue
-            ids = None if encoder is None else await encoder.encode(piece)
-            piece = steps.send(ids if ids is not None else tok.tokenizer.encode(piece, add_special_tokens=False).ids)
+            ids = None if encoder is None else await encoder.encode(*request)
+            request = steps.send(ids if ids is not None else tok.encode_as(*request))
     except StopIteration as done:
         return done.value
 
@@ -138,11 +152,13 @@ def main(conn: Connection, tokenizer_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(tokenizer_path)
+    full = Tokenizer.from_file(tokenizer_path)
+    tokenizers = {_KINDS[FULL]: full, _KINDS[PLAIN]: plain_tokenizer(full)}
     while True:
         try:
             data = conn.recv_bytes()
         except EOFError:
             return
-        text = data.decode("utf-8", errors="surrogatepass")
-        conn.send_bytes(array("I", tokenizer.encode(text, add_special_tokens=False).ids).tobytes())  # native order
+        text = data[1:].decode("utf-8", errors="surrogatepass")
+        ids = tokenizers[data[:1]].encode(text, add_special_tokens=False).ids
+        conn.send_bytes(array("I", ids).tobytes())  # native order: the daemon is on this host
