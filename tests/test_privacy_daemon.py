@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import stat
+import time
 import urllib.request
 
 import openai
@@ -132,3 +133,34 @@ def test_consent_pii_export_forget_and_private_modes(tiny_model, tmp_path):
         if stat.S_IMODE(st.st_mode) & 0o077:
             loose.append(f"{path.relative_to(tmp_path)} {oct(stat.S_IMODE(st.st_mode))}")
     assert loose == []
+
+
+@pytest.mark.slow
+def test_forget_after_learning_leaves_no_trace_of_the_person_outside_weights(tiny_model, tmp_path):
+    """A daemon that trained and published a version on alice's samples: after `clawctl forget alice`, a walk
+    of every byte of the state directory finds neither her words nor her name, except inside weight files."""
+    canary = "CANARY-7f3a91 otters hold hands"
+    keys = [{"name": "alice", "key": "alice-key-1234"}, {"name": "bob", "key": "bob-key-12345"}]
+    daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 4},
+                               "engine": {"launch": "local"}, "auth": {"keys": keys},
+                               "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 2},
+                               "train": {"checkpoint_every": 1}})
+    state = daemon.state
+    try:
+        for i in range(2):
+            conversation(daemon, "alice-key-1234", f"{canary} {i}")
+        deadline = time.monotonic() + 120
+        while daemon.get("/ready")[1]["policy_version"] < 1:  # a step on her samples, published
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        conversation(daemon, "bob-key-12345", "Tell me about seals")
+        held = state_bytes(state)
+        assert canary.encode() in held and b'"principal":"alice"' in held  # there before
+        done = json.loads(clawctl(daemon, "forget", "alice", "--json").stdout)
+        assert done["versions_trained_on"] == [1]
+        left = [str(p.relative_to(state)) for p in sorted(state.rglob("*"))
+                if p.is_file() and not stat.S_ISSOCK(p.lstat().st_mode)
+                and any(mark in p.read_bytes() for mark in (canary.encode(), b"alice"))]
+        assert [p for p in left if not p.endswith((".safetensors", ".distcp"))] == [], left
+    finally:
+        assert daemon.stop() == 0
