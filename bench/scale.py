@@ -1,7 +1,8 @@
 """Scale-out figures: throughput over 1, 2 and 4 policy replicas, and what one clawd daemon sustains.
 
-One file of ~590 lines: each section starts its own processes and load beside the figures it reads from
-them, and the fake engine's subcommand lives here so that the bench needs nothing more from tests/.
+One file of ~650 lines: each section starts its own processes and load beside the figures it reads from
+them, and the fake engine's subcommand lives here so that the bench needs nothing more from tests/ (the
+hosts section's namespaces and node 0's driver: bench/hosts.py).
 
 Sections, each a function `(args, ctx) -> dict` in SECTIONS, run in order by main(), which prints each
 section's table and writes one JSON (docs/SCALING.md reads its figures):
@@ -22,14 +23,21 @@ section's table and writes one JSON (docs/SCALING.md reads its figures):
   trainer  parameter + AdamW bytes per rank after a step, one process vs 2 FSDP2 ranks under torchrun
            (bench/trainer_memory.py; --trainer-model, e.g. state/models/SmolLM2-135M-Instruct). Target: a
            rank of 2 holds 0.45-0.55 of one rank's.
+  hosts    the trainer world across two hosts, simulated by two network namespaces and a veth pair (root
+           only; bench/hosts.py): --hosts-steps steps on 2 ranks of one host, then on 1 + 1 ranks, node 0
+           through the daemon's trainer child and node 1 by clawd-trainer@1's line; then a chat through a
+           daemon in one namespace to a fake replica in the other. Target: every step's published weights
+           and metrics equal on both worlds; the step seconds side by side. Not in the default run.
 
     .venv/bin/python bench/scale.py            # ~4 min on 2 cores; writes bench/results/scale.json
     .venv/bin/python bench/scale.py --quick    # ~1 min: a smoke run
     .venv/bin/python bench/scale.py --sections daemon --memory-sessions 2000
+    sudo .venv/bin/python bench/scale.py --sections hosts --out /tmp/hosts.json   # ~30 s
 
 Exit status: 0 when every section measured and met its targets; 1 when a target was missed or a
-request failed; an exception (it could not measure) gives 1 and a traceback, and no JSON. The JSON
-carries `provenance` (bench/provenance.py) and `pass`.
+request failed; 2 when a section said it could not measure (hosts, where namespaces cannot be made: the
+JSON's `could_not_measure` names it); an exception (it could not measure) gives 1 and a traceback, and no
+JSON. The JSON carries `provenance` (bench/provenance.py) and `pass`.
 """
 from __future__ import annotations
 
@@ -88,7 +96,7 @@ async def _fake_engine(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from fake_sglang import FakeSGLang
     fake = FakeSGLang(tokens=args.tokens, eos_id=args.eos_id, token_delay=args.token_delay,
-                      max_running_requests=args.slots or None, port=0)
+                      max_running_requests=args.slots or None, host=args.host, port=0)
     await fake.start()
     print(f"PORT {fake.port}", flush=True)
     stop = asyncio.Event()
@@ -103,17 +111,19 @@ async def _fake_engine(args: argparse.Namespace) -> None:
     await fake.close()
 
 
-def start_fake(tmp: Path, name: str, tokens: int, eos_id: int, delay: float, slots: int) -> tuple[subprocess.Popen, str, Path]:
+def start_fake(tmp: Path, name: str, tokens: int, eos_id: int, delay: float, slots: int, host: str = "127.0.0.1",
+               under: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, Path]:
+    """`under`: a command the fake runs under (`ip netns exec NS`: another host's network)."""
     stats, log = tmp / f"{name}.stats.json", tmp / f"{name}.log"
     with open(log, "w") as err:  # the child holds its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, __file__, "fake-engine", "--tokens", str(tokens), "--eos-id",
-                                 str(eos_id), "--token-delay", str(delay), "--slots", str(slots), "--stats", str(stats)],
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen([*under, sys.executable, __file__, "fake-engine", "--tokens", str(tokens), "--eos-id",
+                                 str(eos_id), "--token-delay", str(delay), "--slots", str(slots), "--stats", str(stats),
+                                 "--host", host], stdout=subprocess.PIPE, stderr=err, text=True)
     line = proc.stdout.readline()
     if not line.startswith("PORT "):
         stop(proc)
         raise RuntimeError(f"fake engine did not start: {line!r}\n{log.read_text()[-2000:]}")
-    return proc, f"http://127.0.0.1:{int(line.split()[1])}", stats
+    return proc, f"http://{host}:{int(line.split()[1])}", stats
 
 
 def start_clawd(tmp: Path, model: Path, urls: list[str]) -> tuple[subprocess.Popen, str]:
@@ -502,6 +512,42 @@ def trainer_section(args: argparse.Namespace, ctx: "Context") -> dict:
     return {"pass": ok, "table": "\n".join(lines), "ranks": runs, "ratios": ratios}
 
 
+def hosts_section(args: argparse.Namespace, ctx: "Context") -> dict:
+    """The trainer world across two hosts, simulated by two network namespaces (bench/hosts.py): the same steps
+    on 2 ranks of one host, then on 1 + 1 ranks of hosts A and B, compared; then a chat through a daemon in A to
+    a replica in B. Could not measure (exit 2) where namespaces cannot be made."""
+    import hosts  # bench/hosts.py
+
+    if why := hosts.unavailable():
+        return {"pass": None, "could_not_measure": why, "table": f"could not measure: {why}"}
+    tmp = ctx.tmp / "hosts"
+    tmp.mkdir()
+    one = hosts.one_host(tmp, ctx.model, args.hosts_steps)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed bench still removes its namespaces
+    try:
+        with hosts.TwoHosts() as net:
+            two, node1_exit, node1_argv = hosts.two_hosts(net, tmp, ctx.model, args.hosts_steps)
+            replica, url, stats = start_fake(tmp, "replica-b", args.tokens, ctx.eos_id, 0.0, 0, hosts.ADDRESS["b"],
+                                             tuple(net.run_in("b", [])))
+            try:
+                served = hosts.run_driver(tmp, "serve", ctx.model, net.run_in("a", []), "serve", serve=url)
+            finally:
+                stop(replica)  # it writes the requests it saw on the way out
+            served["replica_requests"] = sum(json.loads(stats.read_text()).values())
+    except hosts.Unavailable as exc:
+        return {"pass": None, "could_not_measure": str(exc), "table": f"could not measure: {exc}"}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    compared = hosts.compare(one, two)
+    ok = (compared["equal"] and compared["world_size"] == [2, 2] and node1_exit == 0 and served["status"] == 200
+          and served["replica_requests"] >= 1)
+    lines = [hosts.table(compared, served), f"node 1 (clawd-trainer@1): {' '.join(node1_argv[1:])}; exit {node1_exit}",
+             "target: every step equal on both worlds, node 1 exits 0, the chat served from B: "
+             + ("yes" if ok else "NO")]
+    return {"pass": ok, "table": "\n".join(lines), **compared, "served": served, "node1_argv": node1_argv[1:],
+            "node1_exit": node1_exit, "left_over_namespaces": hosts.left_over()}
+
+
 # ---------------------------------------------------------------- main
 
 @dataclass
@@ -514,12 +560,12 @@ class Context:
     cores: int
 
 
-SECTIONS = {"serving": serving_section, "daemon": daemon_section, "trainer": trainer_section}
+SECTIONS = {"serving": serving_section, "daemon": daemon_section, "trainer": trainer_section, "hosts": hosts_section}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=[s for s in SECTIONS if s != "hosts"])
     p.add_argument("--quick", action="store_true", help="short phases, one round, few sessions: a smoke run")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, --quick 1)")
@@ -537,9 +583,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny test model)")
     p.add_argument("--trainer-model", type=Path, default=None,
                    help="trainer: the model whose ranks are measured (default: --model's)")
+    p.add_argument("--hosts-steps", type=int, default=None, help="hosts: steps per world (default 5, --quick 2)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale.json")
     args = p.parse_args(argv)
     quick = {"rounds": (3, 1), "warm": (2.0, 1.5), "duration": (8.0, 4.0), "memory_sessions": (1000, 200), "idle": (5.0, 2.0)}
+    quick["hosts_steps"] = (5, 2)
     for name, (full, short) in quick.items():
         if getattr(args, name) is None:
             setattr(args, name, short if args.quick else full)
@@ -555,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         for flag, kind in (("--tokens", int), ("--eos-id", int), ("--token-delay", float), ("--slots", int),
                            ("--stats", str)):
             p.add_argument(flag, type=kind, required=True)
+        p.add_argument("--host", default="127.0.0.1")
         asyncio.run(_fake_engine(p.parse_args(argv[1:])))
         return 0
     args = parse(argv)
@@ -577,18 +626,20 @@ def main(argv: list[str] | None = None) -> int:
             results[name]["wall_s"] = round(time.monotonic() - t0, 1)
             print(f"\n== {name} ({results[name]['wall_s']:.0f} s)\n{results[name]['table']}", flush=True)
     ok = all(r["pass"] is not False for r in results.values())
+    unmeasured = [name for name, r in results.items() if r.get("could_not_measure")]
     wall = time.monotonic() - started
     load = os.getloadavg()
     # other processes' load takes cores from clawd: its CPU per request is the figure that carries over
-    print(f"\noverall: {'PASS' if ok else 'FAIL'} in {wall:.0f} s; load average now {load[0]:.1f} (5 min {load[1]:.1f})")
+    verdict = f"COULD NOT MEASURE ({', '.join(unmeasured)})" if unmeasured else "PASS" if ok else "FAIL"
+    print(f"\noverall: {verdict} in {wall:.0f} s; load average now {load[0]:.1f} (5 min {load[1]:.1f})")
     report = {"provenance": prov, "cores": cores, "wall_s": round(wall, 1), "load_average_after": load,
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "sections": {k: {kk: vv for kk, vv in v.items() if kk != "table"} for k, v in results.items()},
-              "pass": ok}
+              "pass": ok and not unmeasured, "could_not_measure": unmeasured}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
-    return 0 if ok else 1
+    return 2 if unmeasured else 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -106,15 +106,53 @@ def join(timeout: float) -> World:
     """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment):
     NCCL with one GPU per local rank when CUDA is visible, else gloo. `timeout` bounds every
     collective, so a rank that died or hangs fails the others instead of blocking them for torch's
-    default 30 minutes (10 with NCCL)."""
+    default 30 minutes (10 with NCCL). Across hosts gloo listens on the interface that reaches node 0
+    (`gloo_interface`) unless GLOO_SOCKET_IFNAME names one."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
+    if not cuda and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if interface := gloo_interface(os.environ.get("MASTER_ADDR", "")):
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     if cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if cuda else None)
     return World(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=local_rank, device=device)
+
+
+def gloo_interface(master: str) -> str | None:
+    """The interface this host reaches `master` (the rendezvous host, node 0) through, for gloo to listen on;
+    None when that is the loopback (a world of one host) or cannot be told (IPv6, no route, not Linux).
+
+    Left alone, gloo listens on the address this host's own name resolves to, and tells the other ranks to
+    connect there: on hosts whose /etc/hosts maps the name to 127.0.1.1 or 127.0.0.1 (Debian's default,
+    most containers), every rank of another host then connects to its own loopback and the world never
+    forms. The route to node 0 names the interface the other hosts reach this one through as well."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+
+    if not master:
+        return None
+    try:
+        address = socket.getaddrinfo(master, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))  # a datagram socket's connect sends nothing: it only picks the route
+            local = s.getsockname()[0]
+            if ipaddress.ip_address(local).is_loopback:
+                return None
+            for _, name in socket.if_nameindex():
+                try:  # SIOCGIFADDR: the interface's IPv4 address
+                    got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]
+                except OSError:
+                    continue  # no IPv4 address on it
+                if socket.inet_ntoa(got) == local:
+                    return name
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def shard(model: torch.nn.Module, world: World) -> torch.nn.Module:
