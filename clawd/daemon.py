@@ -217,7 +217,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         chat.on_first_token = metrics.observe_first_token
         if learner is not None:
             learner.on_publish = metrics.observe_publish
-        people = Holdings(state_dir, turn_records, judge_records, store, scorer, sessions, versions, monitors)
+        people = Holdings(state_dir, turn_records, judge_records, store, scorer, sessions, versions, monitors,
+                          to_scoring)
         admin = AdminServer(cfg.admin.socket_path(state_dir), admin_commands(pauses, status, learner, versions, people),
                             group=cfg.admin.group)
         await admin.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 from clawd.pauses import Pauses
 from clawd.privacy.policy import Privacy
@@ -118,3 +119,19 @@ def test_a_scan_that_fails_loses_its_turn_only(tmp_path, caplog):
 
     asyncio.run(main())
     assert "the PII scan of a turn failed" in caplog.text
+
+
+def test_a_forget_drops_the_persons_turns_still_waiting_for_their_scan(tmp_path):
+    async def main():
+        tasks: list = []
+        handover, scoring, records = _handover(tmp_path, tasks)
+        bob = _finished(3)
+        bob = FinishedTurn(replace(bob.turn, principal="bob"), bob.next_state, bob.reason, bob.finished)
+        handover(_finished(1, HEAVY))  # alice's, being scanned
+        handover(bob)
+        handover(_finished(2))  # alice's, waiting
+        assert handover.forget("alice") == 2
+        await handover.flush()
+        assert scoring.submitted == ["chatcmpl-3"] and _recorded(records) == ["chatcmpl-3"]
+
+    asyncio.run(main())

@@ -33,6 +33,7 @@ from clawd.records import RecordWriter
 from clawd.safety.monitors import Monitors
 from clawd.safety.versions import Versions
 from clawd.samples import Sample
+from clawd.scoring.handover import TurnHandover
 from clawd.scoring.scorer import Scorer
 from clawd.serving.sessions import SessionTable
 from clawd.turns import FinishedTurn
@@ -55,6 +56,7 @@ class Holdings:
     sessions: SessionTable
     versions: Versions
     monitors: Monitors | None = None  # the behaviour monitors' kept reply texts
+    handover: TurnHandover | None = None  # finished turns waiting for their PII scan
 
     async def export(self, principal: str, asked_by: str) -> dict[str, Any]:
         """Write everything about `principal` under state_dir/exports/; returns the manifest (with its path)."""
@@ -100,12 +102,14 @@ class Holdings:
     async def forget(self, principal: str, asked_by: str) -> dict[str, Any]:
         """Delete everything about `principal`; returns what went and the versions trained on them."""
         closed = self.sessions.close_all(time.time(), FORGOTTEN, principal=principal)  # never handed over
+        scanning = 0 if self.handover is None else self.handover.forget(principal)  # before any await
         temporaries = self._drop_temporaries()  # first: a rewrite below must not open a stale one
         scoring = await self.scorer.forget(principal)
         samples = dataclasses.asdict(await self.store.forget(principal))  # the journal rewritten without them
         removed = {
             "session_turns": len(closed),
             "turns_being_scored": scoring,
+            "turns_being_scanned": scanning,
             "samples_waiting": samples["waiting"],
             "samples_in_flight": samples["in_flight"],
             "quarantined_spans": samples["quarantined"],

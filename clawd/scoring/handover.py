@@ -61,7 +61,7 @@ class TurnHandover:
         self.monitors = monitors
         self.spawn = spawn
         self.stats = HandoverStats()
-        # Turns waiting, oldest first, each with its scan once begun.
+        # Turns waiting, oldest first: [turn, its scan once begun, dropped by a forget].
         self._queue: collections.deque[list] = collections.deque()
         self._worker: asyncio.Task | None = None
 
@@ -76,11 +76,18 @@ class TurnHandover:
                 self._deliver(finished)
                 return
             self.stats.deferred += 1
-            self._queue.append([finished, scan])
+            self._queue.append([finished, scan, False])
         else:
-            self._queue.append([finished, None])
+            self._queue.append([finished, None, False])
         if self._worker is None:
             self._worker = self.spawn(self._work(), name="turn-handover")
+
+    def forget(self, principal: str) -> int:
+        """Drops the principal's turns still waiting for their scan (`clawctl forget`); returns how many."""
+        mine = [entry for entry in self._queue if entry[0].turn.principal == principal and not entry[2]]
+        for entry in mine:
+            entry[2] = True  # the worker passes it over; the one being scanned is dropped when its scan ends
+        return len(mine)
 
     async def flush(self) -> None:
         """Returns once every turn handed over so far has passed."""
@@ -94,13 +101,14 @@ class TurnHandover:
                 if entry[1] is None:
                     entry[1] = self.privacy.scan_turn(entry[0])
                 try:
-                    while not advance(entry[1], SLICE):
+                    while not entry[2] and not advance(entry[1], SLICE):
                         await asyncio.sleep(0)
                 except Exception:  # a defect in detection: this turn is lost, the ones behind it are not
                     self.stats.failed += 1
                     log.exception("the PII scan of a turn failed; the turn is neither recorded nor learned from")
                 else:
-                    self._deliver(entry[0])
+                    if not entry[2]:
+                        self._deliver(entry[0])
                 self._queue.popleft()
         finally:
             self._worker = None
