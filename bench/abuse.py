@@ -24,6 +24,11 @@ bench/serve.py runs it) with short connection deadlines (`server.header_timeout`
                such a message before encoding it; `--big-context 1048576` makes it encode and serve
                them (about 2-3 s of the daemon's CPU each on the tiny model).
 
+  (c) adversarial  inputs that cost the daemon most (digit-dense text for the PII detector, prompts
+               of spaces and words for the tokenizer, a conversation of 1,000 messages) against a daemon of
+               its own while a normal client is served: the worst event-loop lag (target <= 0.1 s), the
+               normal client's p50 ratio and no 5xx (bench/adversarial.py; --adversarial-rounds 0 skips it).
+
 Afterwards `/health` and a normal chat request must answer 200, and the daemon's log must hold no
 "Traceback". Prints a table; writes bench/results/abuse.json (with `provenance`).
 
@@ -61,6 +66,7 @@ from clawd.tomlfile import to_toml  # noqa: E402
 from clawd.tokenizer import ChatTokenizer  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 from serve import WORDS, cpu_seconds, pct, start_fake, stop, tiny_model, wait_ready  # noqa: E402
+from adversarial import adversarial_phase, adversarial_table, judge_adversarial  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 TARGET_P50_RATIO = 2.0
@@ -87,13 +93,18 @@ def start_daemon(tmp: Path, model: Path, engine_url: str, server: dict,
            "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}, "learner": {"enabled": False}}
     for name, table in (extra or {}).items():
         cfg[name] = {**cfg.get(name, {}), **table}
+    return launch_daemon(tmp, cfg)
+
+
+def launch_daemon(tmp: Path, cfg: dict, start_timeout: float = 60.0) -> tuple[subprocess.Popen, str, Path]:
+    """clawd on the configuration `cfg` (as a TOML file in tmp); returns once it listens."""
     config = tmp / "clawd.toml"
     config.write_text(to_toml(cfg))
     log = tmp / "clawd.log"
     proc = subprocess.Popen([sys.executable, "-m", "clawd", "--config", str(config)], cwd=tmp,
                             env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + start_timeout
     while time.monotonic() < deadline:
         for line in log.read_text(errors="replace").splitlines():
             if "listening on http://" in line:
@@ -397,6 +408,17 @@ async def run(args, model: Path, tmp: Path) -> dict:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             out["health"] = await health_check(http, url, clawd)
         out["log"] = log_stats(log)
+        if args.adversarial_rounds:
+            (tmp / "adversarial").mkdir()
+            adv = await adversarial_phase(args, tmp / "adversarial", model, eos, start_daemon, wait_ready, normal_run)
+            adv_log = Path(adv.pop("log"))
+            adv["log"] = log_stats(adv_log)
+            adv["first_traceback"] = first_traceback(adv_log)
+            # With PYTHONASYNCIODEBUG=1 in the bench's environment, asyncio names each step that held the loop.
+            adv["slow_steps"] = [line for line in adv_log.read_text(errors="replace").splitlines()
+                                 if "Executing" in line and " took " in line][:20]
+            out["adversarial"] = adv
+            print(f"  adversarial: worst loop lag {adv['lag_max_s']} s", flush=True)
         if args.keep_log:
             args.keep_log.write_bytes(log.read_bytes())
         out["first_traceback"] = first_traceback(log)
@@ -425,6 +447,9 @@ def judge(res: dict) -> dict[str, tuple[object, bool]]:
         growth = max(big["rss_growth_mb"], big["peak_growth_mb"] or 0.0)
         targets["big messages >= 500 or no reply"] = (big["status_5xx"], big["status_5xx"] == 0)
         targets["RSS growth, after or peak (MB)"] = (growth, growth < TARGET_RSS_MB and big["peak_reset"])
+    if (adv := res.get("adversarial")) is not None:
+        targets.update(judge_adversarial(adv))
+        targets["adversarial: tracebacks in its log"] = (adv["log"]["tracebacks"], adv["log"]["tracebacks"] == 0)
     targets["tracebacks in the log"] = (res["log"]["tracebacks"], res["log"]["tracebacks"] == 0)
     targets["healthy after"] = (res["health"]["ok"], bool(res["health"]["ok"]))
     return targets
@@ -447,6 +472,8 @@ def table(res: dict) -> str:
         b = res["big"]
         lines.append(f"big messages    {b['requests']} x {b['chars']:,} chars in {b['seconds']} s: {b['by_status']}; RSS "
                      f"{b['rss_before_mb']} -> {b['rss_after_mb']} MB, peak {b['peak_mb']} MB")
+    if "adversarial" in res:
+        lines += adversarial_table(res["adversarial"])
     return "\n".join(lines)
 
 
@@ -471,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-chars", type=int, default=1_000_000)
     p.add_argument("--big-concurrency", type=int, default=2)
     p.add_argument("--big-context", type=int, default=0, help="model.context_length (0: the model's own)")
+    p.add_argument("--adversarial-rounds", type=int, default=3, help="each adversarial input sent this often")
+    p.add_argument("--adversarial-chars", type=int, default=200_000, help="characters per adversarial input")
+    p.add_argument("--adversarial-concurrency", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="100 stalled, 40 requests, 20 big ones: a smoke run")
     p.add_argument("--out", type=Path, default=HERE / "results" / "abuse.json")
@@ -479,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.stalled, args.requests, args.big = min(args.stalled, 100), min(args.requests, 40), min(args.big, 20)
         args.slow_tokens = min(args.slow_tokens, 2000)
+        args.adversarial_rounds = min(args.adversarial_rounds, 1)
     prov = provenance.stamp()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed bench still stops its daemon and engine
     nofile = raise_nofile()

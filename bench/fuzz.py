@@ -3,7 +3,9 @@
 One file of ~550 lines: the seeded case generators are most of it, read beside the phases that send them.
 
 Two phases against one clawd (run as its own process, `engine.launch = "none"`, in front of
-tests/fake_sglang.py, the way bench/serve.py runs it):
+tests/fake_sglang.py, the way bench/serve.py runs it; or, with --make-run, on `make run`'s own
+configuration, etc/clawd.toml: SmolLM2 on the CPU engine, the reference engine launched too, the
+learner on; only the port, the state directory and the connection deadlines differ):
 
   bodies  `POST /v1/chat/completions` through an HTTP client, with seeded malformed bodies:
           truncated and invalid JSON, a wrong type in every field, huge numbers, deep nesting,
@@ -15,12 +17,14 @@ tests/fake_sglang.py, the way bench/serve.py runs it):
 
 Targets (the exit status): no response >= 500, no "Traceback" in the daemon's log, at most
 --max-log-lines log lines per 1,000 bad requests, and after both phases `/health` answers 200
-and a normal chat request 200. Prints counts by status code per phase and category; writes
+and a normal chat request 200; with --make-run also no engine found hung and no engine or trainer
+restarted (/metrics). Prints counts by status code per phase and category; writes
 bench/results/fuzz.json (with `provenance`, bench/provenance.py).
 
     .venv/bin/python bench/fuzz.py                 # 10,000 + 10,000 requests, ~1-2 min on 2 cores
     .venv/bin/python bench/fuzz.py --quick         # 300 + 300, a smoke run
     .venv/bin/python bench/fuzz.py --bodies 2000 --raw 2000 --seed 7 --concurrency 32
+    .venv/bin/python bench/fuzz.py --make-run --bodies 1500 --raw 1500   # ~5-10 min: real engines
 
 Exit status: 0 when every target was met; 1 when one was missed; 2 when it could not measure
 (the daemon did not start, or died); an exception gives a traceback and no JSON.
@@ -39,6 +43,7 @@ import re
 import signal
 import sys
 import tempfile
+import tomllib
 import time
 import zlib
 from pathlib import Path
@@ -51,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from clawd.tokenizer import ChatTokenizer  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 from serve import start_fake, stop, tiny_model, wait_ready  # noqa: E402
-from abuse import first_traceback, health_check, log_stats, raise_nofile, start_daemon  # noqa: E402
+from abuse import first_traceback, health_check, launch_daemon, log_stats, raise_nofile, start_daemon  # noqa: E402
 
 DEFAULT_MAX_LOG_LINES = 5.0  # per 1,000 bad requests: a summary now and then, never a line per request
 CHAT = "/v1/chat/completions"
@@ -434,17 +439,44 @@ def table(phases: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def make_run_config(tmp: Path, deadlines: dict) -> dict:
+    """etc/clawd.toml as `make run` starts it, on a port of its own, a scratch state directory and `deadlines`."""
+    cfg = tomllib.loads((ROOT / "etc" / "clawd.toml").read_text())
+    model = Path(cfg["model"]["path"])
+    cfg["model"]["path"] = str(model if model.is_absolute() else ROOT / model)
+    if not Path(cfg["model"]["path"]).is_dir():
+        raise RuntimeError(f"{cfg['model']['path']} is missing: run `make model` first")
+    cfg["server"] = {**cfg.get("server", {}), "port": 0, **deadlines}
+    cfg["state"] = {**cfg.get("state", {}), "dir": str(tmp / "state")}
+    return cfg
+
+
+async def engine_faults(url: str) -> dict:
+    """Engines found hung and engines and trainers restarted, from /metrics."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async with http.get(url + "/metrics") as resp:
+            text = await resp.text()
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return {"engine_hangs": total("clawd_engine_hangs_total"), "engine_restarts": total("clawd_engine_restarts_total"),
+            "trainer_restarts": total("clawd_trainer_restarts_total")}
+
+
 async def run(args, model: Path, tmp: Path) -> dict:
-    eos = ChatTokenizer(model).info.eos_ids[0]
-    fake, fake_url = start_fake(args.tokens, eos, 0.0, False, tmp / "fake.log")
+    fake = None
     clawd = None
+    # Short deadlines: a request that stalls on purpose (a Content-Length longer than its body)
+    # is answered 408 (or closed) within seconds instead of holding a worker for the default 30 s.
+    deadlines = {"header_timeout": args.deadline, "body_timeout": args.deadline, "keepalive_timeout": args.deadline}
     try:
-        # Short deadlines: a request that stalls on purpose (a Content-Length longer than its body)
-        # is answered 408 (or closed) within seconds instead of holding a worker for the default 30 s.
-        clawd, url, log = start_daemon(tmp, model, fake_url, {
-            "header_timeout": args.deadline, "body_timeout": args.deadline, "keepalive_timeout": args.deadline})
+        if args.make_run:
+            clawd, url, log = launch_daemon(tmp, make_run_config(tmp, deadlines), start_timeout=300)
+        else:
+            eos = ChatTokenizer(model).info.eos_ids[0]
+            fake, fake_url = start_fake(args.tokens, eos, 0.0, False, tmp / "fake.log")
+            clawd, url, log = start_daemon(tmp, model, fake_url, deadlines)
         async with aiohttp.ClientSession() as http:
-            await wait_ready(http, url, clawd)
+            await wait_ready(http, url, clawd, timeout=600 if args.make_run else 60)
         phases = {}
         for name, phase, count in (("bodies", body_phase, args.bodies), ("raw", raw_phase, args.raw)):
             before = log_stats(log)
@@ -466,15 +498,17 @@ async def run(args, model: Path, tmp: Path) -> dict:
                 break
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             health = await health_check(http, url, clawd)
+        faults = await engine_faults(url) if args.make_run and clawd.poll() is None else None
         final = log_stats(log)
         if args.keep_log:
             args.keep_log.write_bytes(log.read_bytes())
         return {"phases": phases, "health": health, "log": final, "first_traceback": first_traceback(log),
-                "daemon_exit": clawd.poll()}
+                "daemon_exit": clawd.poll(), "faults": faults}
     finally:
         if clawd is not None:
             stop(clawd)
-        stop(fake)
+        if fake is not None:
+            stop(fake)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,11 +523,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4, help="tokens per reply of a request that is valid after all")
     p.add_argument("--max-log-lines", type=float, default=DEFAULT_MAX_LOG_LINES,
                    help="target: most daemon log lines per 1,000 bad requests")
+    p.add_argument("--make-run", action="store_true", help="against etc/clawd.toml (the CPU engines, the learner)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "fuzz.json")
     p.add_argument("--keep-log", type=Path, default=None, help="copy the daemon's log here")
     args = p.parse_args(argv)
     if args.quick:
         args.bodies, args.raw = min(args.bodies, 300), min(args.raw, 300)
+    if args.make_run and args.out == HERE / "results" / "fuzz.json":
+        args.out = HERE / "results" / "fuzz-make-run.json"
     prov = provenance.stamp()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed bench still stops its daemon and engine
     nofile = raise_nofile()
@@ -516,6 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     targets = {"status_5xx": (five, five == 0), "tracebacks": (res["log"]["tracebacks"], res["log"]["tracebacks"] == 0),
                "log_lines_per_1000": (per_1000, per_1000 <= args.max_log_lines),
                "healthy_after": (res["health"]["ok"], bool(res["health"]["ok"]))}
+    if args.make_run:
+        faults = res["faults"] or {}
+        for name in ("engine_hangs", "engine_restarts", "trainer_restarts"):
+            targets[name] = (faults.get(name), faults.get(name) == 0)
     ok = measured and all(met for _, met in targets.values())
     print()
     print(table(phases))

@@ -63,10 +63,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_fake(tokens: int, eos_id: int, delay: float, incremental: bool, log: Path) -> tuple[subprocess.Popen, str]:
+def start_fake(tokens: int, eos_id: int, delay: float, incremental: bool, log: Path,
+               context: int | None = None) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, str(FAKE), "--port", "0", "--tokens", str(tokens),
                              "--eos-id", str(eos_id), "--token-delay", str(delay)]
-                            + (["--incremental-streaming-output"] if incremental else []),
+                            + (["--incremental-streaming-output"] if incremental else [])
+                            + ([] if context is None else ["--context-length", str(context)]),
                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
     line = proc.stdout.readline()
     if not line.startswith("PORT "):
@@ -113,8 +115,8 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
             proc.wait()
 
 
-async def wait_ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
+async def wait_ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: process exited ({proc.returncode})")

@@ -35,7 +35,7 @@ from clawd.tokenizer import FULL, PLAIN, ChatTokenizer, plain_tokenizer
 
 log = logging.getLogger("clawd.encoder")
 
-INLINE_CHARS = 16_384  # encoded in the daemon between two yields: ~10-30 ms
+INLINE_CHARS = 8192  # encoded in the daemon between two yields: ~5-15 ms
 _KINDS = {FULL: b"F", PLAIN: b"P"}  # a request's first byte: the tokenizer to encode it with
 
 

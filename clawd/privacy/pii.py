@@ -97,8 +97,10 @@ _URL = re.compile(r"(?i)\b(?:https?|ftp|wss?)://[^\s<>\"'`]+|\bwww\.[^\s<>\"'`]+
 
 
 def _emails(text: str) -> Scan:
-    for m in _EMAIL.finditer(text):
+    for m in in_pieces(_EMAIL, text, longest=1200):
         yield None
+        if m is None:
+            continue
         local, _, domain = m.group().rpartition("@")
         if local.startswith(".") or local.endswith(".") or ".." in local or len(m.group()) > 254:
             continue
@@ -147,8 +149,10 @@ _IBAN = re.compile(r"[A-Z]{2}\d{2}(?:[ -]?[A-Z0-9]{1,4}){3,8}(?![\w])")
 
 
 def _ibans(text: str) -> Scan:
-    for m in _IBAN.finditer(text):
+    for m in in_pieces(_IBAN, text, longest=80):
         yield None
+        if m is None:
+            continue
         if glued(_WORD_BEFORE, text, m.start()) or (" " in m.group() and "-" in m.group()):
             continue
         # Grouped by fours (spaces or dashes), the pattern may have run into a following capitalised word: try
@@ -168,8 +172,10 @@ _IPV6 = re.compile(r"(?<![\w:.])[0-9A-Fa-f:]{2,39}(?:(?<=:)(?:\d{1,3}\.){3}\d{1,
 
 
 def _ips(text: str) -> Scan:
-    for m in _IPV4.finditer(text) if "." in text else ():
+    for m in in_pieces(_IPV4, text, longest=24) if "." in text else ():
         yield None
+        if m is None:
+            continue
         if glued(_IPV4_BEFORE, text, m.start()):
             continue
         try:
@@ -258,9 +264,11 @@ def _secrets(text: str) -> Scan:
         if any(h in text for h in hints):
             yield from (m.span() for m in pattern.finditer(text))
     lowered = text.lower()
-    assignments = _ASSIGNMENT.finditer(text) if any(h in lowered for h in _KEY_HINTS) else ()
+    assignments = in_pieces(_ASSIGNMENT, text, longest=320) if any(h in lowered for h in _KEY_HINTS) else ()
     for m in assignments:
         yield None
+        if m is None:
+            continue
         group = next(g for g in (2, 3, 4) if m.group(g) is not None)
         start, value = m.start(group), m.group(group)
         if group == 4:
@@ -347,7 +355,7 @@ class Detector:
             if "phone" in wanted and self.phone_regions:
                 # Phones last, and never in another finding's digits: the costliest step skips them.
                 blocked += [(f.start, f.end) for f in found]
-                found_phones = yield from _collect(phones(text, self.phone_regions, Spans(blocked), budget), every=1)
+                found_phones = yield from _collect(phones(text, self.phone_regions, Spans(blocked), budget))
                 found += [Finding("phone", s, e) for s, e in found_phones]
         yield
         return _resolve(found)
@@ -466,16 +474,14 @@ def redact(text: str, findings: Iterable[Finding]) -> str:
     return "".join(pieces)
 
 
-def _collect(scan: Scan, every: int = 8) -> Generator[None, None, list[tuple[int, int]]]:
-    """The spans of a scan, yielding once every `every` candidates it reads."""
-    spans, read = [], 0
+def _collect(scan: Scan) -> Generator[None, None, list[tuple[int, int]]]:
+    """The spans of a scan, yielding at each candidate and piece it reads (a step is microseconds to a few ms)."""
+    spans = []
     for span in scan:
-        if span is not None:
-            spans.append(span)
+        if span is None:
+            yield
         else:
-            read += 1
-            if read % every == 0:
-                yield
+            spans.append(span)
     return spans
 
 

@@ -26,7 +26,7 @@ from clawd.turns import FinishedTurn
 
 log = logging.getLogger("clawd.handover")
 
-SLICE = 0.01  # seconds of the loop one scan step may hold before it yields
+SLICE = 0.005  # seconds of the loop a scan may hold before it yields (it overshoots by one step: a few ms)
 
 
 def advance(steps: Generator[None, None, Any], seconds: float) -> bool:

@@ -217,6 +217,8 @@ async def _body(request: web.Request, gate: Gate, timeout: float) -> bytes:
         closing.cancel()
         if not read.done():
             read.cancel()
+        elif not read.cancelled():
+            read.exception()  # seen: a client that left as this handler was cancelled is no traceback in the log
     if read.done() and not read.cancelled():
         return read.result()
     if closing.done() and not closing.cancelled():
