@@ -179,7 +179,7 @@ class Engine:
         """The client is gone (or its handler ended early): abort what it still waits for."""
         for req in group.reqs:
             if not req.done:
-                log.info("client disconnected; aborting %s", req.rid)
+                log.debug("client disconnected; aborting %s", req.rid)  # one per hang-up: clawd counts them
                 self._abort_one(req)
 
     def _abort_one(self, req: Req) -> None:

@@ -186,7 +186,9 @@ async def handle_abort(request: web.Request, engine: Engine, body: dict) -> web.
         n = engine.abort(rid)
     else:
         n = 0
-    log.info("abort %s: %d request(s)", "all" if everything else repr(rid), n)
+    # One per client that hung up (clawd counts those): a debug line; aborting everything is worth an info line.
+    log.log(logging.INFO if everything else logging.DEBUG, "abort %s: %d request(s)",
+            "all" if everything else repr(rid), n)
     return web.Response(status=200)
 
 
