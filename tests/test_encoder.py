@@ -8,6 +8,7 @@ import random
 import signal
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from clawd.encoding import INLINE_CHARS, Encoder, encode_prompt
 from clawd.tokenizer import ChatTokenizer
@@ -130,3 +131,29 @@ def test_a_judge_prompt_quoting_a_long_turn_is_encoded_in_the_worker_with_the_sa
 
     ids, stats = asyncio.run(main())
     assert ids == judge_prompt_ids(tok, messages) and stats.pieces >= 1 and stats.fallbacks == 0
+
+
+_tok_cache: dict = {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=40), st.sampled_from(["<|im_start|>", "<|im_end|>", "\n", "  ", "1234"])),
+                max_size=30), st.integers(min_value=1, max_value=64))
+def test_encoding_in_steps_equals_encoding_whole(tiny_model, parts, inline):
+    """Whatever the text and however small the pieces kept here: the ids are encode_held's, the pieces handed
+    out are whole pieces between added tokens, and the cache is left as encode_held leaves it."""
+    tok = _tok_cache.get(tiny_model) or _tok_cache.setdefault(tiny_model, ChatTokenizer(tiny_model))
+    text = "".join(parts)
+    steps, handed = tok.encode_steps(text, inline), []
+    try:
+        request = next(steps)
+        while True:
+            if request is not None:
+                handed.append(request[1])
+                request = steps.send(tok.encode_as(*request))
+            else:
+                request = steps.send(None)
+    except StopIteration as done:
+        ids, fresh = done.value
+    assert (ids, fresh) == tok.encode_held(text)
+    assert all(len(piece) > inline and piece in text and "<|im_end|>" not in piece for piece in handed)
