@@ -242,7 +242,7 @@ async def test_no_metrics_route_without_metrics():
 
 # ---- end to end -----------------------------------------------------------------------------
 
-REQUIRED = [  # the metrics operators rely on (README: metrics)
+REQUIRED = [  # the metrics operators rely on (docs/OPERATING.md: metrics)
     "clawd_http_requests_total", "clawd_http_request_duration_seconds", "clawd_time_to_first_token_seconds",
     "clawd_prompt_tokens_total", "clawd_completion_tokens_total", "clawd_live_sessions", "clawd_turns_total",
     "clawd_judge_votes_total", "clawd_samples_total", "clawd_samples_excluded_total",
