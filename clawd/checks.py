@@ -1,11 +1,13 @@
 """Small predicates the configuration's sections share when they check their values."""
 from __future__ import annotations
 
+import math
 import re
 
 
 def is_number(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
 def is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
+def is_finite(x) -> bool: return is_number(x) and math.isfinite(x)
 
 
 def is_group_name(name: str) -> bool:

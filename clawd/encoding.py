@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Generator
 
-from clawd.lifetime import die_with_parent
+from clawd.lifetime import die_with_spawner
 from clawd.tokenizer import FULL, PLAIN, ChatTokenizer, plain_tokenizer
 
 log = logging.getLogger("clawd.encoder")
@@ -145,10 +145,7 @@ async def drive(tok: ChatTokenizer, steps: Generator, encoder: Encoder | None) -
 
 def main(conn: Connection, tokenizer_path: str) -> None:
     """The worker: encode each text it is sent, until the daemon closes the socket."""
-    die_with_parent()
-    parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(1)  # the daemon died before the signal was armed
+    die_with_spawner()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us
     from tokenizers import Tokenizer
 

@@ -7,6 +7,8 @@ child, so no engine, trainer or rank outlives the process that supervises it.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
+import os
 import signal
 
 _PR_SET_PDEATHSIG = 1
@@ -14,5 +16,17 @@ _PR_SET_PDEATHSIG = 1
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel for `sig` when the parent process dies. It applies to the parent at call time: a
-    caller that may have been orphaned before the call must check `os.getppid()` after it."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    caller that may have been orphaned before the call must check `os.getppid()` after it (as
+    `die_with_spawner` does). Between fork and exec (`preexec_fn`) pass `sig` with functools.partial."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def die_with_spawner() -> None:
+    """First thing in a `multiprocessing` child's main (the trainer, the encoder worker): die with the daemon,
+    and exit at once if it already died before the signal was armed."""
+    die_with_parent()
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)

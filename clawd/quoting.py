@@ -46,6 +46,10 @@ def _drop_invisible(text: str) -> str:
     return "".join(out)
 
 
+# Typographic apostrophes folded to ASCII (graders and the gate's rules compare "don't" with "don’t").
+APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
+
+
 def normalise(text: str) -> str:
     """NFKC without invisible characters, until stable: look-alikes become their ASCII forms."""
     if text.isascii():  # the common case: nothing to fold

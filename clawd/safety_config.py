@@ -15,7 +15,7 @@ from clawd.checks import is_int, is_number
 ACTIONS = ("off", "alarm", "halt", "rollback")  # what a monitor's drift does (clawd.safety.monitors)
 
 
-def _finite(section, name: str, ok, want: str, errors: dict) -> None:
+def _check_finite(section, name: str, ok, want: str, errors: dict) -> None:
     value = getattr(section, name)
     if not (is_number(value) and math.isfinite(value) and ok(value)):
         errors[name] = f"must be a finite number {want}"
@@ -43,10 +43,10 @@ class GateConfig:
         for name in ("samples_per_prompt", "max_tokens", "concurrency"):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 errors[name] = "must be an integer, at least 1"
-        _finite(self, "temperature", lambda x: x >= 0, ">= 0", errors)
-        _finite(self, "margin", lambda x: 0 <= x < 1, "in [0, 1)", errors)
-        _finite(self, "level", lambda x: 0.5 <= x < 1, "in [0.5, 1)", errors)
-        _finite(self, "timeout", lambda x: x > 0, "above 0", errors)
+        _check_finite(self, "temperature", lambda x: x >= 0, ">= 0", errors)
+        _check_finite(self, "margin", lambda x: 0 <= x < 1, "in [0, 1)", errors)
+        _check_finite(self, "level", lambda x: 0.5 <= x < 1, "in [0.5, 1)", errors)
+        _check_finite(self, "timeout", lambda x: x > 0, "above 0", errors)
         return errors
 
 
@@ -59,7 +59,7 @@ class MonitorRule:
 
     def check(self) -> dict[str, str]:
         errors: dict[str, str] = {}
-        _finite(self, "threshold", lambda x: x >= 0, ">= 0 (0 = the monitor's default)", errors)
+        _check_finite(self, "threshold", lambda x: x >= 0, ">= 0 (0 = the monitor's default)", errors)
         return errors
 
 
@@ -119,7 +119,7 @@ class MonitorsConfig:
         for name in ("min_replies", "baseline_versions"):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 errors[name] = "must be an integer, at least 1"
-        _finite(self, "interval", lambda x: x > 0, "above 0", errors)
+        _check_finite(self, "interval", lambda x: x > 0, "above 0", errors)
         return errors
 
     def rules(self) -> dict[str, MonitorRule]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import logging
 import os
@@ -58,12 +59,10 @@ from clawd.engine.replicas import behind
 from clawd.lifetime import die_with_parent
 
 log = logging.getLogger("clawd.engine")
+# Between fork and exec: SIGTERM when clawd dies, so the engine stops cleanly.
+_ENGINE_DIES_WITH_US = functools.partial(die_with_parent, signal.SIGTERM)
 
 POLL_TIMEOUT_FLOOR = 1.0  # seconds a liveness poll waits at least, however short health_interval is
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec: SIGTERM, so the engine stops cleanly
-    die_with_parent(signal.SIGTERM)
 
 
 class EngineState(enum.Enum):
@@ -188,7 +187,7 @@ class EngineSupervisor:
         fds = (self._sock.fileno(),) if self._sock is not None else ()
         # Its own process group, so a hung engine goes with its helpers (SGLang's scheduler processes).
         # Its output reaches clawd's log through a pipe, secrets taken out (SGLang logs its keys as it starts).
-        self._proc = subprocess.Popen(launch.argv, pass_fds=fds, preexec_fn=_die_with_parent, process_group=0,
+        self._proc = subprocess.Popen(launch.argv, pass_fds=fds, preexec_fn=_ENGINE_DIES_WITH_US, process_group=0,
                                       env=launch.environ(dict(os.environ)), stdin=subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self._dropped_before = self.output_dropped

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from clawd import devices
-from clawd.engine.client import EngineClient, EngineError
+from clawd.engine.client import EngineClient
 
 log = logging.getLogger("clawd.learner")
 

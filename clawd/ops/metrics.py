@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
@@ -55,7 +56,6 @@ STEP_GAUGES = {"grad_norm": ("clawd_train_grad_norm", "Gradient norm of the last
 # clawd needs (the process start is known). The switch is process-wide; only clawd uses the library here.
 disable_created_metrics()
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 COUNTED = web.RequestKey("clawd_metrics_counted", bool)  # set by the middleware on the requests it counts
 
 

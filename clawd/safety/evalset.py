@@ -55,7 +55,7 @@ from typing import Any
 
 from clawd.checks import is_int
 from clawd.degeneration import words
-from clawd.quoting import marker, neutralise
+from clawd.quoting import APOSTROPHES, marker, neutralise
 
 MAX_PROMPTS = 10_000
 MAX_BYTES = 10 * 1024 * 1024
@@ -163,11 +163,10 @@ def parse_check(raw: Any) -> Check:
 
 # --- matching --------------------------------------------------------------------------------
 
-_APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 
 
 def _fold(text: str) -> str:
-    return unicodedata.normalize("NFKC", text).translate(_APOSTROPHES).casefold()
+    return unicodedata.normalize("NFKC", text).translate(APOSTROPHES).casefold()
 
 
 @lru_cache(maxsize=4096)

@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from clawd.checks import is_finite
 from clawd import degeneration
 from clawd.safety_config import DEFAULT_RULES, MonitorRule, MonitorsConfig
 
@@ -164,9 +164,6 @@ def tool_call_error(record: Mapping[str, Any]) -> bool | None:
 
 # --- the tally of one version --------------------------------------------------------------------
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
 
 def _share(x: int, n: int) -> float | None:
     return round(x / n, degeneration.RATIO_DIGITS) if n else None
@@ -245,7 +242,7 @@ class Tally:
 
     def add_judgement(self, reward: float, has_hint: bool) -> None:
         """One judge verdict. A reward that is not a finite number is not a verdict: left out."""
-        if not _finite(reward):
+        if not is_finite(reward):
             return
         self.judgements += 1
         self.hints += bool(has_hint)
@@ -256,9 +253,9 @@ class Tally:
         present when kl_loss_coef > 0) and "entropy" (per token), each when a finite number."""
         self.steps += 1
         kl, ent = metrics.get(KL_KEY), metrics.get(ENTROPY_KEY)
-        if _finite(kl):
+        if is_finite(kl):
             self.kl_steps, self.kl_sum = self.kl_steps + 1, self.kl_sum + kl
-        if _finite(ent):
+        if is_finite(ent):
             self.entropy_steps, self.entropy_sum = self.entropy_steps + 1, self.entropy_sum + ent
 
     @classmethod

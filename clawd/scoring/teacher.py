@@ -16,11 +16,11 @@ log-probs for the trainer's KL term (`Sample.reference_logprobs`).
 from __future__ import annotations
 
 import asyncio
-import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from clawd.checks import is_finite
 from clawd.engine.client import EngineClient
 from clawd.scoring.judges import AttemptFailed, Backend, CallPolicy, generate_once
 
@@ -30,9 +30,6 @@ TOP_WINDOW = 32  # response positions a top-k request scores
 def _misaligned(detail: str) -> AttemptFailed:
     return AttemptFailed("teacher_misaligned", "bad_responses", retryable=False, detail=detail)
 
-
-def _finite(x: Any) -> bool:
-    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _input_entries(out: Any, key: str, n: int) -> list:
@@ -57,7 +54,7 @@ def teacher_logprobs(out: Any, response_ids: list[int]) -> list[float]:
         lp = entry[0] if ok else None
         if not ok or entry[1] != tok:
             raise _misaligned(f"token {i}: entry {entry!r}, expected id {tok}")
-        if not _finite(lp):
+        if not is_finite(lp):
             raise _misaligned(f"token {i}: log-prob {lp!r}")
         values.append(float(lp))
     return values
@@ -74,7 +71,7 @@ def top_logprobs(out: Any, top_ids: list[list[int]], union: list[int]) -> list[l
                               f"for {len(union)} ids")
         at: dict[int, float] = {}
         for triple, tid in zip(entry, union):
-            if not (isinstance(triple, list) and len(triple) >= 2 and triple[1] == tid and _finite(triple[0])):
+            if not (isinstance(triple, list) and len(triple) >= 2 and triple[1] == tid and is_finite(triple[0])):
                 raise _misaligned(f"token {i}: entry {triple!r}, expected id {tid}")
             at[tid] = float(triple[0])
         rows.append([at[t] for t in want])

@@ -17,6 +17,7 @@ import time
 from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from clawd.serving.completion import ChatService
 from clawd.serving.request import Limits, parse_chat_request
@@ -29,7 +30,6 @@ from clawd.serving.errors import ApiError
 
 log = logging.getLogger("clawd.api")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 

@@ -31,9 +31,10 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from aiohttp.http_exceptions import HttpProcessingError
 
 from clawd.config import ServerConfig
@@ -50,7 +51,6 @@ OTHER_FILES = 1024
 # After a late body's 408, a client still stalled is cut this much later (the 408 goes out first).
 BODY_GRACE = 1.0
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass

@@ -30,7 +30,6 @@ A spawned process does not inherit the daemon's logging: `main` sets it up at
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -41,7 +40,7 @@ from clawd.config import LOG_FORMAT
 from clawd.samples import Sample
 from clawd.trainer.wire import recv_message, send_message
 from clawd.weights import write_failure_kind
-from clawd.lifetime import die_with_parent
+from clawd.lifetime import die_with_spawner
 
 Factory = Callable[[dict], object]  # options -> handler; a top-level function, so that it pickles by reference
 
@@ -49,13 +48,6 @@ Factory = Callable[[dict], object]  # options -> handler; a top-level function, 
 class RetryableError(Exception):
     """Raised by a handler for a failure that may pass on a second try (e.g. out of memory)."""
     retryable = True
-
-
-def _die_with_parent() -> None:
-    die_with_parent()
-    parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(1)  # the daemon died before the signal was armed
 
 
 def state_of(handler) -> dict:
@@ -133,7 +125,7 @@ def ready_message(handler) -> dict:
 def main(conn, factory: Factory | None, options: dict) -> None:
     """The child's entry point: handshake, then one reply per request until shutdown or EOF. With a
     trainer world of several ranks, the coordinator's (`clawd.trainer.world`) instead."""
-    _die_with_parent()
+    die_with_spawner()
     train = options.get("train")
     if factory is None and getattr(train, "world_size", 1) > 1:
         logging.basicConfig(level=str(options.get("log_level", "info")).upper(), stream=sys.stderr, format=LOG_FORMAT)

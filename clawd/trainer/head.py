@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from clawd.trainer.memory import HEAD_CHUNK_ELEMENTS
 
-HEAD_CHUNK_ELEMENTS = 1 << 28  # logits per chunk: 1 GiB a float32 buffer; 1,766 positions of Qwen's 151,936
+
 
 
 def head_chunk_tokens(vocab: int) -> int:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from clawd.config import ConfigError
+
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 ADMIN_OPTIONAL = frozenset({
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
@@ -69,10 +71,8 @@ def middleware(api_key: str | None, admin_api_key: str | None):
 # --------------------------------------------------------------------------
 # --config PATH
 
-class ConfigError(ValueError):
-    """A --config file the engine will not start with; the text never holds a value from it."""
-
-
+# A --config file the engine will not start with is a ConfigError (clawd's own); its text never holds a value
+# from the file (keys live there).
 def read_config(path: str) -> dict:
     """The file's mapping of flag names to values."""
     p = Path(path)

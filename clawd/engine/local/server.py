@@ -40,6 +40,7 @@ import torch
 from aiohttp import web
 
 from clawd import startup
+from clawd.config import ConfigError
 from clawd.engine.local import adapters, auth
 from clawd.engine.local import weight_sync
 from clawd.engine.local.scheduler import Engine
@@ -421,7 +422,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if config.config is not None:
         try:
             keys = auth.apply_config(ap, config.config)
-        except auth.ConfigError as exc:
+        except ConfigError as exc:
             ap.error(str(exc))
     args = ap.parse_args(argv)
     args.api_key, args.admin_api_key = keys["api_key"], keys["admin_api_key"]

@@ -7,7 +7,7 @@ what `clawctl status --json` shows.
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import functools
 import json
 import os
 import re
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clawd.lifetime import die_with_parent
 from clawd.tomlfile import to_toml
 from clawd.ops.ctl import NotRunning, call
 
@@ -26,15 +27,7 @@ from clawd.ops.ctl import NotRunning, call
 REPO = Path(__file__).resolve().parents[3]
 
 _LISTENING = re.compile(r"listening on (http://\S+)")
-PR_SET_PDEATHSIG = 1
 MAX_SOCKET_PATH = 107  # bytes in sun_path, less the terminating NUL
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the demo dies, even by SIGKILL (Linux prctl)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 class Clawd:
@@ -73,7 +66,7 @@ class Clawd:
             # and clawd gets SIGTERM if the demo dies without doing so.
             self.proc = subprocess.Popen([sys.executable, "-m", "clawd", "--config", str(config_path)],
                                          cwd=self.run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))  # even on SIGKILL
         deadline = time.monotonic() + timeout
         while not self.url:
             m = _LISTENING.search(self.log_path.read_text(errors="replace"))

@@ -39,6 +39,8 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
+from clawd.quoting import APOSTROPHES
+
 KINDS = ("fact", "arithmetic", "conversion", "definition")
 CORRECT, SEVERAL, WRONG, MISSING = "correct", "several", "wrong", "missing"
 SEED = 0
@@ -52,7 +54,6 @@ _UNITS = {w: i for i, w in enumerate(_SMALL[:10])}
 _TEENS = {w: i + 10 for i, w in enumerate(_SMALL[10:])}
 _TEN = {w: i * 10 for i, w in enumerate(_TENS) if i >= 2}
 _SCALES = {"thousand": 1000, "million": 1_000_000}
-_APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 _NOT = re.compile(r"n't\b")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _TOKEN = re.compile(r"\d+(?:\.\d+)?|[^\W\d_]+")
@@ -98,7 +99,7 @@ def _read_number(words: list[str], i: int) -> tuple[int, int] | None:
 def normalise(text: str) -> tuple[str, ...]:
     """The text as the tokens grading compares (see the module's docstring)."""
     text = unicodedata.normalize("NFKD", text)
-    text = "".join(c for c in text if not unicodedata.combining(c)).translate(_APOSTROPHES).casefold()
+    text = "".join(c for c in text if not unicodedata.combining(c)).translate(APOSTROPHES).casefold()
     text = _THOUSANDS.sub("", _NOT.sub(" not", text))
     words = [w for w in _TOKEN.findall(text) if w not in ARTICLES]
     out, i = [], 0
