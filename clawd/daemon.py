@@ -50,7 +50,7 @@ from clawd.scoring.handover import TurnHandover
 from clawd.scoring.teacher import Teacher
 from clawd.scoring.scorer import Scorer
 from clawd.served import Policy
-from clawd.serving.api import CONNECTIONS, Gate, make_app
+from clawd.serving.api import CONNECTIONS, AdmissionGate, make_app
 from clawd.serving.auth import Authenticator
 from clawd.serving.completion import ChatService
 from clawd.encoding import Encoder
@@ -245,8 +245,9 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             if (interval := systemd.watchdog_interval()) is not None:  # a stalled loop stops the pings
                 watchdog = tasks.create_task(systemd.watchdog(lambda: True, interval), name="watchdog")
 
-            gate = Gate()
-            app = make_app(cfg, chat, auth=auth, gate=gate, engines=engines, serving_paused=lambda: pauses.serving,
+            admission = AdmissionGate()
+            app = make_app(cfg, chat, auth=auth, admission=admission, engines=engines,
+                           serving_paused=lambda: pauses.serving,
                            on_request=requests_per_minute.tick, outer_middlewares=[metrics.middleware])
             # /metrics is open like /health (scraped from localhost) unless [auth] require_metrics_key.
             app.router.add_get("/metrics", metrics.handle)
@@ -273,7 +274,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                 """The stages stop in reverse: serving, then scoring, learning, the trainer, the engines."""
                 log.info("stopping: draining requests for up to %.0fs", cfg.server.drain_timeout)
                 announce.cancel()
-                gate.close()
+                admission.close()
                 for child in filter(None, [trainer, *engines]):  # one that dies now stays down: we are leaving
                     child.hold_restarts()
                 await runner.cleanup()  # stops listening, waits for in-flight handlers

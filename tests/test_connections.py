@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from clawd.config import config_from_dict
 from clawd.daemon import Shutdown, run
 from clawd.serving import connections as conns_module
-from clawd.serving.api import CONNECTIONS, GATE, make_app
+from clawd.serving.api import CONNECTIONS, ADMISSION, make_app
 from clawd.serving.connections import OTHER_FILES, QuietLog, ServerLog, TrackedSite
 
 from .fake_sglang import FakeSGLang
@@ -232,7 +232,7 @@ async def test_a_body_still_arriving_when_the_drain_begins_is_turned_away_at_onc
     await until(lambda: connections.phases()["body"] == 1, "the request waiting for its body")
     loop = asyncio.get_running_loop()
     began = loop.time()
-    app[GATE].close()
+    app[ADMISSION].close()
     drain = asyncio.create_task(runner.cleanup())
     await asyncio.sleep(0.1)
     writer.write(BODY[half:])  # too late: nothing more is read
@@ -531,9 +531,9 @@ async def test_clients_that_stop_reading_hold_connections_not_request_slots(tiny
 # ---- request slots per API key -------------------------------------------------------------------
 
 def test_over_share_keeps_the_last_slots_for_other_keys():
-    from clawd.serving.api import Gate, over_share
+    from clawd.serving.api import AdmissionGate, over_share
 
-    gate = Gate()
+    gate = AdmissionGate()
     gate.in_flight, gate.held = 3, {"a": 3}
     #               key   slots share keys  -> must wait
     assert over_share(gate, "a", 4, 0.25, 2) is True     # holds 3 >= reserve 1, 1 free <= 1
@@ -577,14 +577,14 @@ async def test_one_busy_key_leaves_the_kept_slots_to_another_key():
         r, w = await ask("b")  # key b gets the slot kept for it
         await r.readuntil(b"data: {}\n\n")
         held.append((r, w))
-        assert app[GATE].held == {"a": 3, "b": 1}
+        assert app[ADMISSION].held == {"a": 3, "b": 1}
     finally:
         chat.release.set()
         for r, w in held:
             await r.readuntil(b"data: [DONE]\n\n")
             w.close()
         await runner.cleanup()
-    assert app[GATE].held == {} and app[GATE].in_flight == 0
+    assert app[ADMISSION].held == {} and app[ADMISSION].in_flight == 0
 
 
 async def test_a_client_that_leaves_mid_body_leaves_no_traceback(caplog):

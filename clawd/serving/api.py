@@ -52,8 +52,9 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return resp
 
 
-class Gate:
-    """Who may come in: closed when the drain starts; counts the chat requests holding a slot."""
+class AdmissionGate:
+    """Who may come in (the admission gate, not the promotion gate of clawd.safety): closed when the drain
+    starts; counts the chat requests holding a slot."""
 
     def __init__(self) -> None:
         self.in_flight = 0
@@ -75,7 +76,7 @@ class Slot:
     """One of the `max_concurrent_requests` slots: they bound the engine's work, so a request gives its
     slot back once the engine's part is over, while a reply a slow client reads may still be written."""
 
-    def __init__(self, gate: Gate, key: str | None = None):
+    def __init__(self, gate: AdmissionGate, key: str | None = None):
         self.gate, self.key, self.held = gate, key, True
         gate.in_flight += 1
         if key is not None:
@@ -94,7 +95,7 @@ class Slot:
                     del self.gate.held[self.key]
 
 
-def over_share(gate: Gate, key: str | None, slots: int, share: float, keys: int) -> bool:
+def over_share(gate: AdmissionGate, key: str | None, slots: int, share: float, keys: int) -> bool:
     """Whether an API key must wait: with two keys or more, the last `share` of the slots are kept for keys
     holding fewer than that many, so one busy key cannot take them all (alone it still gets the rest). Pure."""
     if key is None or keys < 2 or share >= 1:
@@ -106,7 +107,7 @@ def over_share(gate: Gate, key: str | None, slots: int, share: float, keys: int)
 CONFIG = web.AppKey("config", Config)
 CHAT = web.AppKey("chat", ChatService)
 AUTH = web.AppKey("auth", Authenticator)
-GATE = web.AppKey("gate", Gate)
+ADMISSION = web.AppKey("admission", AdmissionGate)
 LIMITS = web.AppKey("limits", Limits)
 ENGINES = web.AppKey("engines", tuple)          # the engine supervisors, policy first (readiness by role)
 SERVING_PAUSED = web.AppKey("serving_paused", Callable[[], bool])  # the operator's `clawctl pause --serving`
@@ -115,9 +116,9 @@ STARTED = web.AppKey("started", float)
 CONNECTIONS = web.AppKey("connections", Connections)  # the listener's connections (TrackedSite serves them)
 
 
-def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = None, gate: Gate | None = None,
-             engines: Sequence[EngineSupervisor] = (), serving_paused: Callable[[], bool] = lambda: False,
-             on_request: Callable[[], None] = lambda: None,
+def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = None,
+             admission: AdmissionGate | None = None, engines: Sequence[EngineSupervisor] = (),
+             serving_paused: Callable[[], bool] = lambda: False, on_request: Callable[[], None] = lambda: None,
              outer_middlewares: Sequence[Middleware] = ()) -> web.Application:
     """The chat API. `outer_middlewares` wrap the error middleware (metrics: it counts the final status,
     the error middleware's answers and 404s included); other routes (/metrics) are the caller's to add.
@@ -134,7 +135,7 @@ def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = Non
     app[CONFIG] = cfg
     app[CHAT] = chat
     app[AUTH] = auth or Authenticator(cfg)
-    app[GATE] = gate or Gate()
+    app[ADMISSION] = admission or AdmissionGate()
     app[LIMITS] = Limits(max_messages=cfg.server.max_messages, max_message_chars=cfg.server.max_message_chars)
     app[ENGINES] = tuple(engines)
     app[SERVING_PAUSED] = serving_paused
@@ -152,7 +153,7 @@ def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = Non
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     app = request.app
-    cfg, gate = app[CONFIG], app[GATE]
+    cfg, gate = app[CONFIG], app[ADMISSION]
     key_name = app[AUTH].principal(request)
     if problem := origins.not_json(request.headers):  # what a web page can POST without asking first
         raise problem
@@ -203,7 +204,7 @@ class _Draining(Exception):
     """The drain began while a request body was still arriving."""
 
 
-async def _body(request: web.Request, gate: Gate, timeout: float) -> bytes:
+async def _body(request: web.Request, gate: AdmissionGate, timeout: float) -> bytes:
     """The request body within `timeout` (else TimeoutError), or _Draining if the drain begins first: aiohttp
     stops reading every connection once its shutdown starts, so the rest of that body would never arrive and
     the client would wait out the timeout for a 408 instead of being told to come back."""
@@ -244,7 +245,7 @@ async def ready(request: web.Request) -> web.Response:
     # With several policy replicas, one in rotation is enough.
     replicas = chat.replicas
     serving = replicas.any_usable
-    ok = serving and request.app[GATE].accepting
+    ok = serving and request.app[ADMISSION].accepting
     engine = "ready" if serving else replicas.supervisors[0].state.value
     body = {"ready": ok, "engine": engine, "policy_version": chat.policy.version,
             "engines": {s.name: s.state.value for s in request.app[ENGINES]}}
