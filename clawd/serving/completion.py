@@ -1,5 +1,5 @@
-"""One chat completion, from a validated request to an OpenAI response and a captured turn.
-(One file, over 500 lines: the request path and `_Output`, the reply it builds, change together.)
+"""One chat completion, from a validated request to an OpenAI response and a captured turn (the reply
+itself is built by clawd.serving.reply).
 
 The path (docs/ARCHITECTURE.md §2): render the prompt ids with the chat template → resolve
 the session → engine `/generate` token-in with explicit sampling params and
@@ -24,17 +24,17 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, SAMPLING_PARAMS, FinishedTurn, Turn
+from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, FinishedTurn, Turn
 from clawd.encoding import Encoder, encode_prompt
 from clawd.serving.request import ChatRequest
 from clawd.config import Config
 from clawd.serving.connections import note_hangup
-from clawd.serving.detokenize import IncrementalDetokenizer
-from clawd.engine.client import NEUTRAL_SAMPLING, Chunk, EngineError, EngineUnavailable, top_ids
+from clawd.engine.client import Chunk, EngineError, EngineUnavailable, top_ids
 from clawd.engine.lora import AdapterUse
 from clawd.engine.replicas import Attempt, Replicas
 from clawd.serving.errors import ApiError, bad_request
-from clawd.serving.parsers import Content, Reasoning, ToolCall, make_parser
+from clawd.serving.payload import engine_sampling
+from clawd.serving.reply import ReplyBuilder
 from clawd.served import Policy
 from clawd.serving.sessions import SessionTable
 from clawd.tokenizer import ChatTokenizer, TemplateError
@@ -126,49 +126,6 @@ class ChatService:
                            code="context_length_exceeded")
         return await encode_prompt(self.tok, text, self.encoder)
 
-    def _sampling(self, req: ChatRequest, prompt_len: int, main: bool) -> tuple[dict, float, str | None]:
-        s, cfg = req.sampling, self.cfg.sampling
-        room = self.context_length - prompt_len
-        if room < 1:
-            raise ApiError(400, f"The prompt is {prompt_len} tokens, which leaves no room in the model's "
-                           f"context of {self.context_length} tokens", param="messages",
-                           code="context_length_exceeded")
-        limit = self.replicas.input_limit  # the engine's own, a few tokens under the context (SGLang)
-        if limit is not None and prompt_len >= limit:
-            raise ApiError(400, f"The prompt is {prompt_len} tokens; the model engine accepts prompts of fewer "
-                           f"than {limit}", param="messages", code="context_length_exceeded")
-        if s.max_tokens is not None and s.max_tokens > room:
-            raise ApiError(400, f"max_tokens is {s.max_tokens}, but the prompt ({prompt_len} tokens) leaves "
-                           f"{room} of the model's {self.context_length}", param="max_tokens",
-                           code="context_length_exceeded")
-        max_new = s.max_tokens or min(self.cfg.model.max_tokens_cap, room)
-        params: dict[str, Any] = {"max_new_tokens": max_new, "stop_token_ids": list(self.tok.info.eos_ids),
-                                  "no_stop_trim": True, "skip_special_tokens": False}
-        if s.stop:
-            params["stop"] = list(s.stop)
-        excluded = None
-        if main and cfg.override_sampling:
-            temperature = cfg.train_temperature
-            params.update(temperature=temperature, top_p=1.0, top_k=-1)
-        else:
-            temperature = cfg.default_temperature if s.temperature is None else s.temperature
-            params.update(temperature=temperature, top_p=1.0 if s.top_p is None else s.top_p,
-                          top_k=s.top_k or -1)
-            for key in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-                if getattr(s, key) is not None:
-                    params[key] = getattr(s, key)
-            if s.logit_bias:
-                params["logit_bias"] = dict(s.logit_bias)
-            if s.seed is not None:
-                params["sampling_seed"] = s.seed
-            if not s.full_distribution() or not cfg.min_train_temperature <= temperature <= 2.0:
-                excluded = SAMPLING_PARAMS
-        if main and excluded is None:
-            # A trainable turn names every field that shapes the distribution, at its neutral value: an
-            # engine's --preferred-sampling-params fill only the fields a request leaves out.
-            params = {**NEUTRAL_SAMPLING, **params}
-        return params, temperature, excluded
-
     # ---- the request ----------------------------------------------------------------
 
     async def complete(self, req: ChatRequest, principal: str, request: web.Request,
@@ -179,7 +136,10 @@ class ChatService:
         prompt_ids, new_pieces = await self._prompt_ids(req)
         turn_type = req.turn_type or self.cfg.sessions.default_turn_type
         main = turn_type == "main"
-        params, temperature, excluded = self._sampling(req, len(prompt_ids), main)
+        params, temperature, excluded = engine_sampling(
+            req.sampling, self.cfg.sampling, prompt_len=len(prompt_ids), context_length=self.context_length,
+            input_limit=self.replicas.input_limit, max_tokens_cap=self.cfg.model.max_tokens_cap,
+            eos_ids=self.tok.info.eos_ids, main=main)
         self.tok.keep(new_pieces)  # within the context: worth caching
         if req.no_train:
             excluded = NO_TRAIN
@@ -225,13 +185,14 @@ class ChatService:
     async def _serve(self, req: ChatRequest, request: web.Request, payload: dict, rid: str,
                      prompt_ids: list[int], capture: "_Capture | None", started: float,
                      release: Callable[[], None], served_as: str | None = None) -> web.StreamResponse:
-        out = _Output(self, req, rid)
+        out = ReplyBuilder(req, rid, tok=self.tok, model=self.model_name, policy=self.policy, replicas=self.replicas,
+                           tool_parser=self.cfg.model.tool_parser, reasoning_parser=self.cfg.model.reasoning_parser)
         out.served_as = served_as
         route = Attempt(self.replicas, sessions=self.sessions.homed(len(self.replicas)))
         if capture:
             route.home = self.sessions.replica_of(capture.admission)
             route.rehome = lambda i: self.sessions.set_replica(capture.admission, i)
-        out.replicas, out.route = self.replicas, route
+        out.route = route
         try:
             if req.stream:
                 resp = await self._stream(req, request, payload, out, started, release, route)
@@ -264,8 +225,8 @@ class ChatService:
         log.info("chat id=%s rid=%s session=%s turn=%s version=%d replica=%s home=%s served=%s type=%s stream=%s "
                  "prompt=%d completion=%d finish=%s", out.completion_id, rid,
                  capture.admission.session_id if capture else "-", capture.admission.turn_index if capture else "-",
-                 self.policy.version, route.replica, "-" if route.home is None else route.home, out.weight_version, "main" if capture else "side", req.stream, len(prompt_ids), len(out.ids),
-                 out.finish_reason)
+                 self.policy.version, route.replica, "-" if route.home is None else route.home, out.weight_version,
+                 "main" if capture else "side", req.stream, len(prompt_ids), len(out.ids), out.finish_reason)
         return resp
 
     async def _abort(self, rid: str, replica: int) -> None:
@@ -274,7 +235,7 @@ class ChatService:
         except EngineError as exc:
             log.warning("could not abort rid %s: %s", rid, exc)
 
-    async def _whole(self, payload: dict, out: "_Output", route: Attempt) -> web.Response:
+    async def _whole(self, payload: dict, out: ReplyBuilder, route: Attempt) -> web.Response:
         result = await self._on_replica(route, lambda engine: engine.generate(payload))
         meta = result.get("meta_info") or {}
         lps = meta.get("output_token_logprobs") or []
@@ -321,7 +282,7 @@ class ChatService:
             await chunks.aclose()
             raise
 
-    async def _stream(self, req: ChatRequest, request: web.Request, payload: dict, out: "_Output",
+    async def _stream(self, req: ChatRequest, request: web.Request, payload: dict, out: ReplyBuilder,
                       started: float, release: Callable[[], None], route: Attempt) -> web.StreamResponse:
         # Wait for the engine's first chunk before sending headers, so an engine
         # failure at the start is still a proper 502/503 rather than a broken stream (or a retry elsewhere).
@@ -372,7 +333,7 @@ class ChatService:
                 writer.exception()
         return resp
 
-    async def _pump(self, req: ChatRequest, first: Chunk | None, chunks, out: "_Output", outbox: asyncio.Queue,
+    async def _pump(self, req: ChatRequest, first: Chunk | None, chunks, out: ReplyBuilder, outbox: asyncio.Queue,
                     writer: asyncio.Task) -> None:
         """The engine's chunks, from `first` to the end, as SSE events into `outbox`."""
         try:
@@ -405,7 +366,7 @@ class ChatService:
 
     # ---- the captured turn ---------------------------------------------------------
 
-    def _capture(self, cap: "_Capture", rid: str, prompt_ids: list[int], out: "_Output") -> None:
+    def _capture(self, cap: "_Capture", rid: str, prompt_ids: list[int], out: ReplyBuilder) -> None:
         now = time.time()
         excluded = cap.excluded
         if out.logprob_ids != out.ids or any(lp is None for lp in out.logprobs):
@@ -425,7 +386,7 @@ class ChatService:
             self.stats.excluded[excluded] = self.stats.excluded.get(excluded, 0) + 1
         self._finish(self.sessions.complete(cap.admission, turn, cap.req.session_done, now))
 
-    def _top_ids(self, out: "_Output") -> list[list[int]] | None:
+    def _top_ids(self, out: ReplyBuilder) -> list[list[int]] | None:
         """The reply's top-k ids at each token (top-K distillation), or None: not asked for, or not k a token
         (an engine that leaves them out: the teacher then scores the sampled tokens only)."""
         k = self.top_k
@@ -456,134 +417,3 @@ class _Capture:
     excluded: str | None
     version: int
     req: ChatRequest
-
-
-class _Output:
-    """Accumulates engine chunks into ids, log-probs and OpenAI deltas for one response."""
-
-    def __init__(self, svc: ChatService, req: ChatRequest, rid: str):
-        self.req = req
-        self.tok = svc.tok
-        self.model = svc.model_name
-        self.policy = svc.policy
-        self.replicas = svc.replicas
-        self.route: Attempt | None = None  # which replica serves it
-        self.completion_id = f"chatcmpl-{rid}"
-        self.created = int(time.time())
-        self.detok = IncrementalDetokenizer(svc.tok.tokenizer, svc.tok.special_ids)
-        self.parser = make_parser(svc.cfg.model.tool_parser, svc.cfg.model.reasoning_parser,
-                                  stop=list(req.sampling.stop), tools_enabled=req.tool_choice != "none",
-                                  call_id=lambda: f"call_{uuid.uuid4().hex[:24]}")
-        self.ids: list[int] = []
-        self.logprobs: list[float | None] = []
-        self.logprob_ids: list[int] = []
-        self.top_ids: list[list[int]] = []
-        self.meta: dict = {}
-        self.engine_finish: str | None = None
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: list[ToolCall] = []
-        self.failed = False
-        self.served_as: str | None = None  # LoRA: the version of the adapter the request carried
-
-    @property
-    def weight_version(self) -> str | None:
-        """The weight version of the replica that produced the reply: its own word when it gave one (SGLang's
-        meta_info.weight_version, the last token's), else what that replica last reported. In LoRA mode the
-        adapter's version, which the request named (the engine's own stays the base's)."""
-        if self.served_as is not None:
-            return self.served_as
-        served = self.meta.get("weight_version")
-        if served is None and self.route is not None and self.route.replica is not None:
-            served = self.replicas.version(self.route.replica)
-        return None if served is None else str(served)
-
-    def version(self, default: int) -> int:
-        """The policy version number of the weights that produced the reply (staleness counts from it)."""
-        try:
-            return int(self.weight_version)  # type: ignore[arg-type]
-        except (TypeError, ValueError):  # no number (a remote engine's base model: "default")
-            return default
-
-    @property
-    def fingerprint(self) -> str:
-        # OpenAI's "backend configuration" field: here, which policy version served the reply.
-        return f"clawd-v{self.version(self.policy.version)}"
-
-    def add(self, chunk: Chunk) -> tuple[list[dict], list[dict]]:
-        self.ids += chunk.ids
-        self.logprobs += chunk.logprobs
-        self.logprob_ids += chunk.logprob_ids
-        self.top_ids += chunk.top_ids
-        if chunk.meta:
-            self.meta = chunk.meta
-        if chunk.finish is not None:
-            self.engine_finish = chunk.finish.get("type")
-        logprobs = self._token_logprobs(chunk.ids, chunk.logprobs) if self.req.logprobs else []
-        return self._deltas(self.parser.feed(self.detok.push(chunk.ids))), logprobs
-
-    def close(self) -> list[dict]:
-        return self._deltas(self.parser.feed(self.detok.flush()) + self.parser.finish())
-
-    def _token_logprobs(self, ids: list[int], logprobs: list[float | None]) -> list[dict]:
-        out = []
-        for tid, lp in zip(ids, logprobs):
-            text = self.tok.tokenizer.decode([tid], skip_special_tokens=False)
-            out.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []})
-        return out
-
-    def _deltas(self, events) -> list[dict]:
-        deltas = []
-        for ev in events:
-            if isinstance(ev, Content):
-                self.content.append(ev.text)
-                deltas.append({"content": ev.text})
-            elif isinstance(ev, Reasoning):
-                self.reasoning.append(ev.text)
-                deltas.append({"reasoning_content": ev.text})
-            elif isinstance(ev, ToolCall):
-                self.calls.append(ev)
-                deltas.append({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
-                                               "function": {"name": ev.name, "arguments": ev.arguments}}]})
-        return deltas
-
-    @property
-    def finish_reason(self) -> str:
-        if self.engine_finish == "length":
-            return "length"
-        return "tool_calls" if self.calls else "stop"
-
-    def reply_message(self) -> dict:
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or (None if self.calls else "")}
-        if self.reasoning:
-            msg["reasoning_content"] = "".join(self.reasoning)
-        if self.calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
-        return msg
-
-    def usage(self) -> dict:
-        prompt = int(self.meta.get("prompt_tokens") or 0)
-        return {"prompt_tokens": prompt, "completion_tokens": len(self.ids), "total_tokens": prompt + len(self.ids)}
-
-    def completion(self) -> dict:
-        choice: dict[str, Any] = {"index": 0, "message": self.reply_message(), "logprobs": None,
-                                  "finish_reason": self.finish_reason}
-        if self.req.logprobs:
-            choice["logprobs"] = {"content": self._token_logprobs(self.ids, self.logprobs)}
-        return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice],
-                "usage": self.usage()}
-
-    def sse(self, delta: dict, *, finish: str | None = None, logprobs: list[dict] | None = None) -> bytes:
-        chunk = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.model, "system_fingerprint": self.fingerprint,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
-                              "finish_reason": finish}]}
-        if self.req.include_usage:
-            chunk["usage"] = None
-        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
-
-    def usage_chunk(self) -> dict:
-        return {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [], "usage": self.usage()}

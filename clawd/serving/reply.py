@@ -1,0 +1,150 @@
+"""The OpenAI reply of one chat completion: engine chunks in, the ids and log-probs kept, the text decoded and
+parsed (content, reasoning, tool calls), and the response out: whole (`completion`) or as server-sent events
+(`sse`, `usage_chunk`). It names the weight version of the replica that produced the reply.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from clawd.engine.client import Chunk
+from clawd.engine.replicas import Attempt, Replicas
+from clawd.served import Policy
+from clawd.serving.detokenize import IncrementalDetokenizer
+from clawd.serving.parsers import Content, Reasoning, ToolCall, make_parser
+from clawd.serving.request import ChatRequest
+from clawd.tokenizer import ChatTokenizer
+
+
+class ReplyBuilder:
+    """Accumulates engine chunks into ids, log-probs and OpenAI deltas for one response."""
+
+    def __init__(self, req: ChatRequest, rid: str, *, tok: ChatTokenizer, model: str, policy: Policy,
+                 replicas: Replicas, tool_parser: str, reasoning_parser: str):
+        self.req = req
+        self.tok = tok
+        self.model = model
+        self.policy = policy
+        self.replicas = replicas
+        self.route: Attempt | None = None  # which replica serves it
+        self.completion_id = f"chatcmpl-{rid}"
+        self.created = int(time.time())
+        self.detok = IncrementalDetokenizer(tok.tokenizer, tok.special_ids)
+        self.parser = make_parser(tool_parser, reasoning_parser,
+                                  stop=list(req.sampling.stop), tools_enabled=req.tool_choice != "none",
+                                  call_id=lambda: f"call_{uuid.uuid4().hex[:24]}")
+        self.ids: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.logprob_ids: list[int] = []
+        self.top_ids: list[list[int]] = []
+        self.meta: dict = {}
+        self.engine_finish: str | None = None
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.failed = False
+        self.served_as: str | None = None  # LoRA: the version of the adapter the request carried
+
+    @property
+    def weight_version(self) -> str | None:
+        """The weight version of the replica that produced the reply: its own word when it gave one (SGLang's
+        meta_info.weight_version, the last token's), else what that replica last reported. In LoRA mode the
+        adapter's version, which the request named (the engine's own stays the base's)."""
+        if self.served_as is not None:
+            return self.served_as
+        served = self.meta.get("weight_version")
+        if served is None and self.route is not None and self.route.replica is not None:
+            served = self.replicas.version(self.route.replica)
+        return None if served is None else str(served)
+
+    def version(self, default: int) -> int:
+        """The policy version number of the weights that produced the reply (staleness counts from it)."""
+        try:
+            return int(self.weight_version)  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # no number (a remote engine's base model: "default")
+            return default
+
+    @property
+    def fingerprint(self) -> str:
+        # OpenAI's "backend configuration" field: here, which policy version served the reply.
+        return f"clawd-v{self.version(self.policy.version)}"
+
+    def add(self, chunk: Chunk) -> tuple[list[dict], list[dict]]:
+        self.ids += chunk.ids
+        self.logprobs += chunk.logprobs
+        self.logprob_ids += chunk.logprob_ids
+        self.top_ids += chunk.top_ids
+        if chunk.meta:
+            self.meta = chunk.meta
+        if chunk.finish is not None:
+            self.engine_finish = chunk.finish.get("type")
+        logprobs = self._token_logprobs(chunk.ids, chunk.logprobs) if self.req.logprobs else []
+        return self._deltas(self.parser.feed(self.detok.push(chunk.ids))), logprobs
+
+    def close(self) -> list[dict]:
+        return self._deltas(self.parser.feed(self.detok.flush()) + self.parser.finish())
+
+    def _token_logprobs(self, ids: list[int], logprobs: list[float | None]) -> list[dict]:
+        out = []
+        for tid, lp in zip(ids, logprobs):
+            text = self.tok.tokenizer.decode([tid], skip_special_tokens=False)
+            out.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+        return out
+
+    def _deltas(self, events) -> list[dict]:
+        deltas = []
+        for ev in events:
+            if isinstance(ev, Content):
+                self.content.append(ev.text)
+                deltas.append({"content": ev.text})
+            elif isinstance(ev, Reasoning):
+                self.reasoning.append(ev.text)
+                deltas.append({"reasoning_content": ev.text})
+            elif isinstance(ev, ToolCall):
+                self.calls.append(ev)
+                deltas.append({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                               "function": {"name": ev.name, "arguments": ev.arguments}}]})
+        return deltas
+
+    @property
+    def finish_reason(self) -> str:
+        if self.engine_finish == "length":
+            return "length"
+        return "tool_calls" if self.calls else "stop"
+
+    def reply_message(self) -> dict:
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or (None if self.calls else "")}
+        if self.reasoning:
+            msg["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
+        return msg
+
+    def usage(self) -> dict:
+        prompt = int(self.meta.get("prompt_tokens") or 0)
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.ids), "total_tokens": prompt + len(self.ids)}
+
+    def completion(self) -> dict:
+        choice: dict[str, Any] = {"index": 0, "message": self.reply_message(), "logprobs": None,
+                                  "finish_reason": self.finish_reason}
+        if self.req.logprobs:
+            choice["logprobs"] = {"content": self._token_logprobs(self.ids, self.logprobs)}
+        return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice],
+                "usage": self.usage()}
+
+    def sse(self, delta: dict, *, finish: str | None = None, logprobs: list[dict] | None = None) -> bytes:
+        chunk = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.model, "system_fingerprint": self.fingerprint,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                              "finish_reason": finish}]}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [], "usage": self.usage()}
