@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, FinishedTurn, Turn
+from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, FinishedTurn
 from clawd.encoding import Encoder, encode_prompt
 from clawd.serving.request import ChatRequest
 from clawd.config import Config
@@ -33,8 +33,10 @@ from clawd.engine.client import Chunk, EngineError, EngineUnavailable, top_ids
 from clawd.engine.lora import AdapterUse
 from clawd.engine.replicas import Attempt, Replicas
 from clawd.serving.errors import ApiError, bad_request
+from clawd.serving.capture import Capture, captured_turn
 from clawd.serving.payload import engine_sampling
 from clawd.serving.reply import ReplyBuilder
+from clawd.serving.stream import deliver, pump
 from clawd.served import Policy
 from clawd.serving.sessions import SessionTable
 from clawd.tokenizer import ChatTokenizer, TemplateError
@@ -175,7 +177,7 @@ class ChatService:
         try:
             admission = self.sessions.begin(principal, req.session_id, req.render_messages, time.time())
             self._finish(admission.finished)
-            capture = _Capture(admission=admission, principal=principal, temperature=temperature,
+            capture = Capture(admission=admission, principal=principal, temperature=temperature,
                                excluded=excluded, version=self.policy.version, req=req)
             return await self._serve(req, request, payload, rid, prompt_ids, capture, started, release, served_as)
         finally:
@@ -183,7 +185,7 @@ class ChatService:
                 self._locks.release(lock_key)
 
     async def _serve(self, req: ChatRequest, request: web.Request, payload: dict, rid: str,
-                     prompt_ids: list[int], capture: "_Capture | None", started: float,
+                     prompt_ids: list[int], capture: Capture | None, started: float,
                      release: Callable[[], None], served_as: str | None = None) -> web.StreamResponse:
         out = ReplyBuilder(req, rid, tok=self.tok, model=self.model_name, policy=self.policy, replicas=self.replicas,
                            tool_parser=self.cfg.model.tool_parser, reasoning_parser=self.cfg.model.reasoning_parser)
@@ -311,11 +313,12 @@ class ChatService:
         outbox: asyncio.Queue[tuple[bytes, bool] | None] = asyncio.Queue()
         outbox.put_nowait((out.sse({"role": "assistant", "content": ""}), False))
         first_token = self.on_first_token
-        writer = asyncio.create_task(_deliver(
+        writer = asyncio.create_task(deliver(
             resp, outbox, None if first_token is None else lambda: first_token(time.monotonic() - started)))
         try:
             try:
-                await self._pump(req, first, chunks, out, outbox, writer)
+                if await pump(first, chunks, out, outbox, writer, include_usage=req.include_usage):
+                    self.stats.engine_errors += 1
             finally:
                 await chunks.aclose()
             outbox.put_nowait(None)
@@ -331,87 +334,19 @@ class ChatService:
                 writer.exception()
         return resp
 
-    async def _pump(self, req: ChatRequest, first: Chunk | None, chunks, out: ReplyBuilder, outbox: asyncio.Queue,
-                    writer: asyncio.Task) -> None:
-        """The engine's chunks, from `first` to the end, as SSE events into `outbox`."""
-        try:
-            chunk = first
-            while chunk is not None:
-                deltas, logprobs = out.add(chunk)
-                if logprobs and not deltas:
-                    deltas = [{}]  # log-probs of tokens whose text is still held back
-                if deltas:  # one write per engine chunk, however many events it makes
-                    outbox.put_nowait((b"".join(out.sse(d, logprobs=logprobs if i == len(deltas) - 1 else None)
-                                                for i, d in enumerate(deltas)), True))
-                if writer.done():  # it ends early only when a write failed: the client left
-                    writer.result()
-                chunk = await anext(chunks, None)
-            if out.engine_finish == "abort":
-                raise EngineError("the engine aborted the request")
-            tail = [out.sse(piece) for piece in out.close()]
-        except EngineError as exc:
-            self.stats.engine_errors += 1
-            out.failed = True
-            err = ApiError(502, f"The model engine failed mid-stream: {exc}", code="engine_error").body()
-            outbox.put_nowait((b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n", False))
-            return
-        tail.append(out.sse({}, finish=out.finish_reason))
-        if req.include_usage:
-            tail.append(b"data: " + json.dumps(out.usage_chunk()).encode() + b"\n\n")
-        tail.append(b"data: [DONE]\n\n")
-        # Tokens the detokenizer held back to the end arrive in the tail: their first one is written there.
-        outbox.put_nowait((b"".join(tail), bool(out.ids)))
-
     # ---- the captured turn ---------------------------------------------------------
 
-    def _capture(self, cap: "_Capture", rid: str, prompt_ids: list[int], out: ReplyBuilder) -> None:
+    def _capture(self, cap: Capture, rid: str, prompt_ids: list[int], out: ReplyBuilder) -> None:
         now = time.time()
-        excluded = cap.excluded
-        if out.logprob_ids != out.ids or any(lp is None for lp in out.logprobs):
+        turn = captured_turn(cap, rid, prompt_ids, out, top_k=self.top_k, weight_version=self.policy.weight_version,
+                             now=now)
+        if turn.excluded == LOGPROB_MISMATCH:
             log.error("rid %s: engine log-prob ids disagree with output ids; turn excluded", rid)
-            excluded = LOGPROB_MISMATCH
-        turn = Turn(
-            session_id=cap.admission.session_id, turn_index=cap.admission.turn_index, principal=cap.principal,
-            request_id=out.completion_id, rid=rid, prompt_ids=prompt_ids, response_ids=out.ids,
-            response_logprobs=[float(lp) if lp is not None else float("nan") for lp in out.logprobs],
-            response_top_ids=self._top_ids(out),
-            temperature=cap.temperature, messages=cap.req.render_messages, tools=cap.req.tools,
-            reply=out.reply_message(), finish_reason=out.finish_reason, policy_version=out.version(cap.version),
-            weight_version=out.weight_version or self.policy.weight_version, created=now,
-            excluded=excluded)
         self.stats.main_turns += 1
-        if excluded:
-            self.stats.excluded[excluded] = self.stats.excluded.get(excluded, 0) + 1
+        if turn.excluded:
+            self.stats.excluded[turn.excluded] = self.stats.excluded.get(turn.excluded, 0) + 1
         self._finish(self.sessions.complete(cap.admission, turn, cap.req.session_done, now))
-
-    def _top_ids(self, out: ReplyBuilder) -> list[list[int]] | None:
-        """The reply's top-k ids at each token (top-K distillation), or None: not asked for, or not k a token
-        (an engine that leaves them out: the teacher then scores the sampled tokens only)."""
-        k = self.top_k
-        if not k or len(out.top_ids) != len(out.ids) or any(len(row) != k for row in out.top_ids):
-            return None
-        return out.top_ids
 
     def _finish(self, finished: list[FinishedTurn]) -> None:
         for ft in finished:
             self.on_finished(ft)
-
-
-async def _deliver(resp: web.StreamResponse, outbox: asyncio.Queue, on_token: Callable[[], None] | None) -> None:
-    """A streamed reply's writer: each part as it comes, until None; then the end of the response."""
-    while (part := await outbox.get()) is not None:
-        await resp.write(part[0])
-        if part[1] and on_token is not None:  # once: the client has its first token
-            on_token()
-            on_token = None
-    await resp.write_eof()
-
-
-@dataclass
-class _Capture:
-    admission: Any
-    principal: str
-    temperature: float
-    excluded: str | None
-    version: int
-    req: ChatRequest
