@@ -45,6 +45,7 @@ class RecordWriter:
         self.on_error: Callable[[OSError], None] | None = None
         self._logged_at = float("-inf")
         self._held: list[tuple[dict, float]] | None = None  # written while `remove` rewrites: appended after
+        self._rewriting = asyncio.Lock()  # two forgets at once: the second waits (one list of held lines)
 
     def path_for(self, day: str) -> Path:
         return self.directory / f"{self.kind}-{day}.jsonl"
@@ -123,18 +124,19 @@ class RecordWriter:
         """Rewrite every file without this principal's lines; returns how many went. Each file is replaced
         whole (a temporary file, fsynced, renamed over it), so a crash leaves the old file or the new one.
         The open file is closed first: the next write opens the new one."""
-        self.close()
-        self._held = []
-        removed = 0
-        try:
-            for path in self.files():
-                removed += await self._rewrite(path, principal)
-        finally:
-            held, self._held = self._held, None
-            for record, now in held:  # in the order written; theirs, written during the forget, go too
-                if record.get("principal") != principal:
-                    self.write(record, now)
-        return removed
+        async with self._rewriting:
+            self.close()
+            self._held = []
+            removed = 0
+            try:
+                for path in self.files():
+                    removed += await self._rewrite(path, principal)
+            finally:
+                held, self._held = self._held, None
+                for record, now in held:  # in the order written; theirs, written during the forget, go too
+                    if record.get("principal") != principal:
+                        self.write(record, now)
+            return removed
 
     async def _rewrite(self, path: Path, principal: str) -> int:
         tmp = path.with_name(path.name + ".tmp")

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from clawd.privacy.phones import PHONE_BUDGET_UNITS, Budget
 from clawd.privacy.pii import CATEGORIES, Detector, Finding, entropy, redact
@@ -289,3 +290,22 @@ def test_detection_in_steps_equals_detection_whole():
             assert stop.value == whole
             break
     assert n > 100  # it gave the loop back many times
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["4111 1111 1111 1111", "10.0.0.1", "a@b.co", "password = hunter22", " ", "  ",
+                                 "1", "-", ".", "x", "\n", "5", "token: Zq8vR2mT4pW9kL3n", " " * 30]), max_size=60),
+       st.sampled_from([16, 32, 64]))
+def test_searching_in_pieces_finds_what_searching_whole_finds(parts, piece):
+    """Pieces small enough that matches cross their ends, and whatever the text around them."""
+    from clawd.privacy import phones, pii
+
+    text = "".join(parts)
+    saved, phones._SEARCH_PIECE = phones._SEARCH_PIECE, piece
+    try:
+        for pattern in (pii._CARD, pii._IPV4, pii._EMAIL, pii._ASSIGNMENT, pii._TOKEN):
+            for longest in (64, 128):  # at least the longest match here; a lookahead cut at the end is read again
+                got = [m.span() for m in phones.in_pieces(pattern, text, longest) if m is not None]
+                assert got == [m.span() for m in pattern.finditer(text)], (pattern.pattern[:40], longest)
+    finally:
+        phones._SEARCH_PIECE = saved

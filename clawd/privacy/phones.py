@@ -26,20 +26,29 @@ def glued(before: re.Pattern[str], text: str, start: int) -> bool:
 
 
 _SEARCH_PIECE = 4096  # characters one search reads between two yields: ~2-8 ms on digit-dense text
+_LOOKAHEAD = 8  # characters past a match the patterns here look at, at most
 
 
 def in_pieces(pattern: re.Pattern[str], text: str, longest: int) -> Iterator[re.Match | None]:
     """`pattern.finditer(text)`, a piece of the text at a time with None between pieces: one search over
-    digit-dense text can take ~0.6 µs a character without a match to yield at. Each piece is searched a little
-    past its end (`longest`, at least the longest match and what follows it that the pattern looks at), so a
-    match it starts is the one a search of the whole text finds."""
+    digit-dense text can take ~0.6 µs a character without a match to yield at. Each piece is searched `longest`
+    characters past its end, at least the longest match the pattern makes, so that a match is found whole in
+    the piece that starts it; one that runs within a few characters of that end (where a lookahead could have
+    been cut) is read again on the whole text from its start. So every match is the one a search of the
+    whole text finds."""
     pos = 0
     for lo in range(0, len(text), _SEARCH_PIECE):
         hi = lo + _SEARCH_PIECE
-        for m in pattern.finditer(text, max(pos, lo), min(len(text), hi + longest)):
-            if m.start() >= hi:
-                break
-            pos = m.end()
+        end = min(len(text), hi + longest)
+        at = max(pos, lo)
+        while (m := pattern.search(text, at, end)) is not None and m.start() < hi:
+            if end < len(text) and m.end() > end - _LOOKAHEAD:
+                whole = pattern.match(text, m.start())
+                if whole is None:  # a match only because the text seemed to end there: go on from the next place
+                    at = m.start() + 1
+                    continue
+                m = whole
+            pos = at = max(m.end(), m.start() + 1)
             yield m
         yield None
 

@@ -264,7 +264,7 @@ def _secrets(text: str) -> Scan:
         if any(h in text for h in hints):
             yield from (m.span() for m in pattern.finditer(text))
     lowered = text.lower()
-    assignments = in_pieces(_ASSIGNMENT, text, longest=320) if any(h in lowered for h in _KEY_HINTS) else ()
+    assignments = in_pieces(_ASSIGNMENT, text, longest=2048) if any(h in lowered for h in _KEY_HINTS) else ()
     for m in assignments:
         yield None
         if m is None:

@@ -72,7 +72,12 @@ class TurnHandover:
     def __call__(self, finished: FinishedTurn) -> None:
         if not self._queue:
             scan = self.privacy.scan_turn(finished)
-            if advance(scan, SLICE):
+            try:
+                done = advance(scan, SLICE)
+            except Exception:  # as in `_work`: the caller (another request) must not fail for this turn
+                self._lost()
+                return
+            if done:
                 self._deliver(finished)
                 return
             self.stats.deferred += 1
@@ -104,14 +109,18 @@ class TurnHandover:
                     while not entry[2] and not advance(entry[1], SLICE):
                         await asyncio.sleep(0)
                 except Exception:  # a defect in detection: this turn is lost, the ones behind it are not
-                    self.stats.failed += 1
-                    log.exception("the PII scan of a turn failed; the turn is neither recorded nor learned from")
+                    self._lost()
                 else:
                     if not entry[2]:
                         self._deliver(entry[0])
                 self._queue.popleft()
         finally:
             self._worker = None
+
+    def _lost(self) -> None:
+        """Called inside an `except`: the turn whose scan raised is neither recorded nor learned from."""
+        self.stats.failed += 1
+        log.exception("the PII scan of a turn failed; the turn is neither recorded nor learned from")
 
     def _deliver(self, finished: FinishedTurn) -> None:
         finished, record = self.privacy.admit(finished)
