@@ -135,3 +135,20 @@ def test_a_forget_drops_the_persons_turns_still_waiting_for_their_scan(tmp_path)
         assert scoring.submitted == ["chatcmpl-3"] and _recorded(records) == ["chatcmpl-3"]
 
     asyncio.run(main())
+
+
+def test_a_scan_that_fails_at_once_does_not_fail_the_caller(tmp_path, caplog):
+    async def main():
+        tasks: list = []
+        handover, scoring, records = _handover(tmp_path, tasks)
+
+        def scan_turn(finished):
+            raise RuntimeError("a defect in detection")
+            yield
+
+        handover.privacy.scan_turn = scan_turn
+        handover(_finished(1))  # inside the request that finished it: it must not raise there
+        assert scoring.submitted == [] and handover.stats.failed == 1 and tasks == []
+
+    asyncio.run(main())
+    assert "the PII scan of a turn failed" in caplog.text
