@@ -318,6 +318,16 @@ class EngineClient:
         except ValueError:
             raise EngineError("engine sent a body that is not JSON") from None
 
+    async def open_stream(self, payload: dict) -> tuple[AsyncIterator[Chunk], Chunk | None]:
+        """(a streamed /generate, its first chunk or None): a failure before the first chunk raises here, with
+        the stream already closed, so a caller can try another replica with nothing to clean up."""
+        chunks = self.stream(payload)
+        try:
+            return chunks, await anext(chunks, None)
+        except BaseException:
+            await chunks.aclose()
+            raise
+
     async def stream(self, payload: dict) -> AsyncIterator[Chunk]:
         """A streamed /generate as a series of `Chunk`s of new tokens: the first byte within first_byte_timeout,
         each later one within idle_timeout of the wait for it."""

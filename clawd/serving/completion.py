@@ -273,22 +273,11 @@ class ChatService:
                             retry_after=exc.retry_after or 2)
         return ApiError(502, f"The model engine failed: {exc}", code="engine_error", retry_after=exc.retry_after or 1)
 
-    @staticmethod
-    async def _open_stream(engine, payload: dict):
-        """(the stream opened on `engine`, its first chunk or None); a stream whose first read fails is closed
-        here, so the caller (a retry on another replica) has nothing to close."""
-        chunks = engine.stream(payload)
-        try:
-            return chunks, await anext(chunks, None)
-        except BaseException:
-            await chunks.aclose()
-            raise
-
     async def _stream(self, req: ChatRequest, request: web.Request, payload: dict, out: ReplyBuilder,
                       started: float, release: Callable[[], None], route: Attempt) -> web.StreamResponse:
         # Wait for the engine's first chunk before sending headers, so an engine
         # failure at the start is still a proper 502/503 rather than a broken stream (or a retry elsewhere).
-        chunks, first = await self._on_replica(route, lambda engine: self._open_stream(engine, payload))
+        chunks, first = await self._on_replica(route, lambda engine: engine.open_stream(payload))
         if first is not None and first.meta:
             out.meta = first.meta
         finish = (first.finish or {}) if first is not None else {}
