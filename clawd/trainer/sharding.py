@@ -25,6 +25,7 @@ for everything that differs from a single process:
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 from dataclasses import dataclass
@@ -150,8 +151,9 @@ def gloo_interface(master: str) -> str | None:
                     continue  # no IPv4 address on it
                 if socket.inet_ntoa(got) == local:
                     return name
-    except (OSError, ValueError, IndexError):
-        pass
+    except (OSError, ValueError, IndexError) as exc:  # gloo then picks as it would alone: said in the log
+        logging.getLogger("clawd.trainer").info("trainer world: no interface found toward %s (%s); gloo chooses",
+                                                master, exc)
     return None
 
 
