@@ -1,9 +1,8 @@
 """HTTP client for SGLang's native API (and clawd's CPU engine, which speaks the same).
 
-Token in, token out: `/generate` with `input_ids` and `return_logprob`, the
-output ids and their log-probs read from `output_ids` and
-`meta_info.output_token_logprobs` (docs/ARCHITECTURE.md §3). Streams are read in either of
-SGLang's modes: cumulative (the default) or incremental.
+Token in, token out: `/generate` with `input_ids` and `return_logprob`, the output ids and their log-probs
+read from `output_ids` and `meta_info.output_token_logprobs` (docs/ARCHITECTURE.md §3). Streams are read in
+either of SGLang's modes: cumulative (the default) or incremental.
 
 No call waits forever. A streamed call must see its first body byte within `first_byte_timeout` of being
 sent (queueing and prefill included: SGLang sends a stream's headers at once, so headers prove nothing),
@@ -103,9 +102,8 @@ def _error_text(body: Any) -> str:
     return str(body)[:500]
 
 
-# The neutral value of every /generate sampling field that shapes the distribution besides the temperature
-# (SGLang 0.5.23's defaults). A trainable turn sends them all, so an engine's --preferred-sampling-params,
-# merged into the fields a request leaves out, cannot change what it samples (docs/ARCHITECTURE.md §10).
+# The neutral value of every /generate field that shapes the distribution besides the temperature (SGLang 0.5.23's
+# defaults): a trainable turn sends them all, so --preferred-sampling-params cannot change what it samples (§10).
 NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                     "repetition_penalty": 1.0, "min_new_tokens": 0}
 
@@ -319,8 +317,7 @@ class EngineClient:
             raise EngineError("engine sent a body that is not JSON") from None
 
     async def open_stream(self, payload: dict) -> tuple[AsyncIterator[Chunk], Chunk | None]:
-        """(a streamed /generate, its first chunk or None): a failure before the first chunk raises here, with
-        the stream already closed, so a caller can try another replica with nothing to clean up."""
+        """(a streamed /generate, its first chunk or None); one that fails first is closed (a retry is clean)."""
         chunks = self.stream(payload)
         try:
             return chunks, await anext(chunks, None)
