@@ -157,3 +157,19 @@ def test_encoding_in_steps_equals_encoding_whole(tiny_model, parts, inline):
         ids, fresh = done.value
     assert (ids, fresh) == tok.encode_held(text)
     assert all(len(piece) > inline and piece in text and "<|im_end|>" not in piece for piece in handed)
+
+
+def test_a_worker_that_takes_too_long_is_killed_and_the_piece_is_encoded_here(tok, tiny_model, caplog):
+    text = tok.render([{"role": "user", "content": "slow words " * 20_000}], None)
+
+    async def main():
+        encoder = Encoder(tiny_model, timeout=1e-4)  # no worker answers 200,000 characters this fast
+        try:
+            return await encode_prompt(tok, text, encoder), encoder.stats, encoder._process
+        finally:
+            await encoder.close()
+
+    (ids, fresh), stats, process = asyncio.run(main())
+    assert (ids, fresh) == tok.encode_held(text)
+    assert stats.fallbacks == 1 and stats.pieces == 0 and process is None  # killed, not left running
+    assert "TimeoutError" in caplog.text
