@@ -33,12 +33,17 @@ def test_gloo_listens_where_node_0_is_reached_and_leaves_a_one_host_world_alone(
 
 
 # One rank of a bare world: sharding.join as clawd's ranks call it, then a sum over both ranks.
+# As clawd.trainer.rank ends: the group destroyed before the interpreter exits (gloo's threads still running
+# at exit end the process with "terminate called without an active exception", SIGABRT, now and then).
 RANK = """
 import json, os, torch
+import torch.distributed as dist
 from clawd.trainer.sharding import join
 world = join(20.0)
 total = world.all_sum(torch.tensor([float(world.rank + 1)]))
 print(json.dumps({"rank": world.rank, "sum": float(total), "interface": os.environ.get("GLOO_SOCKET_IFNAME")}))
+world.barrier()
+dist.destroy_process_group()
 """
 
 
