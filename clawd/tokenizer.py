@@ -261,13 +261,7 @@ class ChatTokenizer:
     def encode_held(self, text: str) -> tuple[list[int], dict[str, array]]:
         """`encode` that leaves the cache as it was: the pieces seen for the first time come back with the
         ids, for `keep` once the caller accepts the text (a refused prompt leaves nothing behind)."""
-        steps = self.encode_steps(text)
-        try:
-            piece = next(steps)
-            while True:  # run whole here: every piece is encoded in this process
-                piece = steps.send(None if piece is None else self.encode_as(*piece))
-        except StopIteration as done:
-            return done.value
+        return self._here(self.encode_steps(text))
 
     def encode_steps(self, text: str, inline_chars: int | None = None
                      ) -> Generator[tuple[str, str] | None, list[int] | None, tuple[list[int], dict[str, array]]]:
@@ -309,6 +303,15 @@ class ChatTokenizer:
                 fresh[piece] = array("I", piece_ids)
         return ids, fresh
 
+    def _here(self, steps: Generator) -> Any:
+        """Runs `encode_steps` or `quoted_steps` whole, every piece encoded in this process."""
+        try:
+            request = next(steps)
+            while True:
+                request = steps.send(None if request is None else self.encode_as(*request))
+        except StopIteration as done:
+            return done.value
+
     def _encode(self, piece: str) -> list[int]:
         return self.tokenizer.encode(piece, add_special_tokens=False).ids
 
@@ -338,13 +341,7 @@ class ChatTokenizer:
     def encode_chat_quoted(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                            quotes: dict[str, str]) -> list[int]:
         """See `quoted_steps`: run whole, every piece encoded here."""
-        steps = self.quoted_steps(messages, tools, quotes)
-        try:
-            piece = next(steps)
-            while True:
-                piece = steps.send(None if piece is None else self.encode_as(*piece))
-        except StopIteration as done:
-            return done.value
+        return self._here(self.quoted_steps(messages, tools, quotes))
 
     def quoted_steps(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      quotes: dict[str, str], inline_chars: int | None = None

@@ -13,6 +13,8 @@ from hypothesis import given, settings, strategies as st
 from clawd.encoding import INLINE_CHARS, Encoder, encode_prompt
 from clawd.tokenizer import ChatTokenizer
 
+from .loop_turns import LoopTurns
+
 
 def _texts() -> list[str]:
     rng = random.Random(7)
@@ -47,23 +49,14 @@ def test_long_pieces_go_to_the_worker_and_come_back_with_the_same_ids(tok, tiny_
 def test_the_loop_runs_while_a_long_prompt_is_encoded(tok, tiny_model):
     async def main():
         encoder = Encoder(tiny_model)
-        ticks = 0
-
-        async def other_work():
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        other = asyncio.create_task(other_work())
         try:
-            await encode_prompt(tok, "warm up " * 5_000, encoder)  # the worker's start is not what we count
-            text = tok.render([{"role": "user", "content": "a b c " * 100_000}], None)
-            before = ticks
-            ids, _ = await encode_prompt(tok, text, encoder)
-            return ticks - before, len(ids)
+            async with LoopTurns() as turns:
+                await encode_prompt(tok, "warm up " * 5_000, encoder)  # the worker's start is not what we count
+                text = tok.render([{"role": "user", "content": "a b c " * 100_000}], None)
+                before = turns.count
+                ids, _ = await encode_prompt(tok, text, encoder)
+                return turns.count - before, len(ids)
         finally:
-            other.cancel()
             await encoder.close()
 
     ticks, n = asyncio.run(main())
@@ -72,22 +65,12 @@ def test_the_loop_runs_while_a_long_prompt_is_encoded(tok, tiny_model):
 
 def test_pieces_between_added_tokens_encoded_here_give_the_loop_back(tok):
     async def main():
-        ticks = 0
-
-        async def other_work():
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        other = asyncio.create_task(other_work())
-        await asyncio.sleep(0)
         messages = [{"role": "user", "content": f"message {i} " + "x y " * (INLINE_CHARS // 5)} for i in range(6)]
         text = tok.render(messages, None)
-        before = ticks
-        got = await encode_prompt(tok, text, None)  # no worker: every piece here, short enough to stay
-        other.cancel()
-        return got, ticks - before, text
+        async with LoopTurns() as turns:
+            before = turns.count
+            got = await encode_prompt(tok, text, None)  # no worker: every piece here, short enough to stay
+        return got, turns.count - before, text
 
     got, ticks, text = asyncio.run(main())
     assert got == tok.encode_held(text) and ticks >= 3

@@ -16,6 +16,8 @@ from clawd.records import RecordWriter
 from clawd.scoring.handover import TurnHandover
 from clawd.turns import FinishedTurn, Turn
 
+from .loop_turns import LoopTurns
+
 T0 = 1_790_000_000.0
 HEAVY = "0123456  " * 4000 + "call +44 20 7946 0958"  # thousands of possible phones: many slices
 
@@ -72,23 +74,13 @@ def test_a_costly_scan_runs_in_slices_while_the_loop_serves_and_turns_keep_their
     async def main():
         tasks: list = []
         handover, scoring, records = _handover(tmp_path, tasks)
-        ticks = 0
-
-        async def other_work():  # what a chat request or a health poll would be doing meanwhile
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        other = asyncio.create_task(other_work())
-        await asyncio.sleep(0)
-        handover(_finished(1, HEAVY))
-        handover(_finished(2))  # cheap, but finished after: waits behind the first
-        assert scoring.submitted == [] and handover.waiting == 2 and handover.stats.deferred == 1
-        before = ticks
-        await handover.flush()
-        assert ticks - before >= 3  # the loop ran other work between the slices of the scan
-        other.cancel()
+        async with LoopTurns() as turns:
+            handover(_finished(1, HEAVY))
+            handover(_finished(2))  # cheap, but finished after: waits behind the first
+            assert scoring.submitted == [] and handover.waiting == 2 and handover.stats.deferred == 1
+            before = turns.count
+            await handover.flush()
+            assert turns.count - before >= 3  # the loop ran other work between the slices of the scan
         assert scoring.submitted == ["chatcmpl-1", "chatcmpl-2"]
         assert _recorded(records) == ["chatcmpl-1", "chatcmpl-2"]
         assert handover.waiting == 0 and all(t.done() for t in tasks)

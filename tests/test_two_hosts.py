@@ -54,7 +54,7 @@ def test_ranks_on_two_hosts_join_one_world(tmp_path):
     connect to its loopback. The whole step across the two hosts, against one host's: bench/scale.py --sections
     hosts (~25 s, over this suite's budget for a test)."""
     if why := hosts.unavailable():
-        pytest.skip(f"two network namespaces cannot be made here: {why}")
+        pytest.skip(reason=f"two network namespaces cannot be made here: {why}")
     try:
         with hosts.TwoHosts() as net:
             ranks = []
@@ -68,7 +68,7 @@ def test_ranks_on_two_hosts_join_one_world(tmp_path):
             veths = dict(net.veth)
             names = set(net.ns.values())
     except hosts.Unavailable as exc:
-        pytest.skip(f"two network namespaces cannot be made here: {exc}")
+        pytest.skip(reason=f"two network namespaces cannot be made here: {exc}")
     assert [r.returncode for r in ranks] == [0, 0], [err[-2000:] for _, err in done]
     got = [json.loads(out.splitlines()[-1]) for out, _ in done]
     assert [g["rank"] for g in got] == [0, 1] and [g["sum"] for g in got] == [3.0, 3.0]

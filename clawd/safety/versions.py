@@ -97,7 +97,8 @@ class Versions:
     def _hide(self, principals: dict[str, int]) -> dict[str, int]:
         out: dict[str, int] = {}
         for name, n in principals.items():
-            out[self.pseudonym(name)] = out.get(self.pseudonym(name), 0) + n
+            key = self.pseudonym(name)
+            out[key] = out.get(key, 0) + n
         return out
 
     def _pseudonym_key(self) -> bytes:
