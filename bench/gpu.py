@@ -233,6 +233,12 @@ def publish_and_checkpoint(trainer, checkpoint: bool) -> dict:
                       "config_dtype": json.loads((path / "config.json").read_text()).get("dtype"),
                       "embedding_equals_master_rounded": exact}
     out["publish_broadcast"] = publish_broadcast(trainer)
+    sync(trainer.device)  # the daemon's path with groups: the reply once the weights are on the host, then the write
+    t0 = time.perf_counter()
+    trainer.publish(trainer.version + 1, deferred=True)
+    t1 = time.perf_counter()
+    trainer.settle()
+    out["publish_deferred"] = {"reply_seconds": t1 - t0, "write_after_seconds": time.perf_counter() - t1}
     if checkpoint:
         sync(trainer.device)
         t0 = time.perf_counter()
@@ -430,6 +436,10 @@ def summary(r: dict) -> str:
         lines.append(f"publish over a group, the trainer's side ({b['backend']}, group of one): "
                      f"{b['bytes'] / 1e6:,.1f} MB in {b['buckets']} bucket(s), {b['seconds']:.2f} s; "
                      f"the engine's side {b['wire_to_an_engine']}")
+    if "publish_deferred" in r:
+        d = r["publish_deferred"]
+        lines.append(f"publish deferred: the trainer replies after {d['reply_seconds']:.2f} s (the host copy), the "
+                     f"directory follows {d['write_after_seconds']:.2f} s later off the critical path")
     if "checkpoint" in r:
         c = r["checkpoint"]
         lines.append(f"checkpoint: {c['bytes'] / 1e6:,.1f} MB in {c['seconds']:.2f} s")

@@ -19,6 +19,7 @@ from clawd import startup  # noqa: E402
 
 startup.loading()  # while torch and clawd's trainer import, as in clawd's own ranks (clawd/startup.py)
 import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from clawd.train_config import TrainConfig  # noqa: E402
 from clawd.trainer import recompute, sharding  # noqa: E402
@@ -162,9 +163,14 @@ def main() -> None:
     b1, b2 = skewed_batch("combine"), skewed_batch("rl")[::-1]
     two = Trainer(model_dir, work / "two", cfg, world=world)
     two.train_step(b1, "combine")
-    two.publish(1)
-    two.checkpoint({"segment": 1})
+    two.publish(1, deferred=True)  # as with weight-update groups: gathered now, written by rank 0's thread
+    pending = [two.writing is not None]
+    two.checkpoint({"segment": 1})  # settles it on every rank first
     w_two = full_weights(two)
+    if world.writer:
+        stored = load_file(str(work / "two" / "weights" / "v000001" / "model.safetensors"))
+        out["deferred_world"] = {"pending": pending + [two.writing is not None],
+                                 "equal": all(torch.equal(t, w_two[k].to(t.dtype)) for k, t in stored.items())}
     two.train_step(b2, "combine")
     w_two_next = full_weights(two)
     if world.writer:

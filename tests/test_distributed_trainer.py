@@ -83,6 +83,7 @@ def test_the_comparison_catches_gradients_averaged_over_ranks(measured):
 
 
 def test_a_checkpoint_moves_between_world_sizes_and_format_1_still_loads(measured):
+    assert measured["deferred_world"] == {"pending": [True, False], "equal": True}  # a deferred write in a world
     two_to_one = measured["reshard_2_to_1"]
     assert two_to_one["weights_equal"] and two_to_one["step"] == 1 and two_to_one["version"] == 1
     assert two_to_one["journal_position"] == {"segment": 1} and two_to_one["optimizer_steps"] == [1]

@@ -3,7 +3,6 @@ resolves, and docs/ARCHITECTURE.md §1's package table names exactly the package
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from .test_layout import PACKAGE, ROOT, STAGES
 

@@ -7,8 +7,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
-import signal
 import time
 
 import pytest
@@ -18,6 +16,7 @@ from clawd.engine.client import EngineError, EngineClient, EngineUnavailable
 from clawd.learning.journal import Journal
 from clawd.learning.learner import Learner
 from clawd.learning.publisher import Publisher
+from clawd.safety.versions import ROLLED_BACK
 from clawd.served import Policy
 from clawd.learning.store import SampleStore
 from clawd.trainer.link import TrainerSupervisor
@@ -33,8 +32,10 @@ async def until(predicate, timeout: float = 30.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def learning(tmp_path, *, script=None, batch=2, control="none", backlog=1, max_sample_tokens=8192):
-    """A running learner; yields (learner, store, fake engine, trainer supervisor)."""
+async def learning(tmp_path, *, script=None, batch=2, control="none", backlog=1, max_sample_tokens=8192,
+                   groups=False):
+    """A running learner; yields (learner, store, fake engine, trainer supervisor). `groups`: weight-update
+    groups are configured (so the trainer's writes are deferred) but none applies: every publish is from disk."""
     async with FakeSGLang() as fake:
         engine = EngineClient(fake.url)
         await engine.start()
@@ -45,7 +46,8 @@ async def learning(tmp_path, *, script=None, batch=2, control="none", backlog=1,
                                     backoff_initial=0.05)
         cfg = LearnerConfig(rollout_batch_size=batch, min_batch_size=1, stall_warn_interval=60, control=control,
                             backlog_batches=backlog)
-        learner = Learner(cfg, store, trainer, Publisher(engine, 10), Policy(), tmp_path / "state", control_seed=7,
+        publisher = Publisher(engine, 10, groups=NoGroupApplies(trainer) if groups else None)
+        learner = Learner(cfg, store, trainer, publisher, Policy(), tmp_path / "state", control_seed=7,
                           max_sample_tokens=max_sample_tokens)
         tasks = [asyncio.create_task(trainer.run()), asyncio.create_task(learner.run())]
         try:
@@ -57,6 +59,17 @@ async def learning(tmp_path, *, script=None, batch=2, control="none", backlog=1,
             await asyncio.gather(*tasks, return_exceptions=True)
             await engine.close()
             await journal.close()
+
+
+class NoGroupApplies:
+    """clawd.learning.weight_groups.WeightGroups as it stands when no group can be used (one engine, or every
+    group cooling down after a failure): pushes never apply, the trainer's `written` is reached through it."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def applies(self, replica: str, version: int) -> bool:
+        return False
 
 
 async def put(store: SampleStore, first: int, n: int, version: int = 0) -> None:
@@ -74,6 +87,22 @@ async def test_a_failed_publish_is_retried_before_the_next_step(tmp_path):
         assert learner.policy.weights_dir == str(tmp_path / "v2")
         first, second = calls(tmp_path)
         assert second["t"] - first["t"] > 0.9  # retried at once, then after 1 s; the second step waited for v1
+
+
+async def test_a_candidate_whose_deferred_directory_died_with_the_trainer_is_lost_and_its_samples_train_again(
+        tmp_path):
+    # With weight-update groups a step's directory is written off the critical path. The child dies before it
+    # is written (at its first `written`): v1 can never be loaded, so it never serves and is recorded lost; its
+    # samples train again on the restarted child as v2, whose directory is on disk before it serves.
+    async with learning(tmp_path, script={"written": "exit"}, groups=True) as (learner, store, fake, trainer):
+        await put(store, 0, 2)
+        await until(lambda: learner.policy.version == 2)
+        one, two = calls(tmp_path)
+        assert one["deferred"] and two["deferred"] and one["ids"] == two["ids"] and one["pid"] != two["pid"]
+        assert [u["weight_version"] for u in fake.weight_updates] == ["2"] and trainer.restarts == 1
+        lost = learner.versions.get(1)
+        assert lost.status == ROLLED_BACK and "lost" in lost.detail and learner.stats.requeued_after_restart == 2
+        assert learner.policy.weights_dir == str(tmp_path / "v2") and (tmp_path / "v2" / "config.json").exists()
 
 
 async def test_samples_trained_after_the_checkpoint_are_trained_again_when_the_trainer_restarts(tmp_path):

@@ -163,7 +163,7 @@ async def test_handshake_ping_handler_errors_checkpoint_and_shutdown(tmp_path):
     assert await link.ping(10) >= 0
 
     samples = [make_sample(0)]
-    state = {"step": 0, "version": 0, "weights_version": 0, "checkpoint_step": None, "owed": []}
+    state = {"step": 0, "version": 0, "weights_version": 0, "checkpoint_step": None, "owed": [], "writing": None}
     assert link.state == state
     reply = await link.request(train_msg("b1", 1, samples), 30)
     assert reply == {"type": "error", "batch_id": "b1", "message": "ValueError: scripted failure",

@@ -10,6 +10,8 @@ import dataclasses
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from clawd import faults
 from clawd.config import Config, LearnerConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig
@@ -24,7 +26,7 @@ from clawd.served import Policy
 from clawd.trainer import checkpoints
 from clawd.trainer.link import TrainerSupervisor, trainer_options
 from clawd.trainer.step import Trainer
-from clawd.weights import Ledger, checkpointed_samples, lineage, read_ledger
+from clawd.weights import Ledger, checkpointed_samples, is_published, lineage, read_ledger
 from tests.fake_sglang import FakeSGLang
 from tests.test_learner import until
 from tests.trainer_handlers import make_sample
@@ -103,6 +105,43 @@ def test_a_write_failing_midway_leaves_no_temporary_and_the_step_stays_owed(tiny
     assert short.value.errno == 28 and trainer.version == 1
 
 
+def test_a_deferred_write_holds_its_versions_weights_and_a_failed_one_is_written_again_from_them(
+        tiny_model, tmp_path, armed):
+    trainer = Trainer(tiny_model, tmp_path / "state", TrainConfig(lr=1e-3, reward_baseline="none"))
+    trainer.train_step([make_sample(0), make_sample(1)], "rl")
+    v1 = weights(trainer)
+    armed("trainer.publish.write", "enospc", at=1)  # the thread's write of v1 fails
+    dest = trainer.publish(1, deferred=True)
+    assert (trainer.weights_version, trainer.unpublished, trainer.writing.version) == (1, False, 1)  # pushable now
+    trainer.writing._thread.join()
+    assert not is_published(dest) and list((trainer.state_dir / "weights").iterdir()) == []  # nothing half-written
+    trainer.train_step([make_sample(2), make_sample(3)], "rl")  # a later step changes the model, not v1's copy
+    with pytest.raises(RuntimeError, match="not published yet"):
+        trainer.checkpoint()
+    second = trainer.publish(2, deferred=True)  # settles v1 first: written again from its copy
+    assert same(tensors(dest), v1) and trainer.writing.version == 2
+    trainer.checkpoint()  # waits for v2: a checkpoint says its version's directory is there
+    assert trainer.writing is None and same(tensors(second), weights(trainer)) and not same(tensors(second), v1)
+
+
+def weights(trainer) -> dict:
+    """What a version directory of the trainer's current weights holds, copied now."""
+    return {k: t.clone() for k, t in checkpoints.cast_state_dict(trainer.model,
+                                                                  getattr(torch, trainer.publish_dtype)).items()}
+
+
+def same(stored: dict, expected: dict) -> bool:
+    """Every stored tensor (a tied one is stored once) equals the expected one bit for bit."""
+    return len(stored) > 3 and all(torch.equal(t, expected[k]) for k, t in stored.items())
+
+
+def tensors(directory) -> dict:
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 # --- the learner and the trainer child -----------------------------------------------------------
 
 @contextlib.asynccontextmanager
@@ -172,7 +211,8 @@ async def test_a_write_hitting_enospc_pauses_learning_and_is_retried_alone_on_re
 
         learner.pauses.lift(DISK)  # the disk budget's poll does this once there is room
         await until(lambda: store.depth == 0, timeout=60)  # acknowledged once the checkpoint is written
-        assert trainer.state == {"step": 1, "version": 1, "weights_version": 1, "checkpoint_step": 1, "owed": []}
+        assert trainer.state == {"step": 1, "version": 1, "weights_version": 1, "checkpoint_step": 1, "owed": [],
+                                 "writing": None}
         assert newest_checkpoint(tmp_path)["step"] == 1 and served(fake) == ["1"]
 
         await put(store, learner, 2, 3)
@@ -196,7 +236,7 @@ async def test_too_little_free_space_pauses_before_writing_and_never_retrains(ti
         learner.pauses.lift(DISK)  # still no room: paused again, the step still owed, nothing trained twice
         await until(lambda: learner.paused and learner.stats.disk_pauses == 2, timeout=30)
         assert trainer.state == {"step": 1, "version": 0, "weights_version": 0, "checkpoint_step": 0,
-                                 "owed": ["publish"]}
+                                 "owed": ["publish"], "writing": None}
         assert learner.stats.steps == 1 and store.depth == 2 and served(fake) == []
         assert not (tmp_path / "state" / "weights").exists() or not list((tmp_path / "state" / "weights").iterdir())
     assert [x["step"] for x in ledger(tmp_path)] == [1]
@@ -214,7 +254,8 @@ async def test_a_kill_mid_checkpoint_restarts_from_the_previous_one_and_trains_t
         # v2 was written before the kill: the retried batch becomes v3, never v2 again.
         await until(lambda: learner.policy.version == 3 and store.depth == 0, timeout=120)
         assert trainer.restarts == 1 and served(fake) == ["1", "3"]
-        assert trainer.state == {"step": 2, "version": 3, "weights_version": 3, "checkpoint_step": 2, "owed": []}
+        assert trainer.state == {"step": 2, "version": 3, "weights_version": 3, "checkpoint_step": 2, "owed": [],
+                                 "writing": None}
     assert newest_checkpoint(tmp_path)["step"] == 2 and newest_checkpoint(tmp_path)["version"] == 3
     lines = ledger(tmp_path)
     assert [(x["step"], x["version"], x["samples"]) for x in lines] == [

@@ -42,14 +42,15 @@ class Scripted:
         state = json.loads(ckpt.read_text()) if ckpt.exists() else {"step": 0, "version": 0}
         self.step, self.version = state["step"], state["version"]
         self.weights_version = self.version  # every train call "publishes"
+        self.writing = None  # a deferred train's version until `written` (script "written": "exit" dies there once)
         if names := options.get("report_env"):  # what the child's environment held as its handler was built
             (self.dir / "env.json").write_text(json.dumps({k: os.environ.get(k) for k in names}))
 
-    def train(self, batch_id: str, version: int, samples: list[Sample]) -> dict:
+    def train(self, batch_id: str, version: int, samples: list[Sample], deferred: bool = False) -> dict:
         call = len(calls(self.dir)) + 1
         with open(self.dir / "calls.jsonl", "a") as f:
             f.write(json.dumps({"call": call, "batch_id": batch_id, "pid": os.getpid(), "n": len(samples),
-                                "version": version,
+                                "version": version, "deferred": deferred, "ids": [x.sample_id for x in samples],
                                 "rewards": [x.reward for x in samples], "hints": [x.has_hint for x in samples],
                                 "t": time.time()}) + "\n")
         action = self.script.get(str(call))
@@ -68,6 +69,7 @@ class Scripted:
             raise RetryableError("scripted transient failure")
         self.step += 1
         self.version = self.weights_version = version
+        self.writing = version if deferred else None
         return {"weights_dir": str(self.dir / f"v{version}"),
                 "metrics": {"step": self.step, "pid": os.getpid(), "call": call, "n": len(samples)},
                 "per_sample": [json.loads(s.to_json()) for s in samples] if self.echo else []}
@@ -76,6 +78,17 @@ class Scripted:
         self.version = self.weights_version = version
         self.checkpoint()
         return str(self.dir / f"v{version}")
+
+    def written(self, version: int) -> str:
+        """The deferred directory, made to look published; dies first, once, with script {"written": "exit"}."""
+        if self.script.get("written") == "exit" and not (self.dir / "died_writing").exists():
+            (self.dir / "died_writing").touch()
+            os._exit(3)
+        path = self.dir / f"v{version}"
+        path.mkdir(exist_ok=True)
+        (path / "config.json").write_text("{}")
+        self.writing = None
+        return str(path)
 
     def restore(self, version: int) -> int:
         """A rollback: the step that made `version` (its calls.jsonl line) becomes the current one."""

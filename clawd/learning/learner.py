@@ -36,9 +36,10 @@ from clawd.engine.client import EngineError
 from clawd.served import Policy
 from clawd.learning import controls
 from clawd.learning.journal import JournalWriteError
+from clawd.learning.collect import collect
 from clawd.learning.limits import BatchLimits, canonical
 from clawd.learning.promotion import Promotion
-from clawd.learning.publisher import Publisher
+from clawd.learning.publisher import NotWritten, Publisher
 from clawd.learning.rollback import keep_for_inspection, sort_unacked
 from clawd.learning.store import SampleStore
 from clawd.pauses import DISK, GATE, NON_FINITE, Pauses, describe
@@ -110,6 +111,7 @@ class Learner:
             self.versions.add(Version(policy.version, None, time.time(), "serving", detail="served at start"))
         self.promotion = None if gate is None else Promotion(gate, self.versions, publisher, policy, lora=lora)
         self._candidate: tuple[str, int] | None = None  # trained and written, not yet promoted or rejected
+        self._writing: int | None = None  # the candidate whose directory the trainer wrote off the critical path
         self._work = asyncio.Lock()  # a step, a promotion or a rollback: one at a time
         self._recovered = False      # what the last stop left half-decided is settled (`_recover`)
 
@@ -130,7 +132,7 @@ class Learner:
                 return
             if not await self._busy(self._serve_trainer_state()):
                 continue
-            batch = await self._collect()
+            batch = await collect(self.cfg, self.store, self.limits, self.policy, self.stats)
             if self.paused:  # paused while waiting: the batch goes back untouched
                 self.store.requeue(batch)
                 continue
@@ -174,6 +176,9 @@ class Learner:
         if ready.pid != self._trainer_pid:
             self._trainer_restarted(ready.pid)
             self._unpublished = None
+            if self._candidate is not None and self._candidate[1] == self._writing:
+                if not is_published(Path(self._candidate[0])):
+                    self._lost(self._candidate[1])
             held = self.versions.get(ready.weights_version)
             doomed = held is not None and held.status in (REJECTED, ROLLED_BACK)  # never again: `_recover` rolls back
             if ready.weights_version != self.policy.version and not doomed:
@@ -198,6 +203,14 @@ class Learner:
             return False
         self._retry_delay = _RETRY_INITIAL
         return True
+
+    def _lost(self, version: int) -> None:
+        """A candidate whose directory the trainer child died writing (a deferred write): its weights died with
+        it. Replicas that took them over their group go back onto the policy's; its samples train again."""
+        self._candidate = None
+        self.versions.update(version, status=ROLLED_BACK, detail="lost: the trainer died writing its directory")
+        self.publisher.abandon(version)
+        log.error("v%d is lost: the trainer died before its directory was written", version)
 
     async def _recover(self, held: int) -> None:
         """At start: the trainer left on a rejected or rolled-back version (`held`) is rolled back again."""
@@ -253,6 +266,12 @@ class Learner:
             await self._backoff()
         return False
 
+    @property
+    def _deferred(self) -> dict:
+        """With weight-update groups a step's directory is written off the critical path (the publisher waits
+        for it before anything reads it and before the policy moves)."""
+        return {"deferred": True} if self.publisher.groups is not None else {}
+
     def _next_version(self) -> int:
         return max(self.policy.version, self.trainer.version, self.versions.newest) + 1
 
@@ -290,44 +309,13 @@ class Learner:
         await asyncio.sleep(self._retry_delay)
         self._retry_delay = min(self._retry_delay * 2, _RETRY_MAX)
 
-    async def _collect(self) -> list[Sample]:
-        cfg, n = self.cfg, self.cfg.rollout_batch_size
-        started = time.monotonic()
-        self.stats.waiting_since = time.time()
-        while True:
-            version = self.policy.version
-            fresh = self.store.fresh(version, cfg.max_staleness)
-            waited = time.monotonic() - started
-            timed_out = cfg.rollout_timeout > 0 and waited >= cfg.rollout_timeout
-            # Samples split off a batch that ran out of memory go at once (clawd.learning.limits).
-            if fresh >= n or (timed_out and fresh >= cfg.min_batch_size) or (fresh and self.limits.capped):
-                take = min(max(fresh, n), cfg.backlog_batches * n)  # a backlog at once: batches of n would age it out
-                batch, stale = self.store.take_batch(take, current_version=version, max_staleness=cfg.max_staleness)
-                self.stats.stale_dropped += len(stale)
-                if stale:  # acked with the next checkpoint: they will never be trained
-                    log.info("dropped %d stale sample(s): more than %d versions behind v%d", len(stale),
-                             cfg.max_staleness, version)
-                batch = self.limits.admit(batch)  # within what the trainer's memory holds
-                if batch:
-                    self.stats.waiting_since = None
-                    return batch
-            wait = cfg.stall_warn_interval
-            if cfg.rollout_timeout > 0:
-                wait = min(wait, max(cfg.rollout_timeout - waited, 0.05))
-            try:
-                await asyncio.wait_for(self.store.wait_for(n, current_version=version,
-                                                           max_staleness=cfg.max_staleness), wait)
-            except asyncio.TimeoutError:
-                if time.monotonic() - started >= cfg.stall_warn_interval:
-                    log.info("waiting for samples: %d/%d effective (policy v%d, %.0fs)", fresh, n, version, waited)
-
     async def _step(self, batch: list[Sample]) -> None:
         version = self._next_version()
         batch_id = uuid.uuid4().hex
         try:
             trained = await self.trainer.train(batch_id, version, controls.apply(self.cfg.control, canonical(batch),
                                                                                   self._control_rng),
-                                               timeout=self.cfg.train_timeout)
+                                               timeout=self.cfg.train_timeout, **self._deferred)
         except TrainerError as exc:  # no step was kept for the batch (a fatal one restarts the trainer)
             self.stats.failed_steps += 1
             if isinstance(exc, HandlerError) and exc.kind == "oom":  # a bad batch: split, never sent whole again
@@ -360,6 +348,7 @@ class Learner:
                                       steps=((trained.state or {}).get("step", 0),), samples=len(batch),
                                       principals=dict(collections.Counter(s.principal for s in batch))))
             self._candidate = (trained.weights_dir, trained.version)
+            self._writing = trained.version if (trained.state or {}).get("writing") == trained.version else None
             await self._deliver()  # a failure is retried before the next step
         if trained.checkpointed:
             await self._ack()
@@ -480,6 +469,9 @@ class Learner:
         except EngineError as exc:
             self.stats.failed_publishes += 1
             log.error("publishing v%d failed, still serving v%d (retrying): %s", version, self.policy.version, exc)
+            if isinstance(exc, NotWritten) and getattr(exc.error, "kind", None) == "disk":
+                self.stats.disk_pauses += 1
+                self.pauses.hold(DISK, f"the trainer's write of v{version} failed: {exc.error}")
             return False
         self.stats.publishes += 1
         self.stats.last_publish_seconds = time.monotonic() - started

@@ -4,21 +4,34 @@ Full weights: each replica in turn pauses its intake (retract), takes the weight
 group with the trainer (clawd.learning.weight_groups) or else loads the directory from disk, and
 continues; the engine's own word on the weight_version it serves confirms it. LoRA mode: each replica
 loads the adapter beside the base, nothing paused. The learner moves the policy only once every replica
-in rotation has confirmed.
+in rotation has confirmed and the version's directory is on disk: with groups the trainer writes it off
+the critical path (clawd.trainer.publishing), and whatever reads it from disk waits for it (`_on_disk`).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Callable
 
 from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
 from clawd.engine.lora import AdapterUse, adapter_name
 from clawd.engine.replicas import Replicas
 from clawd.learning.weight_groups import WeightGroups
+from clawd.trainer.link import TrainerError
+from clawd.weights import is_published
 
 log = logging.getLogger("clawd.learner")
+
+
+class NotWritten(EngineUnavailable):
+    """A version's directory that the trainer's deferred write did not put on disk: nothing loads it and the
+    policy does not move onto it; the publish is retried. `error`: the trainer's (its kind says "disk")."""
+
+    def __init__(self, message: str, error: TrainerError | None = None):
+        super().__init__(message)
+        self.error = error
 
 
 class Publisher:
@@ -42,7 +55,10 @@ class Publisher:
         # Called with a version's directory before any engine is asked to read it: [privacy] weights_group
         # opens it to an engine run as another user (clawd.privacy.files.share).
         self.before_load: Callable[[str], None] | None = None
-        self.groups = groups  # full weights over torch.distributed (clawd.learning.weight_groups); None: from disk
+        # Full weights over torch.distributed (clawd.learning.weight_groups); None: from disk. With groups the
+        # trainer writes a version's directory off the critical path, while it is pushed: whatever reads it
+        # from disk waits for it first (`_on_disk`), and so does `publish`'s return.
+        self.groups = groups
 
     def adapter_of(self, version: int) -> str | None:
         """The adapter name version's requests carry; None for full weights, and for v0 (the base itself)."""
@@ -52,6 +68,13 @@ class Publisher:
         if self.adapters is not None:
             self.adapters.retire(adapter, range(len(self.replicas) if self.replicas is not None else 1))
 
+    def abandon(self, version: int) -> None:
+        """Replicas that took `version` over their group, which must not keep it (its directory was lost with
+        the trainer child): their supervisors move them back onto the policy's weights."""
+        for sup in self.replicas.supervisors if self.replicas is not None else ():
+            if sup.info.get("weight_version") == str(version):
+                sup.needs_realign = True
+
     async def stage(self, weights_dir: str, version: int) -> None:
         """LoRA: load a candidate's adapter on every ready replica, where no chat request carries it: the gate
         asks it by name. `publish` then finds it loaded; `unstage` unloads it once the gate rejected it."""
@@ -59,8 +82,7 @@ class Publisher:
             s.client for s in self.replicas.supervisors if s.is_ready and not s.needs_realign]
         if not engines:
             raise EngineUnavailable("no policy replica is ready to hold the candidate")
-        if self.before_load is not None:
-            self.before_load(weights_dir)
+        await self._on_disk(weights_dir, version)
         for engine in engines:
             if adapter_name(version) not in await engine.loaded_adapters():
                 await engine.load_adapter(adapter_name(version), weights_dir, self.timeout)
@@ -86,7 +108,7 @@ class Publisher:
                 while counts.in_flight:  # a request on the old weights would resume on the candidate's
                     await asyncio.sleep(0.05)
             async with sup.swap_lock:
-                await self._swap(sup.client, weights_dir, version)
+                await self._swap(sup.client, weights_dir, version, group=sup.name)
                 sup.info = {**sup.info, "weight_version": str(version)}
         except (EngineError, TimeoutError) as exc:
             counts.canary = False
@@ -153,6 +175,8 @@ class Publisher:
                     done.add(i)
         if not done:
             raise next(iter(failed.values()), None) or EngineUnavailable("no policy replica is ready")
+        # Before the policy moves onto it: restarts, realignment, canaries and rollbacks load the directory.
+        await self._on_disk(weights_dir, version)
         for i in failed:  # realigned by its supervisor once the policy has moved (right after this returns)
             replicas.supervisors[i].needs_realign = True
         return held
@@ -173,9 +197,8 @@ class Publisher:
     async def _swap(self, engine: EngineClient, weights_dir: str, version: int, group: str | None = None) -> float:
         """One engine onto `weights_dir` (over its weight-update group `group` when one applies); the seconds
         its intake was held."""
-        if self.before_load is not None:
-            self.before_load(weights_dir)
         if self.adapters is not None:  # beside the old adapter: nothing paused, running requests keep theirs
+            await self._on_disk(weights_dir, version)
             if adapter_name(version) not in await engine.loaded_adapters():  # the gate may have staged it
                 await engine.load_adapter(adapter_name(version), weights_dir, self.timeout)
             return 0.0
@@ -185,10 +208,14 @@ class Publisher:
         # whenever an engine becomes ready, for a clawd that died between the two.)
         grouped = (self.groups is not None and group is not None and self.groups.applies(group, version)
                    and await self.groups.form(group, engine))  # before the pause: forming waits for both ends
+        if not grouped:
+            await self._on_disk(weights_dir, version)  # before the pause too: a deferred write may still be going
         held = time.monotonic()
         try:
             await engine.control("/pause_generation", {"mode": "retract"}, self.timeout)
             if not (grouped and await self._push(engine, group, version)):
+                if grouped:  # the push failed: a deferred write is waited for inside the pause (rare)
+                    await self._on_disk(weights_dir, version)
                 await engine.control("/update_weights_from_disk",
                                      {"model_path": weights_dir, "weight_version": str(version)}, self.timeout)
         finally:
@@ -200,6 +227,19 @@ class Publisher:
         if served != str(version):
             raise EngineError(f"engine serves weight_version {served!r} after publishing {version}")
         return held
+
+    async def _on_disk(self, weights_dir: str, version: int) -> None:
+        """Before an engine reads `weights_dir`, or the policy moves onto it: on disk (a deferred write waited
+        for: the trainer's `written`), and opened to the engines' user (`before_load`)."""
+        if self.groups is not None and not is_published(Path(weights_dir)):
+            try:
+                await self.groups.trainer.written(version, self.timeout)
+            except TrainerError as exc:
+                raise NotWritten(f"v{version}'s directory could not be written: {exc}", exc) from None
+            if not is_published(Path(weights_dir)):
+                raise NotWritten(f"v{version}'s directory was never written (its trainer child died first)")
+        if self.before_load is not None:
+            self.before_load(weights_dir)
 
     async def _push(self, engine: EngineClient, group: str, version: int) -> bool:
         """The weights over the replica's group; False when the push failed (the groups counted and logged it):

@@ -143,7 +143,8 @@ class Status:
                 "world_size": trainer.ready.world_size if trainer.ready else cfg.train.world_size,
                 "step": trainer.ready.step if trainer.ready else None, "version": trainer.version,
                 "checkpoint_step": (trainer.state or {}).get("checkpoint_step"),
-                "owed": (trainer.state or {}).get("owed", [])},
+                "owed": (trainer.state or {}).get("owed", []),
+                "writing": (trainer.state or {}).get("writing")},  # a version's directory written off the critical path
             "journal": {**store.journal.stats(), "size_bytes": _tree_size(store.journal.directory)},
             "disk": None if self.disk is None else self.disk.snapshot(),
             "records": {w.kind: {"written": w.written, "failed": w.failed} for w in self.records},

@@ -50,13 +50,23 @@ def publish_weights(model, model_dir: Path, dest: Path, dtype: str = "float32", 
     target = getattr(torch, dtype)
     if world is not None:
         host = gathered_state_dict(model, target, world)
-        return world.agree((lambda: _write_published(model, model_dir, dest, dtype, host)) if world.writer else None)
+        return world.agree((lambda: write_published(model, model_dir, dest, dtype, host)) if world.writer else None)
     if all(t.dtype == target for t in model.state_dict().values() if t.is_floating_point()):
-        return _write_published(model, model_dir, dest, dtype, None)  # the master weights as they are
-    return _write_published(model, model_dir, dest, dtype, cast_state_dict(model, target))
+        return write_published(model, model_dir, dest, dtype, None)  # the master weights as they are
+    return write_published(model, model_dir, dest, dtype, cast_state_dict(model, target))
 
 
-def _write_published(model, model_dir: Path, dest: Path, dtype: str, state_dict: dict | None) -> Path:
+def host_copy(model, dtype: str, world=None) -> dict[str, torch.Tensor]:
+    """What `publish_weights` writes, copied to the host now (rank 0's; {} on the others): a later step cannot
+    change it, so `write_published` may write it on a thread (clawd.trainer.publishing)."""
+    target = getattr(torch, dtype)
+    if world is not None:
+        return gathered_state_dict(model, target, world, copy=True)
+    return cast_state_dict(model, target, copy=True)
+
+
+def write_published(model, model_dir: Path, dest: Path, dtype: str, state_dict: dict | None) -> Path:
+    """`state_dict` (None: the model's own) as the version directory `dest`, written atomically (rank 0)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: Path) -> None:
@@ -83,17 +93,19 @@ def copy_model_files(model_dir: Path, dest: Path) -> None:
             shutil.copy2(src, dest / src.name)
 
 
-def gathered_state_dict(model, dtype: torch.dtype, world) -> dict[str, torch.Tensor]:
+def gathered_state_dict(model, dtype: torch.dtype, world, copy: bool = False) -> dict[str, torch.Tensor]:
     """The sharded model's state dict, whole, on rank 0's host in dtype (floating-point tensors), gathered
     one tensor at a time (a collective per tensor: every rank calls it in the same order); {} elsewhere.
-    Tensors shared under two names (tied embeddings) are gathered once and stay shared."""
+    Tensors shared under two names (tied embeddings) are gathered once and stay shared. `copy`: never the
+    model's own storage (a tensor not sharded, already on the host in dtype, is otherwise returned as it is)."""
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if id(tensor) not in done:
             whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if world.writer:
-                done[id(tensor)] = whole.detach().to("cpu", dtype if whole.is_floating_point() else whole.dtype)
+                done[id(tensor)] = whole.detach().to("cpu", dtype if whole.is_floating_point() else whole.dtype,
+                                                     copy=copy)
             else:
                 done[id(tensor)] = None
             del whole
@@ -102,15 +114,16 @@ def gathered_state_dict(model, dtype: torch.dtype, world) -> dict[str, torch.Ten
     return out
 
 
-def cast_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """model's state_dict with its floating-point tensors cast to dtype on the host. Tensors that share
-    storage (tied embeddings) stay shared, so save_pretrained still writes them once."""
+def cast_state_dict(model, dtype: torch.dtype, copy: bool = False) -> dict[str, torch.Tensor]:
+    """model's state_dict with its floating-point tensors cast to dtype on the host (`copy`: always copied, even
+    those already on the host in dtype). Tensors that share storage (tied embeddings) stay shared, so
+    save_pretrained still writes them once."""
     out: dict[str, torch.Tensor] = {}
     done: dict[tuple, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key not in done:
-            done[key] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
+            done[key] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype, copy=copy)
         out[name] = done[key]
     return out
 

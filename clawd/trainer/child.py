@@ -54,7 +54,8 @@ def state_of(handler) -> dict:
     """What every reply says of the trainer: its step, its newest version (the next one goes above it),
     the version its weights are, the step of its newest checkpoint and the writes it owes."""
     return {"step": handler.step, "version": handler.version, "weights_version": handler.weights_version,
-            "checkpoint_step": getattr(handler, "checkpoint_step", None), "owed": list(getattr(handler, "owed", []))}
+            "checkpoint_step": getattr(handler, "checkpoint_step", None), "owed": list(getattr(handler, "owed", [])),
+            "writing": getattr(handler, "writing", None)}
 
 
 def error_reply(batch_id, exc: BaseException, handler=None) -> dict:
@@ -88,7 +89,8 @@ def _reply(handler, msg: dict) -> dict:
     try:
         if kind == "train":
             samples = [Sample.from_json(raw) for raw in msg.get("samples", [])]
-            out = handler.train(batch_id, msg["version"], samples)
+            out = (handler.train(batch_id, msg["version"], samples, deferred=True) if msg.get("deferred") else
+                   handler.train(batch_id, msg["version"], samples))
             weights = out["weights_dir"]  # None: the step was skipped, nothing to publish
             return {"type": "trained", "batch_id": batch_id, "version": msg["version"],
                     "weights_dir": None if weights is None else str(weights), "metrics": out.get("metrics", {}),
@@ -97,6 +99,8 @@ def _reply(handler, msg: dict) -> dict:
         if kind == "publish":
             weights = handler.publish(msg["version"])
             return {"type": "published", "version": msg["version"], "weights_dir": str(weights)}
+        if kind == "written":
+            return {"type": "written", "version": msg["version"], "weights_dir": handler.written(msg["version"])}
         if kind == "restore":
             return {"type": "restored", "version": msg["version"], "step": handler.restore(msg["version"])}
         if kind == "join_group":

@@ -32,7 +32,7 @@ from clawd.samples import Sample
 from clawd.trainer.failures import StepFailed
 from clawd.trainer.step import Trainer
 from clawd.trainer.weight_sender import SyncRefused, WeightSender
-from clawd.weights import Ledger, ledger_path, write_failure_kind
+from clawd.weights import Ledger, ledger_path, version_dir, write_failure_kind
 
 log = logging.getLogger("clawd.trainer")
 
@@ -89,7 +89,14 @@ class TrainerHandler:
             out.append("checkpoint")
         return out
 
-    def train(self, batch_id: str, version: int, samples: list[Sample]) -> dict:
+    @property
+    def writing(self) -> int | None:
+        """The version whose directory is still being written (a deferred publish), or None."""
+        return None if self.trainer.writing is None else self.trainer.writing.version
+
+    def train(self, batch_id: str, version: int, samples: list[Sample], deferred: bool = False) -> dict:
+        """One step, then its writes; `deferred`: the directory is written off the critical path (the daemon
+        pushes the weights over its groups meanwhile), and a checkpoint due is left owed until it is there."""
         t = self.trainer
         if t.step and t.step == t.checkpoint_step and batch_id == self._batch:
             # The checkpoint this child resumed from already holds this batch's step: its predecessor died
@@ -101,11 +108,11 @@ class TrainerHandler:
             t.unpause()
         metrics = t.train_step(samples, self.mode)  # StepFailed: fatal, the child exits after replying
         try:
-            return self._after_step(batch_id, version, samples, metrics)
+            return self._after_step(batch_id, version, samples, metrics, deferred)
         except Exception as exc:  # writes report their own failures; anything else must not be retrained on
             raise StepFailed(f"after step {t.step}: {type(exc).__name__}: {exc}") from exc
 
-    def _after_step(self, batch_id: str, version: int, samples: list[Sample], metrics: dict) -> dict:
+    def _after_step(self, batch_id: str, version: int, samples: list[Sample], metrics: dict, deferred: bool) -> dict:
         t = self.trainer
         self._batch = batch_id
         self._line = {"step": t.step, "batch_id": batch_id, "version": None,
@@ -117,12 +124,12 @@ class TrainerHandler:
             self._note_line()
         else:
             try:
-                weights = str(self._publish(version))
+                weights = str(self._publish(version, deferred))
             except OSError as exc:
                 failed = self._failed("publish", exc)
                 self._note_line()  # the step happened; its version comes with the publish that succeeds
         checkpointed = False
-        if failed is None and self.owed == ["checkpoint"]:  # never over weights no version says
+        if failed is None and self.owed == ["checkpoint"] and self.writing is None:  # never over weights no version says
             try:
                 self._checkpoint()
                 checkpointed = True
@@ -170,11 +177,16 @@ class TrainerHandler:
     def leave_group(self, name: str) -> None:
         self.sender.leave(name)
 
+    def written(self, version: int) -> str:
+        """`version`'s directory, once on disk: a deferred write waited for (written again if it had failed)."""
+        self.trainer.settle()
+        return str(version_dir(self.trainer.state_dir, version))
+
     def checkpoint(self) -> tuple[str, int]:
         return str(self._checkpoint()), self.trainer.step
 
-    def _publish(self, version: int) -> Path:
-        weights = self.trainer.publish(version)
+    def _publish(self, version: int, deferred: bool = False) -> Path:
+        weights = self.trainer.publish(version, deferred=deferred)
         if self._line is not None and self._line["step"] == self.trainer.step:
             self._line = {**self._line, "version": version}
             self._note_line()

@@ -437,9 +437,11 @@ class TrainerSupervisor:
             self._finished.set()
 
     async def train(self, batch_id: str, version: int, samples: Sequence[Sample], *,
-                    timeout: float | None = None) -> Trained:
-        """One training step on `samples`, producing weights `version`; retried across restarts."""
-        msg = {"type": "train", "batch_id": batch_id, "version": version, "samples": list(samples)}
+                    timeout: float | None = None, deferred: bool = False) -> Trained:
+        """One training step on `samples`, producing weights `version`; retried across restarts. `deferred`: its
+        directory is written off the critical path (`written` waits for it)."""
+        msg = {"type": "train", "batch_id": batch_id, "version": version, "samples": list(samples),
+               **({"deferred": True} if deferred else {})}
         frames = await encode_message(msg)  # once: every attempt sends the same samples
         head = {k: v for k, v in msg.items() if k != "samples"}
         last: TrainerError | None = None
@@ -473,6 +475,11 @@ class TrainerSupervisor:
     async def publish(self, version: int, timeout: float | None = None) -> str:
         """The trainer's weights as a new version; its directory. Its state then says if a checkpoint is owed."""
         return await (await self._live_link()).publish(version, timeout)
+
+    async def written(self, version: int, timeout: float | None = None) -> str:
+        """`version`'s directory once the trainer's deferred write of it is on disk (at once when none is
+        pending: whether it exists is the caller's to check)."""
+        return (await self.ask({"type": "written", "version": version}, timeout))[1]["weights_dir"]
 
     async def restore(self, version: int, timeout: float | None = None) -> int:
         """A rollback: the trainer back on `version`'s checkpoint (weights and optimizer); its step."""

@@ -31,6 +31,7 @@ from rank 0 only; the version is a directory name.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from dataclasses import asdict
@@ -42,11 +43,13 @@ import torch
 from clawd import faults
 from clawd.train_config import TrainConfig
 from clawd.samples import MODES, Sample
-from clawd.trainer import adapters, checkpoints, head, losses, sharded_load, sharding
+from clawd.trainer import adapters, checkpoints, head, losses, publishing, sharded_load, sharding
 from clawd.trainer.batches import MicroBatch, micro_batch, mini_batches, pack
 from clawd.trainer.failures import OutOfMemory, StepFailed, TrainingPaused, out_of_memory
 from clawd.trainer.sharding import World
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
+
+log = logging.getLogger("clawd.trainer")
 
 PAUSE_AFTER_SKIPS = 3  # non-finite steps in a row before learning pauses
 
@@ -109,6 +112,7 @@ class Trainer:
         self.pause_reason: str | None = None
         self.journal_position: Any = None
         self._publishes_since_checkpoint = 0
+        self.writing: publishing.DeferredWrite | None = None  # a version's directory still being written (`publish`)
         self.resume()
 
     # --- forward ------------------------------------------------------------------------------
@@ -373,29 +377,37 @@ class Trainer:
 
     # --- publishing and checkpoints ---------------------------------------------------------
 
-    def publish(self, version: int) -> Path:
-        """Write the current weights as weights/v{version:06d}, a complete Hugging Face directory in
-        publish_dtype, and keep the newest keep_versions. Versions must increase."""
+    def publish(self, version: int, *, deferred: bool = False) -> Path:
+        """Write the current weights as weights/v{version:06d} in publish_dtype (`clawd.trainer.publishing`) and
+        keep the newest keep_versions. Versions must increase. `deferred` (full weights): the weights are copied
+        to the host now and written on a thread; they are `version` at once (a group may push them), and
+        `settle` waits for the directory."""
         if not isinstance(version, int) or version <= self.version:
             raise ValueError(f"version {version!r} must be an integer above the last one, {self.version}")
-        def room() -> None:
-            self.weights_dir.mkdir(parents=True, exist_ok=True)
-            size = (adapters.adapter_bytes(self.model, self.publish_dtype) if self.cfg.lora else
-                    checkpoints.publish_bytes(self.model, self.model_dir, self.publish_dtype))
-            check_free(self.weights_dir, size, self.min_free_bytes, f"v{version:06d}")
-
-        self._on_writer(room)
-        if self.cfg.lora:  # a PEFT adapter directory: the engine keeps the base and loads it beside
-            dest = adapters.publish(self.model, version_dir(self.state_dir, version), self.publish_dtype, self.world)
-        else:
-            dest = checkpoints.publish_weights(self.model, self.model_dir, version_dir(self.state_dir, version),
-                                               self.publish_dtype, world=self.world)
+        self.settle()  # one write at a time, and pruning in order
+        dest, lora, spare = version_dir(self.state_dir, version), self.cfg.lora, self._checkpointed_version
+        self._on_writer(lambda: publishing.check_room(self.model, self.model_dir, dest, self.publish_dtype, lora,
+                                                      self.min_free_bytes))
+        dest, self.writing = publishing.write_version(
+            self.model, self.model_dir, version, dest, self.publish_dtype, lora=lora, world=self.world,
+            deferred=deferred, then=lambda: checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare))
         self.version = self.weights_version = version
         self.unpublished = False
         self._publishes_since_checkpoint += 1
-        spare = self._checkpointed_version
-        self._on_writer(lambda: checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare=spare))
         return dest
+
+    def settle(self, abandon: bool = False) -> None:
+        """A deferred write finished: waited for, written again once when it had failed (OSError when that
+        fails too: it stays pending, its host copy kept; `abandon`: dropped instead). Every rank gets rank 0's
+        outcome."""
+        if self.writing is not None:
+            try:
+                self._on_writer(self.writing.result)
+            except OSError as exc:
+                if not abandon:
+                    raise
+                log.warning("v%d's directory is abandoned: %s", self.writing.version, exc)
+            self.writing = None
 
     def _on_writer(self, work):
         """`work` on the rank that writes (rank 0; the only one alone); its result or exception on every rank."""
@@ -414,6 +426,7 @@ class Trainer:
         if self.unpublished:
             raise RuntimeError(f"the weights of step {self.step} are not published yet: a checkpoint would "
                                f"say they are v{self.weights_version}")
+        self.settle()  # a checkpoint says its version's directory is there
         def room() -> None:
             self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
             check_free(self.checkpoints_dir, checkpoints.checkpoint_bytes(self.model, self.optimizer, self.cfg.lora),
@@ -440,6 +453,7 @@ class Trainer:
         path = self._on_writer(lambda: checkpoints.checkpoint_of(self.checkpoints_dir, version))
         if path is None:
             raise ValueError(f"no checkpoint holds v{version}: it cannot be restored")
+        self.settle(abandon=True)  # before resume clears the temporary directory it may write in; newer: abandoned
         self.resume(path)
 
     @property

@@ -15,9 +15,14 @@ The catalogue. The child speaks first, once: ready{pid, step, version, weights_v
 error{batch_id: null, message, retryable, kind, fatal} if it could not start (and exits 1). Then
 every request gets exactly one reply, in order:
 
-    train{batch_id, version, samples}  -> trained{batch_id, version, weights_dir, metrics,
+    train{batch_id, version, samples, deferred?}
+                                       -> trained{batch_id, version, weights_dir, metrics,
                                                   per_sample, checkpointed, failed, state}
+                                          (deferred: weights_dir is written on a thread, `writing` in
+                                          the state, and a checkpoint due is left owed)
     publish{version}                   -> published{version, weights_dir, state}
+    written{version}                   -> written{version, weights_dir, state} (once a deferred write of the
+                                          directory is on disk; written again if it had failed)
     checkpoint{}                       -> checkpointed{path, step, state}
     restore{version}                   -> restored{version, step, state} (a rollback: a checkpoint is then owed)
     join_group{name, address, port, world_size, backend, timeout, bucket_bytes}
@@ -32,7 +37,8 @@ every request gets exactly one reply, in order:
 
 `state` is the trainer's after the request: {step, version (the newest published: the next goes
 above it), weights_version, checkpoint_step, owed (writes the last step still needs, in order:
-"publish", "checkpoint")}. A train takes its optimizer step once; `failed` is null, or
+"publish", "checkpoint"), writing (the version whose directory a deferred write is still writing, or
+null)}. A train takes its optimizer step once; `failed` is null, or
 {op: "publish" | "checkpoint", kind: "disk" | "io", message} when a write after the step failed:
 the step is kept (weights_dir null when its publish failed) and the write is retried alone with
 publish{version} / checkpoint{}, never by training again.
@@ -222,8 +228,8 @@ def answers(request: dict, reply: dict) -> bool:
     if want == "train":
         return kind == "trained" and reply.get("batch_id") == request["batch_id"] \
             and reply.get("version") == request["version"]
-    if want == "publish":
-        return kind == "published" and reply.get("version") == request["version"]
+    if want in ("publish", "written"):
+        return kind == {"publish": "published", "written": "written"}[want] and reply.get("version") == request["version"]
     if want == "restore":
         return kind == "restored" and reply.get("version") == request["version"]
     if want in ("join_group", "send_weights", "leave_group"):
