@@ -41,7 +41,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from clawd.daemon import TurnHandover  # noqa: E402
+from clawd.scoring.handover import TurnHandover  # noqa: E402
 from clawd.pauses import Pauses  # noqa: E402
 from clawd.ops.status import Rate  # noqa: E402
 from clawd.scoring import judging  # noqa: E402

@@ -33,7 +33,8 @@ _LINES_PER_SLICE = 2000  # of a rewrite between two yields of the loop: a few ms
 
 
 class RecordWriter:
-    def __init__(self, directory: Path, *, kind: str = "turns", retention_days: int = 30):
+    def __init__(self, directory: Path, *, kind: str = "turns", retention_days: int = 30,
+                 on_error: Callable[[OSError], None] | None = None):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.kind = kind
@@ -42,7 +43,7 @@ class RecordWriter:
         self._fd: int | None = None
         self.written = 0
         self.failed = 0
-        self.on_error: Callable[[OSError], None] | None = None
+        self.on_error = on_error
         self._logged_at = float("-inf")
         self._held: list[tuple[dict, float]] | None = None  # written while `remove` rewrites: appended after
         self._rewriting = asyncio.Lock()  # two forgets at once: the second waits (one list of held lines)

@@ -82,7 +82,8 @@ class Learner:
     def __init__(self, cfg: LearnerConfig, store: SampleStore, trainer: TrainerSupervisor, publisher: Publisher,
                  policy: Policy, state_dir, *, control_seed: int = 0, pauses: Pauses | None = None,
                  versions: Versions | None = None, gate: PromotionGate | None = None, lora: bool = False,
-                 max_sample_tokens: int = 8192):
+                 max_sample_tokens: int = 8192, on_step: Callable[[int, Trained, list[Sample]], None] | None = None,
+                 on_publish: Callable[[float, float], None] | None = None):
         self.cfg = cfg
         self.limits = BatchLimits(store, max_sample_tokens)  # what one step may hold: the trainer's memory
         self._control_rng = random.Random(control_seed)  # `[learner] control = "shuffle_rewards"` only
@@ -103,8 +104,8 @@ class Learner:
         self._trainer_pid: int | None = None  # the child whose state _unacked is in
         self._unpublished: tuple[str, int] | None = None  # (weights_dir, version) the engine should serve
         self._retry_delay = _RETRY_INITIAL
-        self.on_publish: Callable[[float, float], None] | None = None  # (seconds, intake held): metrics
-        self.on_step: Callable[[int, Trained, list[Sample]], None] | None = None  # (trained from, reply, batch)
+        self.on_publish = on_publish  # (seconds, intake held): metrics
+        self.on_step = on_step  # (trained from, reply, batch): the monitors and the learning view
         # Versions (clawd.safety): the history, and the gate a new version passes before it serves everyone.
         self.versions = versions if versions is not None else Versions(Path(state_dir) / "versions.jsonl")
         if self.versions.get(policy.version) is None:

@@ -44,7 +44,8 @@ class Publisher:
     confirmed. If none did, the publish fails as a whole and is retried, as with one engine."""
 
     def __init__(self, engine: EngineClient | Replicas, timeout: float, ready: asyncio.Event | None = None,
-                 adapters: AdapterUse | None = None, base_dir: str | None = None, groups: WeightGroups | None = None):
+                 adapters: AdapterUse | None = None, base_dir: str | None = None, groups: WeightGroups | None = None,
+                 before_load: Callable[[str], None] | None = None):
         self.replicas = engine if isinstance(engine, Replicas) else None
         self.engine = None if isinstance(engine, Replicas) else engine
         self.timeout = timeout
@@ -54,7 +55,7 @@ class Publisher:
         self.base_dir = base_dir  # the base model's directory: what v0 is, for a canary going back to it
         # Called with a version's directory before any engine is asked to read it: [privacy] weights_group
         # opens it to an engine run as another user (clawd.privacy.files.share).
-        self.before_load: Callable[[str], None] | None = None
+        self.before_load = before_load
         # Full weights over torch.distributed (clawd.learning.weight_groups); None: from disk. With groups the
         # trainer writes a version's directory off the critical path, while it is pushed: whatever reads it
         # from disk waits for it first (`_on_disk`), and so does `publish`'s return.

@@ -80,7 +80,7 @@ def is_stale(sample: Sample, current_version: int, max_staleness: int) -> bool:
 
 
 class SampleStore:
-    def __init__(self, journal: Journal, *, fair_share: float = 0.25):
+    def __init__(self, journal: Journal, *, fair_share: float = 0.25, on_put: Callable[[Sample], None] | None = None):
         if not 0 < fair_share <= 1:
             raise ValueError(f"fair_share {fair_share} is outside (0, 1]")
         self.journal = journal
@@ -98,7 +98,7 @@ class SampleStore:
         self.acked_total = 0
         self.doomed_versions: set[int] = set()  # rejected or rolled back: their samples are never trained
         self.dropped_doomed = 0
-        self.on_put: Callable[[Sample], None] | None = None  # a scored sample arrived (the behaviour monitors)
+        self.on_put = on_put  # a scored sample arrived (the behaviour monitors)
 
     # -- counts ----------------------------------------------------------------------
 

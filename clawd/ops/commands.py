@@ -10,11 +10,12 @@ from clawd.ops.people import Holdings, remove_export
 from clawd.ops.status import Status, finite
 from clawd.pauses import OPERATOR, Pauses
 from clawd.safety.versions import Versions
+from clawd.served import Policy
 
 log = logging.getLogger("clawd")
 
 
-def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, versions: Versions,
+def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, versions: Versions, policy: Policy,
                    people: Holdings | None = None) -> dict:
     """What `clawctl` can ask: pause (learning; with serving=true, chat too), resume, status, versions,
     rollback [version], checkpoint, and a person's data: export, export-done, forget."""
@@ -32,7 +33,7 @@ def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, vers
 
     async def versions_cmd(request: dict) -> dict:
         last = argument(request, "last", int, 50)
-        return finite({"serving": status.policy.version, "versions": [
+        return finite({"serving": policy.version, "versions": [
             {**v, "gate": None if v["gate"] is None else {k: x for k, x in v["gate"].items() if k != "outcomes"}}
             for v in versions.snapshot(last)]})
 

@@ -62,7 +62,10 @@ class ScoringStats:
 class Scorer:
     def __init__(self, cfg: Config, *, tokenizer: ChatTokenizer, judge: Judge | None, teacher: Teacher | None,
                  store: SampleStore, records: RecordWriter, spawn: Callable[[Coroutine], asyncio.Task] | None = None,
-                 reference: Teacher | None = None, encoder: Encoder | None = None):
+                 reference: Teacher | None = None, encoder: Encoder | None = None,
+                 on_write_error: Callable[[OSError], None] | None = None,
+                 judge_view: Callable[[Turn, list], tuple[Turn, list]] | None = None,
+                 record_view: Callable[[dict], dict | None] | None = None):
         self.mode = cfg.scoring.mode
         self.m = cfg.scoring.prm_m
         self.at_least_one = cfg.scoring.at_least_one
@@ -81,12 +84,12 @@ class Scorer:
         # Starts a scoring task: the daemon's TaskGroup.create_task, so one group owns every task (tests pass
         # None: the running loop's). The Scorer keeps the ones in flight to drain them at shutdown.
         self.spawn = spawn
-        self.on_write_error: Callable[[OSError], None] | None = None  # a failed journal write: the disk budget
+        self.on_write_error = on_write_error  # a failed journal write: the disk budget
         self._tasks: dict[asyncio.Task, FinishedTurn] = {}  # turns being scored
         # Privacy (clawd.privacy.policy): what an external judge is shown of a turn, and what a judge record
         # keeps (None: no record). Unset: as they are.
-        self.judge_view: Callable[[Turn, list], tuple[Turn, list]] | None = None
-        self.record_view: Callable[[dict], dict | None] | None = None
+        self.judge_view = judge_view
+        self.record_view = record_view
         # Sessions that already gave a sample (rl's at-least-one rule); bounded, oldest forgotten.
         self._served_sessions: OrderedDict[tuple[str, str], None] = OrderedDict()
         if self.mode != "rl" and teacher is None:

@@ -89,8 +89,10 @@ class _SessionLocks:
 class ChatService:
     def __init__(self, cfg: Config, tokenizer: ChatTokenizer, replicas: Replicas, sessions: SessionTable,
                  on_finished: Callable[[FinishedTurn], None], policy: Policy,
-                 spawn: Callable[[Any], Any], adapters: AdapterUse | None = None, encoder: Encoder | None = None):
-        """encoder: the worker long prompts are encoded in (None: in the daemon, yielding between pieces)."""
+                 spawn: Callable[[Any], Any], adapters: AdapterUse | None = None, encoder: Encoder | None = None,
+                 on_first_token: Callable[[float], None] | None = None):
+        """encoder: the worker long prompts are encoded in (None: in the daemon, yielding between pieces);
+        on_first_token: called with the seconds from `complete` to a streamed reply's first token (metrics)."""
         self.cfg = cfg
         # Top-K distillation asks the engine for each reply token's top-k ids (0: not asked).
         self.top_k = cfg.train.opd_top_k if cfg.scoring.mode != "rl" else 0
@@ -109,8 +111,7 @@ class ChatService:
         self.max_prompt_chars = (self.context_length - 1) * per_token if per_token else None
         self.model_name = cfg.server.served_model_name or cfg.model_path.name
         self._locks = _SessionLocks()
-        # Streamed replies: called with the seconds from `complete` to the first token written (metrics).
-        self.on_first_token: Callable[[float], None] | None = None
+        self.on_first_token = on_first_token
 
     # ---- request → engine payload -------------------------------------------------
 
