@@ -86,6 +86,21 @@ class _SessionLocks:
             self._locks[key] = (lock, users - 1)
 
 
+@dataclass
+class Exchange:
+    """One chat request on its way through `ChatService`: what the engine is sent, and what the steps that
+    serve it need (built by `complete`; a main turn adds what its captured turn needs)."""
+    req: ChatRequest
+    request: web.Request
+    rid: str
+    prompt_ids: list[int]
+    payload: dict                   # the engine's /generate body (clawd.serving.payload)
+    started: float                  # monotonic, when the request arrived: the first token's latency
+    release: Callable[[], None]     # gives back the request's slot once the engine's part is over
+    served_as: str | None = None    # LoRA: the version whose adapter the request carries
+    capture: Capture | None = None  # a main turn's
+
+
 class ChatService:
     def __init__(self, cfg: Config, tokenizer: ChatTokenizer, replicas: Replicas, sessions: SessionTable,
                  on_finished: Callable[[FinishedTurn], None], policy: Policy,
@@ -158,49 +173,45 @@ class ChatService:
         adapter = self.adapters.begin() if self.adapters is not None else None
         if adapter is not None:
             payload["lora_path"] = adapter
+        ex = Exchange(req, request, rid, prompt_ids, payload, started, release, served_as if adapter else None)
         try:
             if not main:
                 self.stats.side_turns += 1
-                return await self._serve(req, request, payload, rid, prompt_ids, None, started, release,
-                                         served_as if adapter else None)
-            return await self._main_turn(req, request, payload, rid, prompt_ids, principal, temperature, excluded,
-                                         started, release, served_as if adapter else None)
+                return await self._serve(ex)
+            return await self._main_turn(ex, principal, temperature, excluded)
         finally:
             if self.adapters is not None:
                 self.adapters.end(adapter)
 
-    async def _main_turn(self, req: ChatRequest, request: web.Request, payload: dict, rid: str,
-                         prompt_ids: list[int], principal: str, temperature: float, excluded: str | None,
-                         started: float, release: Callable[[], None], served_as: str | None) -> web.StreamResponse:
+    async def _main_turn(self, ex: Exchange, principal: str, temperature: float,
+                         excluded: str | None) -> web.StreamResponse:
+        req = ex.req
         lock_key = (principal, req.session_id) if req.session_id is not None else None
         if lock_key:
             await self._locks.acquire(lock_key)
         try:
             admission = self.sessions.begin(principal, req.session_id, req.render_messages, time.time())
             self._finish(admission.finished)
-            capture = Capture(admission=admission, principal=principal, temperature=temperature,
-                               excluded=excluded, version=self.policy.version, req=req)
-            return await self._serve(req, request, payload, rid, prompt_ids, capture, started, release, served_as)
+            ex.capture = Capture(admission=admission, principal=principal, temperature=temperature,
+                                 excluded=excluded, version=self.policy.version, req=req)
+            return await self._serve(ex)
         finally:
             if lock_key:
                 self._locks.release(lock_key)
 
-    async def _serve(self, req: ChatRequest, request: web.Request, payload: dict, rid: str,
-                     prompt_ids: list[int], capture: Capture | None, started: float,
-                     release: Callable[[], None], served_as: str | None = None) -> web.StreamResponse:
+    async def _serve(self, ex: Exchange) -> web.StreamResponse:
+        req, capture, rid = ex.req, ex.capture, ex.rid
+        route = Attempt(self.replicas, sessions=self.sessions.homed(len(self.replicas)),
+                        home=None if capture is None else self.sessions.replica_of(capture.admission),
+                        rehome=None if capture is None else lambda i: self.sessions.set_replica(capture.admission, i))
         out = ReplyBuilder(req, rid, tok=self.tok, model=self.model_name, policy=self.policy, replicas=self.replicas,
-                           tool_parser=self.cfg.model.tool_parser, reasoning_parser=self.cfg.model.reasoning_parser)
-        out.served_as = served_as
-        route = Attempt(self.replicas, sessions=self.sessions.homed(len(self.replicas)))
-        if capture:
-            route.home = self.sessions.replica_of(capture.admission)
-            route.rehome = lambda i: self.sessions.set_replica(capture.admission, i)
-        out.route = route
+                           tool_parser=self.cfg.model.tool_parser, reasoning_parser=self.cfg.model.reasoning_parser,
+                           route=route, served_as=ex.served_as)
         try:
             if req.stream:
-                resp = await self._stream(req, request, payload, out, started, release, route)
+                resp = await self._stream(ex, out, route)
             else:  # a whole reply is written by aiohttp after the handler returns: after the slot is released
-                resp = await self._whole(payload, out, route)
+                resp = await self._whole(ex, out, route)
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away (aiohttp cancels the handler, or a write finds the
             # socket closed): stop the engine's work too. Counted (clawd_aborted_requests_total) and
@@ -218,18 +229,18 @@ class ChatService:
             raise
         finally:
             route.end()
-        self.stats.prompt_tokens += len(prompt_ids)
+        self.stats.prompt_tokens += len(ex.prompt_ids)
         self.stats.completion_tokens += len(out.ids)
         if capture and out.failed:  # the client got an error event: no turn to learn from
             self.sessions.cancel(capture.admission, time.time())
         elif capture:
-            self._capture(capture, rid, prompt_ids, out)
+            self._capture(capture, rid, ex.prompt_ids, out)
         # One structured line per completion: enough to follow a turn from client to records.
         log.info("chat id=%s rid=%s session=%s turn=%s version=%d replica=%s home=%s served=%s type=%s stream=%s "
                  "prompt=%d completion=%d finish=%s", out.completion_id, rid,
                  capture.admission.session_id if capture else "-", capture.admission.turn_index if capture else "-",
                  self.policy.version, route.replica, "-" if route.home is None else route.home, out.weight_version,
-                 "main" if capture else "side", req.stream, len(prompt_ids), len(out.ids), out.finish_reason)
+                 "main" if capture else "side", req.stream, len(ex.prompt_ids), len(out.ids), out.finish_reason)
         return resp
 
     async def _abort(self, rid: str, replica: int) -> None:
@@ -238,8 +249,8 @@ class ChatService:
         except EngineError as exc:
             log.warning("could not abort rid %s: %s", rid, exc)
 
-    async def _whole(self, payload: dict, out: ReplyBuilder, route: Attempt) -> web.Response:
-        result = await self._on_replica(route, lambda engine: engine.generate(payload))
+    async def _whole(self, ex: Exchange, out: ReplyBuilder, route: Attempt) -> web.Response:
+        result = await self._on_replica(route, lambda engine: engine.generate(ex.payload))
         meta = result.get("meta_info") or {}
         lps = meta.get("output_token_logprobs") or []
         out.add(Chunk(ids=list(result.get("output_ids") or []), logprobs=[e[0] for e in lps],
@@ -274,11 +285,10 @@ class ChatService:
                             retry_after=exc.retry_after or 2)
         return ApiError(502, f"The model engine failed: {exc}", code="engine_error", retry_after=exc.retry_after or 1)
 
-    async def _stream(self, req: ChatRequest, request: web.Request, payload: dict, out: ReplyBuilder,
-                      started: float, release: Callable[[], None], route: Attempt) -> web.StreamResponse:
+    async def _stream(self, ex: Exchange, out: ReplyBuilder, route: Attempt) -> web.StreamResponse:
         # Wait for the engine's first chunk before sending headers, so an engine
         # failure at the start is still a proper 502/503 rather than a broken stream (or a retry elsewhere).
-        chunks, first = await self._on_replica(route, lambda engine: engine.open_stream(payload))
+        chunks, first = await self._on_replica(route, lambda engine: engine.open_stream(ex.payload))
         if first is not None and first.meta:
             out.meta = first.meta
         finish = (first.finish or {}) if first is not None else {}
@@ -294,7 +304,7 @@ class ChatService:
                            retry_after=1)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
+        await resp.prepare(ex.request)
         # This handler reads the engine into `outbox`, (bytes, carries a token) parts then None; the writer
         # task, which it alone owns, writes them. A client that stops reading stalls only the writer: the
         # engine's stream is read to its end, the slot released, the rest written under write_timeout. The
@@ -304,15 +314,15 @@ class ChatService:
         outbox.put_nowait((out.sse({"role": "assistant", "content": ""}), False))
         first_token = self.on_first_token
         writer = asyncio.create_task(deliver(
-            resp, outbox, None if first_token is None else lambda: first_token(time.monotonic() - started)))
+            resp, outbox, None if first_token is None else lambda: first_token(time.monotonic() - ex.started)))
         try:
             try:
-                if await pump(first, chunks, out, outbox, writer, include_usage=req.include_usage):
+                if await pump(first, chunks, out, outbox, writer, include_usage=ex.req.include_usage):
                     self.stats.engine_errors += 1
             finally:
                 await chunks.aclose()
             outbox.put_nowait(None)
-            release()
+            ex.release()
             await writer  # a failed write (the client left) raises here: the abort path in _serve
         finally:
             if not writer.done():  # this request is ending another way (cancelled): the writer goes with it

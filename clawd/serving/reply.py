@@ -22,13 +22,15 @@ class ReplyBuilder:
     """Accumulates engine chunks into ids, log-probs and OpenAI deltas for one response."""
 
     def __init__(self, req: ChatRequest, rid: str, *, tok: ChatTokenizer, model: str, policy: Policy,
-                 replicas: Replicas, tool_parser: str, reasoning_parser: str):
+                 replicas: Replicas, tool_parser: str, reasoning_parser: str, route: Attempt | None = None,
+                 served_as: str | None = None):
+        """route: which replica serves it; served_as: LoRA, the version of the adapter the request carries."""
         self.req = req
         self.tok = tok
         self.model = model
         self.policy = policy
         self.replicas = replicas
-        self.route: Attempt | None = None  # which replica serves it
+        self.route = route
         self.completion_id = f"chatcmpl-{rid}"
         self.created = int(time.time())
         self.detok = IncrementalDetokenizer(tok.tokenizer, tok.special_ids)
@@ -45,7 +47,7 @@ class ReplyBuilder:
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
         self.failed = False
-        self.served_as: str | None = None  # LoRA: the version of the adapter the request carried
+        self.served_as = served_as
 
     @property
     def weight_version(self) -> str | None:
