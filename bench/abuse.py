@@ -62,7 +62,7 @@ import aiohttp
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
-from clawd.tomlfile import to_toml  # noqa: E402
+from clawd.tools.sim import launch  # noqa: E402
 from clawd.tokenizer import ChatTokenizer  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 from serve import WORDS, cpu_seconds, pct, start_fake, stop, tiny_model, wait_ready  # noqa: E402
@@ -97,18 +97,15 @@ def start_daemon(tmp: Path, model: Path, engine_url: str, server: dict,
 
 
 def launch_daemon(tmp: Path, cfg: dict, start_timeout: float = 60.0) -> tuple[subprocess.Popen, str, Path]:
-    """clawd on the configuration `cfg` (as a TOML file in tmp); returns once it listens."""
-    config = tmp / "clawd.toml"
-    config.write_text(to_toml(cfg))
+    """clawd on the configuration `cfg` (as a TOML file in tmp, clawd.tools.sim.launch.spawn); returns once it
+    listens."""
     log = tmp / "clawd.log"
-    proc = subprocess.Popen([sys.executable, "-m", "clawd", "--config", str(config)], cwd=tmp,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    with open(log, "w") as out:
+        proc = launch.spawn(tmp, cfg, stdout=subprocess.DEVNULL, stderr=out)
     deadline = time.monotonic() + start_timeout
     while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            if "listening on http://" in line:
-                return proc, line.split("listening on ", 1)[1].split()[0], log
+        if url := launch.listening(log.read_text(errors="replace")):
+            return proc, url, log
         if proc.poll() is not None:
             break
         time.sleep(0.05)

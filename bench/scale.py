@@ -58,7 +58,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from clawd.tomlfile import to_toml  # noqa: E402
+from clawd.tools.sim import launch  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 
 TARGET_SCALING = 0.9  # throughput with N replicas >= this x N x one replica
@@ -135,15 +135,12 @@ def start_clawd(tmp: Path, model: Path, urls: list[str]) -> tuple[subprocess.Pop
            "engine": {"launch": "none", "url": urls[0], "urls": list(urls)},
            "state": {"dir": str(tmp / "state"), "min_free_bytes": 64 * 1024 * 1024},
            "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}, "learner": {"enabled": False}}
-    (tmp / "clawd.toml").write_text(to_toml(cfg))
     log = tmp / "clawd.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "clawd", "--config", str(tmp / "clawd.toml")], cwd=tmp,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=err)
+        proc = launch.spawn(tmp, cfg, stdout=subprocess.DEVNULL, stderr=err)
     deadline, url = time.monotonic() + 90, None
     while time.monotonic() < deadline and proc.poll() is None:
-        url = url or next((line.split("listening on ", 1)[1].split()[0] for line in log.read_text().splitlines()
-                           if "listening on http://" in line), None)
+        url = url or launch.listening(log.read_text())
         if url is not None and ready(url):
             return proc, url
         time.sleep(0.1)

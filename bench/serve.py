@@ -45,6 +45,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clawd.tools.models import cached_tiny_model  # noqa: E402
+from clawd.tools.sim import launch  # noqa: E402
 from clawd.tokenizer import ChatTokenizer  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 
@@ -79,25 +80,18 @@ def start_fake(tokens: int, eos_id: int, delay: float, incremental: bool, log: P
 def start_clawd(tmp: Path, model: Path, engine_url: str, max_concurrent: int, incremental: bool,
                 profile: Path | None) -> tuple[subprocess.Popen, str, Path]:
     state = tmp / "state"
-    config = tmp / "clawd.toml"
-    config.write_text(
-        f'[server]\nport = 0\nmax_concurrent_requests = {max_concurrent}\n'
-        f'[model]\npath = {json.dumps(str(model))}\n'
-        f'[engine]\nlaunch = "none"\nurl = {json.dumps(engine_url)}\n'
-        f'incremental_streaming_output = {json.dumps(incremental)}\n'
-        f'[state]\ndir = {json.dumps(str(state))}\n')
+    cfg = {"server": {"port": 0, "max_concurrent_requests": max_concurrent}, "model": {"path": str(model)},
+           "engine": {"launch": "none", "url": engine_url, "incremental_streaming_output": incremental},
+           "state": {"dir": str(state)}}
     log = tmp / "clawd.log"  # clawd logs nothing per request at its default level
     # cProfile's clock is wall time: idle shows as epoll, and waits for a shared core inflate syscalls.
-    cmd = [sys.executable] + (["-m", "cProfile", "-o", str(profile)] if profile else [])
-    cmd += ["-m", "clawd", "--config", str(config)]
-    proc = subprocess.Popen(cmd, cwd=tmp, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    with open(log, "w") as err:
+        proc = launch.spawn(tmp, cfg, stdout=subprocess.DEVNULL, stderr=err,
+                            python_args=("-m", "cProfile", "-o", str(profile)) if profile else ())
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            if "listening on http://" in line:
-                url = line.split("listening on ", 1)[1].split()[0]
-                return proc, url, state
+        if url := launch.listening(log.read_text()):
+            return proc, url, state
         if proc.poll() is not None:
             break
         time.sleep(0.05)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from clawd.tomlfile import to_toml
+from clawd.tools.sim import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,16 +50,12 @@ class Daemon:
         for name, table in sections.items():
             cfg[name] = {**cfg.get(name, {}), **table}
         self.config_path = self.tmp / "clawd.toml"
-        self.config_path.write_text(to_toml(cfg))
         self.lines: list[str] = []
         self._seen = threading.Condition()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "clawd", "--config", str(self.config_path)],
-                                     cwd=self.tmp, env=env, stderr=subprocess.PIPE, text=True)
+        self.proc = launch.spawn(self.tmp, cfg, stderr=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        line = self.wait_for(r"listening on (http://\S+)", timeout)
-        self.url = re.search(r"listening on (http://\S+)", line).group(1)
+        self.url = launch.listening(self.wait_for(launch.LISTENING.pattern, timeout))
         if wait_ready:
             self.wait_ready(timeout)
 

@@ -1,8 +1,9 @@
-"""Starting a clawd for the demo and the learning bench: a config from a dict, a log file, its status.
+"""Starting a clawd as an operator runs it, for the tests, the demo and the benches: the one way (`spawn`).
 
-The daemon runs as `python -m clawd --config FILE` in its own process, exactly as
-an operator runs it; its log goes to a file. `status()` asks the admin socket
-what `clawctl status --json` shows.
+`spawn` writes the config from a dict and runs `python -m clawd --config FILE` in its own process, clawd's own
+repository first on its path; `listening` finds the URL its log announces. `Clawd` is the demo's and the
+learning bench's: its log goes to a file, and `status()` asks the admin socket what `clawctl status --json`
+shows. tests/harness.Daemon and bench/abuse.launch_daemon start theirs with `spawn` too.
 """
 from __future__ import annotations
 
@@ -26,8 +27,35 @@ from clawd.ops.ctl import NotRunning, call
 # never clawd/ itself, whose modules would shadow the standard library's.
 REPO = Path(__file__).resolve().parents[3]
 
-_LISTENING = re.compile(r"listening on (http://\S+)")
+LISTENING = re.compile(r"listening on (http://\S+)")
 MAX_SOCKET_PATH = 107  # bytes in sun_path, less the terminating NUL
+
+
+def spawn(run_dir: Path, cfg: dict, *, stdout=None, stderr=None, threads: int | None = None,
+          own_session: bool = False, text: bool = False, python_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """clawd on `cfg` (written as run_dir/clawd.toml), started in run_dir. `stdout`, `stderr`: as Popen's;
+    `threads`: OMP_NUM_THREADS for it (its CPU engine and trainer inherit it; on 2 cores one each keeps them
+    from stalling each other); `own_session`: a session of its own, so a Ctrl-C in the terminal reaches the
+    caller alone (which stops clawd cleanly), and SIGTERM when the caller dies without doing so; python_args:
+    before `-m clawd` (a profiler's, say)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "clawd.toml"
+    config_path.write_text(to_toml(cfg))
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    extra = {"start_new_session": True, "preexec_fn": functools.partial(die_with_parent, signal.SIGTERM)} \
+        if own_session else {}
+    return subprocess.Popen([sys.executable, *python_args, "-m", "clawd", "--config", str(config_path)], cwd=run_dir,
+                            env=env, stdout=stdout, stderr=stderr, text=text, **extra)
+
+
+def listening(log: str) -> str | None:
+    """The URL clawd's log says it listens on, or None yet."""
+    m = LISTENING.search(log)
+    return m.group(1) if m else None
 
 
 class Clawd:
@@ -55,24 +83,13 @@ class Clawd:
 
     async def start(self, timeout: float = 600) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = self.run_dir / "clawd.toml"
-        config_path.write_text(to_toml(self.config))
-        env = dict(os.environ)
-        if self.threads:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(self.log_path, "w") as log:
-            # Its own session: a Ctrl-C in the terminal reaches the demo alone, which stops clawd cleanly;
-            # and clawd gets SIGTERM if the demo dies without doing so.
-            self.proc = subprocess.Popen([sys.executable, "-m", "clawd", "--config", str(config_path)],
-                                         cwd=self.run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))  # even on SIGKILL
+            self.proc = spawn(self.run_dir, self.config, stdout=log, stderr=subprocess.STDOUT, threads=self.threads,
+                              own_session=True)
         deadline = time.monotonic() + timeout
         while not self.url:
-            m = _LISTENING.search(self.log_path.read_text(errors="replace"))
-            if m:
-                self.url = m.group(1)
-            else:
+            self.url = listening(self.log_path.read_text(errors="replace")) or ""
+            if not self.url:
                 self._check_alive(deadline, "listening")
                 await asyncio.sleep(0.2)
         while True:
