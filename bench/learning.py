@@ -17,8 +17,8 @@ asked in the sessions), each with its own sampling seed, never trained on (`X-Cl
 every step of every arm and seed sees the same prompts and the same random draws, and only the
 weights differ. Per step: satisfaction, mean ± std over the seeds (min–max). Per arm: satisfied,
 correct (the right answer is there; substance personas only) and styled before and after, the
-paired change over all (seed, question) pairs with its 95% bootstrap interval (clawd/paired.py),
-and the degeneration metrics of the last evaluation's answers (clawd/degeneration.py) with what
+paired change over all (seed, question) pairs with its 95% bootstrap interval (clawd/safety/paired.py),
+and the degeneration metrics of the last evaluation's answers (clawd/safety/degeneration.py) with what
 they flag against the first.
 
 Profiles (`--model`): `tiny` (default), the random-weight test model, whose only learnable
@@ -70,7 +70,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from clawd import degeneration, paired  # noqa: E402
+from clawd.safety import degeneration, paired  # noqa: E402
 from clawd.tools.models import cached_tiny_model  # noqa: E402
 from clawd.tools.sim.launch import Clawd  # noqa: E402
 from clawd.tools.sim.personas import persona  # noqa: E402
@@ -372,7 +372,7 @@ def _changes(arm: dict, persona: str, of: str) -> dict[tuple, float]:
 
 def versus_control(results: dict, arm: str, persona: str, of: str) -> dict:
     """The arm's change minus the control's, paired by (seed, question): the same prompt and draw in both arms,
-    so the interval is that of the difference the reward made (clawd.paired over the per-question changes)."""
+    so the interval is that of the difference the reward made (clawd.safety.paired over the per-question changes)."""
     mine, ctrl = _changes(results[arm], persona, of), _changes(results[CONTROL], persona, of)
     keys = sorted(mine.keys() & ctrl.keys())
     return paired.compare([ctrl[k] for k in keys], [mine[k] for k in keys])

@@ -1,4 +1,4 @@
-"""Degeneration metrics (clawd/degeneration.py): exact values on hand-computed sets, edge cases, and a
+"""Degeneration metrics (clawd/safety/degeneration.py): exact values on hand-computed sets, edge cases, and a
 collapse that `flags` names against a healthy version 0, with a healthy negative control."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from clawd.degeneration import (MIN_REPLIES, by_version, distinct_n, flags, opening, reply_of, summarise,
+from clawd.safety.degeneration import (MIN_REPLIES, by_version, distinct_n, flags, opening, reply_of, summarise,
                                 words)
 from clawd.turns import FinishedTurn, Turn
 

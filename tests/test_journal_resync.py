@@ -389,7 +389,7 @@ def test_a_journal_clawd_will_not_read_exits_3_which_systemd_does_not_restart(tm
     import subprocess
     import sys
 
-    from clawd.tomlfile import to_toml
+    from clawd.tools.tomlfile import to_toml
     from tests.harness import ROOT
 
     state = tmp_path / "state"

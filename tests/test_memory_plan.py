@@ -86,7 +86,7 @@ def test_check_config_and_plan_print_the_plan_and_refuse_a_layout_that_cannot_fi
     at 32k tokens without recompute is refused with the figures, before anything starts; the same with
     recompute and LoRA fits; --plan --json carries the plan."""
     from clawd.cli import EXIT_CONFIG, main
-    from clawd.tomlfile import to_toml
+    from clawd.tools.tomlfile import to_toml
 
     model = tmp_path / "model"
     model.mkdir()

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from clawd import degeneration
-from clawd.safety import monitors
+from clawd.safety import degeneration, monitors
 from clawd.safety.versions import ROLLED_BACK, Versions
 from clawd.tools.sim import personas
 from clawd.tools.sim.users import Users

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from clawd.degeneration import summarise
+from clawd.safety.degeneration import summarise
 from clawd.safety.monitors import (MONITORS, TEXT_CHARS, TEXTS_KEPT, Alarm, Monitors, Tally, drift, is_refusal,
                                    tool_call_error, worst)
 from clawd.safety_config import DEFAULT_RULES, MonitorRule, MonitorsConfig

@@ -1,9 +1,9 @@
-"""clawd.paired: the paired comparison of two versions, exact values."""
+"""clawd.safety.paired: the paired comparison of two versions, exact values."""
 from __future__ import annotations
 
 import pytest
 
-from clawd import paired
+from clawd.safety import paired
 
 
 def test_the_difference_is_the_mean_of_the_pairs_and_the_counts_are_exact():

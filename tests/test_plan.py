@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clawd.config import ConfigError, config_from_dict
-from clawd.tomlfile import to_toml
+from clawd.tools.tomlfile import to_toml
 from clawd.engine.launch import write_keys_file
 
 ROOT = Path(__file__).resolve().parent.parent

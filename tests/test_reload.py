@@ -8,7 +8,7 @@ import tomllib
 import pytest
 
 from clawd.config import ApiKey, Config, config_from_dict
-from clawd.tomlfile import to_toml
+from clawd.tools.tomlfile import to_toml
 from clawd.ops.reload import (RELOADABLE, ReloadPlan, ReloadTargets, apply_reload, changed_keys, in_effect,
                           load_for_reload, plan_reload, reload)
 

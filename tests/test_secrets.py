@@ -37,7 +37,7 @@ import pytest
 
 from clawd import credentials
 from clawd.config import ConfigError, config_from_dict
-from clawd.tomlfile import to_toml
+from clawd.tools.tomlfile import to_toml
 
 from .fake_judge import FakeJudge, Reply
 from .harness import ROOT, Daemon

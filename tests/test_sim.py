@@ -14,7 +14,7 @@ import pytest
 
 from clawd.scoring import judging, rules
 from clawd.tools.sim import personas
-from clawd.tomlfile import to_toml
+from clawd.tools.tomlfile import to_toml
 from clawd.tools.sim.users import (RETRY_AFTER_MAX, STYLES, TOOLS, Reply, Users, by_persona, by_version, plan_sessions,
                              rate, retry_after, tool_result, version_of)
 

@@ -17,7 +17,7 @@ clawd writes). The contract, every key always present:
         "steps": int, "samples": int,         # training steps and samples that made it
         "gate": null | {"score": float,       # its mean score on the evaluation set
                         "incumbent": float | null,   # the replaced version's, same prompts and seeds
-                        "diff": float | null,        # score - incumbent, paired (clawd.paired.compare)
+                        "diff": float | null,        # score - incumbent, paired (clawd.safety.paired.compare)
                         "low": float | null, "high": float | null,   # diff's interval at gate.level
                         "passed": bool, "detail": str},
         "monitors": {"replies": int,          # live replies the figures below are over

@@ -17,7 +17,7 @@ At most MAX_PROMPTS prompts and MAX_BYTES bytes, so a wrong file cannot eat memo
   "assistant") and `content` (a string); the last one is the user's, not blank. Sent as they are.
 - `check` (required): an object of one or more rules; the reply passes when ALL of them hold:
   - `max_words` (integer >= 1), `min_words` (integer >= 0): bounds on the reply's word count,
-    `clawd.degeneration.words` (the project's one tokenisation); min_words <= max_words.
+    `clawd.safety.degeneration.words` (the project's one tokenisation); min_words <= max_words.
   - `contains` (a string or a non-empty list of strings): every one appears.
   - `contains_any` (a non-empty list of strings): at least one appears (the accepted spellings).
   - `not_contains` (a non-empty list of strings): none appears.
@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from clawd.checks import is_int
-from clawd.degeneration import words
+from clawd.safety.degeneration import words
 from clawd.quoting import APOSTROPHES, marker, neutralise
 
 MAX_PROMPTS = 10_000

@@ -20,8 +20,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from clawd import paired, quoting
-from clawd.safety import evalset
+from clawd import quoting
+from clawd.safety import evalset, paired
 from clawd.safety_config import GateConfig
 
 log = logging.getLogger("clawd.gate")

@@ -34,7 +34,7 @@ The monitors, what each catches, and why its default rule:
 - entropy (fall under 50% of the baseline's; alarm): the policy's per-token entropy on its own samples
   (step metric "entropy"): it is becoming deterministic, the usual prelude to a collapse.
 
-Where the numbers come from: the text monitors are `clawd.degeneration.summarise` over the last
+Where the numbers come from: the text monitors are `clawd.safety.degeneration.summarise` over the last
 `TEXTS_KEPT` replies of a version (the same definitions the demo and the benches print), each kept to its
 first `TEXT_CHARS` characters, so a tally holds at most TEXTS_KEPT x TEXT_CHARS characters whatever the
 traffic; mean_words alone counts each kept reply's words in full when it arrives, as the cut would cap
@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from clawd.checks import is_finite
-from clawd import degeneration
+from clawd.safety import degeneration
 from clawd.safety_config import DEFAULT_RULES, MonitorRule, MonitorsConfig
 
 TEXTS_KEPT = 512       # reply texts a tally keeps per version: enough for stable shares, bounded memory

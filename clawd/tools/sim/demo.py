@@ -15,7 +15,7 @@ directory under --out. Then:
    the users' satisfaction split into correctness and style, the judge's mean reward,
    the mean length and distinct-2 of the answers;
 3. after: the same evaluation on the last version, compared with v0 question by question (the change
-   and its 95% paired bootstrap interval, clawd/paired.py): the style users' satisfaction, sampled (the
+   and its 95% paired bootstrap interval, clawd/safety/paired.py): the style users' satisfaction, sampled (the
    headline) and greedy, the guard's correctness (non-inferior when its lower bound is above -5
    points), how many of the users' thanks came from retries, and four questions drawn at random,
    v0's answer beside the last's;
@@ -54,7 +54,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from clawd import degeneration, paired
+from clawd.safety import degeneration, paired
 from clawd.tools.sim import evaluation
 from clawd.tools.sim.launch import Clawd
 from clawd.tools.sim.personas import PERSONAS, persona
@@ -328,7 +328,7 @@ def _grade(r: Reply) -> str:
 def _degeneration(users: Users, before: list[Reply], after: list[Reply]) -> dict[str, Any]:
     """Whether answers collapse while their form pleases: the evaluation answers before and after (the same
     held-out questions, a fair comparison) with the metrics that crossed a threshold, and the live replies per
-    version (clawd.degeneration; closing and tool-call replies are not answers and are left out)."""
+    version (clawd.safety.degeneration; closing and tool-call replies are not answers and are left out)."""
     ev_before = degeneration.summarise(r.text for r in _sampled(before))
     ev_after = degeneration.summarise(r.text for r in _sampled(after))
     return {"evaluation": {"before": ev_before, "after": ev_after, "flags": degeneration.flags(ev_after, ev_before)},
@@ -383,7 +383,7 @@ def plot(summary: dict[str, Any], path: Path) -> Path | None:
     left.set_title(f"{Path(summary['model']).name}, {summary['tuning']}, mode {summary['mode']}, rules judge; dot size: answers")
 
     # Right: the held-out evaluation set, v0 and the last version on the same questions and seeds, with the
-    # paired difference's 95% interval (clawd.paired) drawn around the last version's bar.
+    # paired difference's 95% interval (clawd.safety.paired) drawn around the last version's bar.
     metrics = [m for m, r in summary["evaluation"].items() if r["n"]]  # a guard with no v0-right answer: no bar
     xs = range(len(metrics))
     ev = summary["evaluation"]

@@ -13,14 +13,14 @@ Three sets of probes, each asked of one policy version with `X-Clawd-No-Train` (
   way: in one run 18 of 121 were lost while 13 of 127 wrong ones were won); it says how much churned.
 
 `compare(before, after)` pairs the two versions' answers by (persona, sampled or greedy, question): the
-same prompt and the same random draw, so only the weights differ (clawd.paired's bootstrap).
+same prompt and the same random draw, so only the weights differ (clawd.safety.paired's bootstrap).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any, Sequence
 
-from clawd import paired
+from clawd.safety import paired
 from clawd.tools.sim.personas import PERSONAS, Persona
 from clawd.tools.sim.users import Reply, Users
 
@@ -64,7 +64,7 @@ def _compare(pairs_: list[tuple[Reply, Reply]], of: str) -> dict | None:
 
 
 def compare(before: Sequence[Reply], after: Sequence[Reply]) -> dict[str, dict]:
-    """{name: clawd.paired.compare result}: the personas' satisfied, styled and correct, sampled and
+    """{name: clawd.safety.paired.compare result}: the personas' satisfied, styled and correct, sampled and
     greedy, then the guard's correctness on v0's right answers and on all its questions."""
     matched = pairs(before, after)
     out: dict[str, dict] = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from clawd.lifetime import die_with_parent
-from clawd.tomlfile import to_toml
+from clawd.tools.tomlfile import to_toml
 from clawd.ops.ctl import NotRunning, call
 
 # The repository (this file is clawd/tools/sim/launch.py): clawd's own package goes first on the daemon's path,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from clawd import degeneration
+from clawd.safety import degeneration
 from clawd.ops.ctl import NotRunning
 from clawd.tools.sim.launch import Clawd
 from clawd.tools.sim.users import Users, by_version, rate
