@@ -139,7 +139,7 @@ def test_an_attempt_retries_once_elsewhere_and_re_homes_its_session():
         moved = []
         attempt = Attempt(replicas, home=0, sessions=[1, 0, 0][:len(fails)], rehome=moved.append)
         try:
-            result = await attempt.run(lambda c: c.generate({}))
+            result = await attempt.run("generate", {})
         except EngineError as exc:
             result = type(exc).__name__
         attempt.end()
@@ -162,7 +162,7 @@ def test_negative_control_with_the_retry_failed_by_a_fault_the_first_failure_is_
             sup.client = SimpleNamespace(generate=_answer(fail))
         attempt = Attempt(Replicas(sups))
         try:
-            return await attempt.run(lambda c: c.generate({}))
+            return await attempt.run("generate", {})
         finally:
             attempt.end()
 

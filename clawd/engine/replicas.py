@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from clawd import faults
 from clawd.engine.client import (EngineDisconnected, EngineError, EngineRejected, EngineTimeout,
@@ -208,16 +208,17 @@ class Attempt:
             self.replicas.end(self._held)
             self._held = None
 
-    async def run(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
-        """`call(engine client)` on this request's replica; a failure that `retryable` allows is tried once
-        more on another replica in rotation. The fault point "engine.retry" makes that second try fail as
+    async def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The engine client's `method` (its name: "generate", "open_stream") on this request's replica;
+        a failure that `retryable` allows is tried once more on another replica in rotation. The loop is this
+        object's: nothing is called back but the client. The fault point "engine.retry" makes that second try fail as
         if the other replica failed too (a test's control)."""
         while True:
             i = self.replica if self.replica is not None else self.next()
             if i is None:
                 raise EngineUnavailable("no policy replica is in rotation")
             try:
-                return await call(self.replicas.client(i))
+                return await getattr(self.replicas.client(i), method)(*args, **kwargs)
             except EngineError as exc:
                 self.replicas.failed(i, exc)
                 if not retryable(exc, False, self.attempts) or not self._again(i, exc):
@@ -254,7 +255,7 @@ class Balanced:
             payload = {**payload, "lora_path": adapter}
         attempt = Attempt(self.replicas, anywhere=True)
         try:
-            return await attempt.run(lambda engine: engine.generate(payload, timeout=timeout))
+            return await attempt.run("generate", payload, timeout=timeout)
         finally:
             attempt.end()
             if self.adapters is not None:

@@ -250,7 +250,7 @@ class ChatService:
             log.warning("could not abort rid %s: %s", rid, exc)
 
     async def _whole(self, ex: Exchange, out: ReplyBuilder, route: Attempt) -> web.Response:
-        result = await self._on_replica(route, lambda engine: engine.generate(ex.payload))
+        result = await self._on_replica(route, "generate", ex.payload)
         meta = result.get("meta_info") or {}
         lps = meta.get("output_token_logprobs") or []
         out.add(Chunk(ids=list(result.get("output_ids") or []), logprobs=[e[0] for e in lps],
@@ -263,10 +263,11 @@ class ChatService:
         out.close()
         return web.json_response(out.completion(), dumps=json.dumps)
 
-    async def _on_replica(self, route: Attempt, call):
-        """`call(engine client)` on the request's replica, tried once more elsewhere where that is safe."""
+    async def _on_replica(self, route: Attempt, method: str, payload: dict):
+        """The engine client's `method` on the request's replica, tried once more elsewhere where that is safe;
+        an engine's failure as the client's error."""
         try:
-            return await route.run(call)
+            return await route.run(method, payload)
         except EngineError as exc:
             raise self._engine_failed(exc) from None
         finally:
@@ -288,7 +289,7 @@ class ChatService:
     async def _stream(self, ex: Exchange, out: ReplyBuilder, route: Attempt) -> web.StreamResponse:
         # Wait for the engine's first chunk before sending headers, so an engine
         # failure at the start is still a proper 502/503 rather than a broken stream (or a retry elsewhere).
-        chunks, first = await self._on_replica(route, lambda engine: engine.open_stream(ex.payload))
+        chunks, first = await self._on_replica(route, "open_stream", ex.payload)
         if first is not None and first.meta:
             out.meta = first.meta
         finish = (first.finish or {}) if first is not None else {}
