@@ -39,6 +39,18 @@ MAX_OPD_TOP_K = 64  # the engine returns k [log-prob, id, text] triples a token:
 
 
 @dataclass(frozen=True)
+class LossConfig:
+    """What `clawd.trainer.losses.total_loss` reads: the train section's loss settings (`TrainConfig.loss`).
+    Its defaults are the loss's neutral ones (no KL, no entropy bonus); the config's are TrainConfig's."""
+    eps_clip: float = 0.2            # PPO's clip below 1
+    eps_clip_high: float = 0.28      # and above it (clip-higher)
+    tis_cap: float = 2.0             # truncated importance sampling's cap on π_old / π_rollout
+    aggregation: str = "sample_mean"  # how token losses become the batch's (losses.aggregate)
+    kl_coef: float = 0.0             # KL(policy ‖ reference) at T = 1; 0: off
+    entropy_coef: float = 0.0        # the entropy bonus; 0: off
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """The trainer's settings. The daemon hands this object to the trainer process as is
     (clawd.trainer.link.trainer_options); the trainer refuses one whose check() finds problems."""
@@ -89,6 +101,11 @@ class TrainConfig:
     @property
     def lora(self) -> bool:
         return self.lora_rank > 0
+
+    @property
+    def loss(self) -> LossConfig:
+        return LossConfig(eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high, tis_cap=self.tis_cap,
+                          aggregation=self.aggregation, kl_coef=self.kl_loss_coef, entropy_coef=self.entropy_coef)
 
     @property
     def learning_rate(self) -> float:

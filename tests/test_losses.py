@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from clawd.train_config import LossConfig
 from clawd.trainer import head, losses
 
 F64 = torch.float64
@@ -393,8 +394,8 @@ def test_padding_contributes_nothing_whatever_it_holds():
         for x in filled:
             x[1, 2] = pad
         lp_old, lp_rollout, adv, lp_ref, ent = filled
-        loss, parts = losses.total_loss(lp_new, lp_old, lp_rollout, adv, MASK, lp_ref=lp_ref, kl_coef=0.1,
-                                   entropy=ent, entropy_coef=0.01)
+        loss, parts = losses.total_loss(lp_new, lp_old, lp_rollout, adv, MASK,
+                                        LossConfig(kl_coef=0.1, entropy_coef=0.01), lp_ref=lp_ref, entropy=ent)
         loss.backward()
         return loss, parts, lp_new.grad
 
@@ -426,16 +427,16 @@ def test_micro_batches_add_up_to_the_whole_batch(aggregation):
         lp_ref = losses.token_logprobs(logits + 0.2 * torch.randn(B, T, V, dtype=F64), targets, temps)
     lp_rollout = lp_old + 0.4 * torch.randn(B, T, dtype=F64)
     norm = losses.whole_batch_normaliser(mask, aggregation)
-    kw = dict(aggregation=aggregation, normaliser=norm, kl_coef=0.1, entropy_coef=0.01)
+    cfg = LossConfig(aggregation=aggregation, kl_coef=0.1, entropy_coef=0.01)
 
-    def step(rows, width):
+    def step(rows, width, normaliser=norm):
         lg, tg, tp = logits[rows, :width], targets[rows, :width], temps[rows]
         lp_new = losses.token_logprobs(lg, tg, tp)
         with torch.no_grad():
             lp_old_t1 = losses.token_logprobs(lg, tg, 1.0)
         adv = losses.advantages("combine", reward[rows], lp_old_t1, teacher[rows, :width], has_hint[rows])
-        return losses.total_loss(lp_new, lp_old[rows, :width], lp_rollout[rows, :width], adv, mask[rows, :width],
-                            lp_ref=lp_ref[rows, :width], entropy=losses.entropy(lg, tp), **kw)
+        return losses.total_loss(lp_new, lp_old[rows, :width], lp_rollout[rows, :width], adv, mask[rows, :width], cfg,
+                                 normaliser=normaliser, lp_ref=lp_ref[rows, :width], entropy=losses.entropy(lg, tp))
 
     whole, whole_parts = step(slice(0, 4), T)
     whole.backward()
@@ -451,8 +452,7 @@ def test_micro_batches_add_up_to_the_whole_batch(aggregation):
     assert all(math.isclose(first_parts[k] + second_parts[k], whole_parts[k], rel_tol=1e-12) for k in whole_parts)
     assert close(logits.grad, whole_grad)
     # each micro-batch normalised by itself would not add up
-    kw["normaliser"] = None
-    assert not close(step(slice(0, 2), 3)[0] + step(slice(2, 4), 5)[0], whole, atol=1e-6)
+    assert not close(step(slice(0, 2), 3, None)[0] + step(slice(2, 4), 5, None)[0], whole, atol=1e-6)
 
 
 # --- KL, entropy bonus, total loss -----------------------------------------------------------
@@ -481,8 +481,8 @@ def test_total_loss_with_kl_and_entropy_by_hand():
     lp_ref = lp(1.0, 0.25).reshape(1, 2)          # k3 = [1 − ln2, ln2 − 1/2] → mean 1/4
     ent = t([[1.0, 2.0]], requires_grad=True)     # mean 1.5
     adv, mask = t([[1.0, -1.0]]), torch.ones(1, 2)
-    loss, parts = losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, lp_ref=lp_ref, kl_coef=0.5,
-                               entropy=ent, entropy_coef=0.1)
+    loss, parts = losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask,
+                                    LossConfig(kl_coef=0.5, entropy_coef=0.1), lp_ref=lp_ref, entropy=ent)
     # 0 + 0.5·0.25 − 0.1·1.5
     assert close(loss, -0.025)
     assert parts.keys() == {"policy_loss", "kl", "entropy"}
@@ -492,9 +492,9 @@ def test_total_loss_with_kl_and_entropy_by_hand():
     # the entropy bonus pushes entropy up: ∂loss/∂H = −0.1 / 2 tokens
     assert close(ent.grad, [[-0.05, -0.05]])
     with pytest.raises(ValueError):
-        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, kl_coef=0.1)
+        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError):
-        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, entropy_coef=0.1)
+        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, LossConfig(entropy_coef=0.1))
 
 
 # --- metrics ---------------------------------------------------------------------------------
@@ -587,8 +587,8 @@ def test_the_kl_term_reads_its_own_logprobs_on_the_rows_that_have_a_reference():
     kl_lp = lp(0.5, 0.5, 0.5, 0.5).reshape(2, 2).requires_grad_()
     lp_ref = t([[ln(1.0), ln(0.25)], [math.nan, math.nan]])
     mask = torch.ones(2, 2)
-    loss, parts = losses.total_loss(lp_new, lp_new, lp_new, torch.zeros(2, 2), mask, lp_ref=lp_ref, kl_coef=1.0,
-                                    kl_lp=kl_lp, kl_rows=torch.tensor([True, False]))
+    loss, parts = losses.total_loss(lp_new, lp_new, lp_new, torch.zeros(2, 2), mask, LossConfig(kl_coef=1.0),
+                                    lp_ref=lp_ref, kl_lp=kl_lp, kl_rows=torch.tensor([True, False]))
     # row 0: k3 = [1 − ln2, ln2 − 1/2], its mean 1/4; row 1 adds 0; sample_mean over 2 samples
     assert math.isclose(parts["kl"], 0.125, rel_tol=1e-12)
     loss.backward()

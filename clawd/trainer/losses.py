@@ -43,7 +43,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from clawd.train_config import AGGREGATIONS
+from clawd.train_config import AGGREGATIONS, LossConfig
 from clawd.samples import MODES
 
 
@@ -304,13 +304,12 @@ class TopK:
     clip: float | None = 1.0     # opd_clip
 
 
-def total_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor, *,
-               eps_clip: float = 0.2, eps_clip_high: float = 0.28, tis_cap: float = 2.0,
-               aggregation: str = "sample_mean", normaliser: float | None = None,
-               lp_ref: Tensor | None = None, kl_coef: float = 0.0, kl_lp: Tensor | None = None,
-               kl_rows: Tensor | None = None, entropy: Tensor | None = None, entropy_coef: float = 0.0,
+def total_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor,
+               cfg: LossConfig = LossConfig(), *, normaliser: float | None = None, lp_ref: Tensor | None = None,
+               kl_lp: Tensor | None = None, kl_rows: Tensor | None = None, entropy: Tensor | None = None,
                topk: TopK | None = None) -> tuple[Tensor, dict[str, float]]:
-    """policy_loss + w_opd·topk_opd_loss + kl_coef·aggregate(kl_k3(kl_lp, lp_ref)) − entropy_coef·aggregate(entropy).
+    """policy_loss + w_opd·topk_opd_loss + kl_coef·aggregate(kl_k3(kl_lp, lp_ref)) − entropy_coef·aggregate(entropy),
+    with `cfg` the train section's loss settings (`TrainConfig.loss`).
 
     The extra terms are off by default (no topk, coefficients 0), and then the loss is policy_loss itself.
     The KL compares `kl_lp` (with grad; default lp_new) with the reference's `lp_ref` on the rows `kl_rows`
@@ -319,21 +318,19 @@ def total_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, 
     (with grad when entropy_coef > 0). The parts come back as floats: this call's share of the whole batch's
     values (same normaliser), so the parts of micro-batches add up. "kl", "entropy" and "opd_topk" appear
     only when their term is on."""
-    loss, parts = total_loss_terms(lp_new, lp_old, lp_rollout, adv, mask, eps_clip=eps_clip,
-                                   eps_clip_high=eps_clip_high, tis_cap=tis_cap, aggregation=aggregation,
-                                   normaliser=normaliser, lp_ref=lp_ref, kl_coef=kl_coef, kl_lp=kl_lp,
-                                   kl_rows=kl_rows, entropy=entropy, entropy_coef=entropy_coef, topk=topk)
+    loss, parts = total_loss_terms(lp_new, lp_old, lp_rollout, adv, mask, cfg, normaliser=normaliser, lp_ref=lp_ref,
+                                   kl_lp=kl_lp, kl_rows=kl_rows, entropy=entropy, topk=topk)
     return loss, {k: float(v) for k, v in parts.items()}
 
 
-def total_loss_terms(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor, *,
-                     eps_clip: float = 0.2, eps_clip_high: float = 0.28, tis_cap: float = 2.0,
-                     aggregation: str = "sample_mean", normaliser: float | None = None,
-                     lp_ref: Tensor | None = None, kl_coef: float = 0.0, kl_lp: Tensor | None = None,
-                     kl_rows: Tensor | None = None, entropy: Tensor | None = None, entropy_coef: float = 0.0,
-                     topk: TopK | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def total_loss_terms(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor,
+                     cfg: LossConfig = LossConfig(), *, normaliser: float | None = None,
+                     lp_ref: Tensor | None = None, kl_lp: Tensor | None = None, kl_rows: Tensor | None = None,
+                     entropy: Tensor | None = None, topk: TopK | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """`total_loss` with its parts as detached 0-d tensors: reading them as floats waits for the
     device, which the trainer does once per step, not once per micro-batch."""
+    eps_clip, eps_clip_high, kl_coef, entropy_coef = cfg.eps_clip, cfg.eps_clip_high, cfg.kl_coef, cfg.entropy_coef
+    aggregation, tis_cap = cfg.aggregation, cfg.tis_cap
     kw = dict(aggregation=aggregation, normaliser=normaliser)
     pg = policy_loss(lp_new, lp_old, lp_rollout, adv, mask, eps_clip=eps_clip,
                      eps_clip_high=eps_clip_high, tis_cap=tis_cap, **kw)

@@ -295,7 +295,6 @@ class Trainer:
         the loss or the gradient is not finite ("skip_reason" says which). Its loss parts, gradient norm
         and per-token values for the step's metrics."""
         cfg = self.cfg
-        kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap)
         opd_clip = cfg.opd_clip or None  # 0 = off
         # The same parts in every update and on every rank, whatever rows a micro-batch holds: the ranks sum them
         # as one tensor, and the step averages them over its updates.
@@ -326,10 +325,9 @@ class Trainer:
                                     w_rl=cfg.w_rl, w_opd=cfg.w_opd, opd_clip=opd_clip)
             if not cfg.entropy_coef:
                 ent = ent.detach()  # a metric only: no gradient through it
-            loss, mb_parts = losses.total_loss_terms(
-                lp_new, lp_old, mb.lp_rollout, adv, mb.mask, aggregation=cfg.aggregation, normaliser=norm,
-                lp_ref=lp_ref, kl_coef=cfg.kl_loss_coef, kl_lp=kl_lp, kl_rows=kl_rows, entropy=ent,
-                entropy_coef=cfg.entropy_coef, topk=topk, **kw)
+            loss, mb_parts = losses.total_loss_terms(lp_new, lp_old, mb.lp_rollout, adv, mb.mask, cfg.loss,
+                                                     normaliser=norm, lp_ref=lp_ref, kl_lp=kl_lp, kl_rows=kl_rows,
+                                                     entropy=ent, topk=topk)
             for k, v in [*mb_parts.items(), ("loss", loss.detach())]:  # summed in float64, as floats were
                 parts[k] = parts[k] + v.double()
             for k, x in zip(seen, (lp_new, lp_old, mb.lp_rollout, adv, ent)):
