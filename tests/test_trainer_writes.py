@@ -207,7 +207,8 @@ async def test_a_write_hitting_enospc_pauses_learning_and_is_retried_alone_on_re
         owed = [op]  # a checkpoint is owed once the weights it would hold are published
         assert trainer.state["step"] == 1 and trainer.state["owed"] == owed and trainer.state["checkpoint_step"] == 0
         assert served(fake) == (["1"] if op == "checkpoint" else [])  # written weights are served at once
-        assert not (tmp_path / "state" / "checkpoints").exists() or not list((tmp_path / "state" / "checkpoints").iterdir())
+        checkpoints_dir = tmp_path / "state" / "checkpoints"
+        assert not checkpoints_dir.exists() or not list(checkpoints_dir.iterdir())
 
         learner.pauses.lift(DISK)  # the disk budget's poll does this once there is room
         await until(lambda: store.depth == 0, timeout=60)  # acknowledged once the checkpoint is written

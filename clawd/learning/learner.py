@@ -47,7 +47,7 @@ from clawd.safety.gate import PromotionGate
 from clawd.safety.versions import CANDIDATE, GOOD, REJECTED, ROLLED_BACK, SERVING, Version, Versions
 from clawd.samples import Sample
 from clawd.trainer.link import HandlerError, TrainerError, TrainerSupervisor
-from clawd.trainer.wire import Trained
+from clawd.trainer.catalogue import Trained
 from clawd.weights import (checkpointed_samples, checkpointed_versions, is_published, ledger_path, read_ledger,
                            version_dir)
 

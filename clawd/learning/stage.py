@@ -75,9 +75,10 @@ class Learning(Stage):
     def status(self) -> dict:
         learner, trainer, cfg = self.learner, self.trainer, self.cfg
         state = trainer.state or {}
+        groups = learner.publisher.groups
         return {"learner": {**dataclasses.asdict(learner.stats), "control": cfg.learner.control,
                             "limits": learner.limits.snapshot(),
-                            "weight_sync": learner.publisher.groups and dataclasses.asdict(learner.publisher.groups.stats)},
+                            "weight_sync": groups and dataclasses.asdict(groups.stats)},
                 "trainer": {"alive": trainer.alive, "pid": trainer.pid, "restarts": trainer.restarts,
                             "world_size": trainer.ready.world_size if trainer.ready else cfg.train.world_size,
                             "step": trainer.ready.step if trainer.ready else None, "version": trainer.version,

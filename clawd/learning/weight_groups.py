@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from clawd import devices
 from clawd.engine.client import EngineClient
+from clawd.trainer.catalogue import JoinGroup, LeaveGroup, SendWeights
 
 log = logging.getLogger("clawd.learner")
 
@@ -81,16 +82,15 @@ class WeightGroups:
                 raise RuntimeError("the group is gone (its trainer child restarted since it was formed)")
             await engine.control("/begin_weight_update", {}, self.timeout)
             try:
-                reply = await self._alongside(
-                    {"type": "send_weights", "name": replica, "version": version, "bucket_bytes": self.bucket_bytes},
-                    self._receive(replica, engine, group, version))
+                pid, sent = await self._alongside(SendWeights(replica, version, self.bucket_bytes),
+                                                  self._receive(replica, engine, group, version))
             finally:
                 await engine.control("/end_weight_update", {}, self.timeout)
         except Exception as exc:
             await self._drop(replica, engine, f"{type(exc).__name__}: {exc}")
             raise
         self.stats.pushes += 1
-        self.stats.last_seconds, self.stats.last_bytes = time.monotonic() - started, int(reply["bytes"])
+        self.stats.last_seconds, self.stats.last_bytes = time.monotonic() - started, int(sent.bytes)
 
     async def _receive(self, replica: str, engine: EngineClient, group: _Group, version: int) -> None:
         for i, bucket in enumerate(group.buckets):
@@ -108,20 +108,20 @@ class WeightGroups:
             await self._drop(replica, engine, None)
         port = free_port(self.address)
         world = 1 + self.engine_ranks
-        joining = {"type": "join_group", "name": replica, "address": self.address, "port": port, "world_size": world,
-                   "backend": self.backend, "timeout": self.group_timeout, "bucket_bytes": self.bucket_bytes}
-        reply = await self._alongside(joining, engine.control("/init_weights_update_group", {
+        joining = JoinGroup(replica, self.address, port, world, self.backend, self.group_timeout, self.bucket_bytes)
+        pid, joined = await self._alongside(joining, engine.control("/init_weights_update_group", {
             "master_address": self.address, "master_port": port, "rank_offset": 1, "world_size": world,
             "group_name": replica, "backend": self.backend}, self.group_timeout + self.timeout))
-        group = self.groups[replica] = _Group(reply["pid"], tuple(reply["buckets"]))
+        group = self.groups[replica] = _Group(pid, tuple(joined.buckets))
         self.stats.groups[replica] = "formed"
         log.info("weight-update group with %s formed: %d bucket(s) of at most %.1f MB", replica, len(group.buckets),
                  self.bucket_bytes / 2 ** 20)
         return group
 
-    async def _alongside(self, request: dict, engine_side) -> dict:
+    async def _alongside(self, request, engine_side) -> tuple[int | None, object]:
         """The trainer's `request` and the engine's calls at the same time (each blocks until the other end
-        meets it); the trainer's reply with its pid. When the engine's side fails, the trainer's request is
+        meets it); the pid of the trainer child that answered and its reply. When the engine's side fails, the
+        trainer's request is
         still awaited: it fails too once its collective times out (group_timeout), and the link is free again."""
         trainer = asyncio.ensure_future(self.trainer.ask(request, self.group_timeout + self.timeout))
         try:
@@ -132,8 +132,7 @@ class WeightGroups:
         except Exception:
             await asyncio.gather(trainer, return_exceptions=True)
             raise
-        pid, reply = await trainer
-        return {**reply, "pid": pid}
+        return await trainer
 
     async def _drop(self, replica: str, engine: EngineClient, error: str | None) -> None:
         """Forget the group on both ends (each may already have); after a failure, disk for COOLDOWN seconds.
@@ -151,7 +150,7 @@ class WeightGroups:
         ends = [("engine", lambda: engine.control("/destroy_weights_update_group", {"group_name": replica},
                                                    self.timeout))]
         if group is not None and group.pid == self.trainer.pid:
-            ends.append(("trainer", lambda: self.trainer.ask({"type": "leave_group", "name": replica}, self.timeout)))
+            ends.append(("trainer", lambda: self.trainer.ask(LeaveGroup(replica), self.timeout)))
         for what, call in ends:
             try:
                 await call()

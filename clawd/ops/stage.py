@@ -1,9 +1,9 @@
 """ops' two stages: the process's vitals, built first and stopped last, and the operator's side, built last.
 
 `Vitals`: the event loop's lag gauge, the disk budget's poll, and systemd's watchdog pings, which must keep
-going until the very end of a drain (a drain may take minutes; the watchdog would otherwise end it). `Ops`: the admin socket clawctl
-speaks to, SIGHUP's reload, and READY=1 once the service works end to end. ops reads the stages and owns
-none of them (docs/ARCHITECTURE.md §1).
+going until the very end of a drain (a drain may take minutes; the watchdog would otherwise end it). `Ops`: the
+admin socket clawctl speaks to, SIGHUP's reload, and READY=1 once the service works end to end. ops reads the
+stages and owns none of them (docs/ARCHITECTURE.md §1).
 """
 from __future__ import annotations
 

@@ -37,7 +37,9 @@ from typing import Callable
 
 from clawd import startup
 from clawd.config import LOG_FORMAT
-from clawd.samples import Sample
+from clawd.trainer.catalogue import (Checkpoint, Checkpointed, JoinGroup, Joined, LeaveGroup, Left, Pong,
+                                     PublishWeights, Published, Ready, Restore, Restored, SendWeights, Sent, Train,
+                                     Trained, WaitWritten, Written, message, read_request)
 from clawd.trainer.wire import recv_message, send_message
 from clawd.weights import write_failure_kind
 from clawd.lifetime import die_with_spawner
@@ -82,48 +84,48 @@ def handle(handler, msg: dict) -> dict:
 
 
 def _reply(handler, msg: dict) -> dict:
-    kind = msg.get("type")
-    if kind == "ping":
-        return {"type": "pong", "n": msg.get("n")}
+    if msg.get("type") == "ping":  # answered whatever state the handler is in
+        return message(Pong(msg.get("n")))
     batch_id = msg.get("batch_id")
     try:
-        if kind == "train":
-            samples = [Sample.from_json(raw) for raw in msg.get("samples", [])]
-            out = (handler.train(batch_id, msg["version"], samples, deferred=True) if msg.get("deferred") else
-                   handler.train(batch_id, msg["version"], samples))
-            weights = out["weights_dir"]  # None: the step was skipped, nothing to publish
-            return {"type": "trained", "batch_id": batch_id, "version": msg["version"],
-                    "weights_dir": None if weights is None else str(weights), "metrics": out.get("metrics", {}),
-                    "per_sample": list(out.get("per_sample", [])),
-                    "checkpointed": bool(out.get("checkpointed", False)), "failed": out.get("failed")}
-        if kind == "publish":
-            weights = handler.publish(msg["version"])
-            return {"type": "published", "version": msg["version"], "weights_dir": str(weights)}
-        if kind == "written":
-            return {"type": "written", "version": msg["version"], "weights_dir": handler.written(msg["version"])}
-        if kind == "restore":
-            return {"type": "restored", "version": msg["version"], "step": handler.restore(msg["version"])}
-        if kind == "join_group":
-            buckets = handler.join_group(msg["name"], msg["address"], msg["port"], msg["world_size"], msg["backend"],
-                                         msg["timeout"], msg["bucket_bytes"])
-            return {"type": "joined", "name": msg["name"], "buckets": buckets}
-        if kind == "send_weights":
-            sent = handler.send_weights(msg["name"], msg["version"], msg["bucket_bytes"])
-            return {"type": "sent", "name": msg["name"], "version": msg["version"], **sent}
-        if kind == "leave_group":
-            handler.leave_group(msg["name"])
-            return {"type": "left", "name": msg["name"]}
-        if kind == "checkpoint":
-            path, step = handler.checkpoint()
-            return {"type": "checkpointed", "path": str(path), "step": step}
-        raise ValueError(f"unknown message type {kind!r}")
+        return message(_handled(handler, read_request(msg)))
     except Exception as exc:
         return error_reply(batch_id, exc, handler)
 
 
+def _handled(handler, request):
+    """The handler's work for one request, as its reply."""
+    match request:
+        case Train(batch_id=batch_id, version=version, samples=samples, deferred=deferred):
+            out = (handler.train(batch_id, version, samples, deferred=True) if deferred else
+                   handler.train(batch_id, version, samples))
+            weights = out["weights_dir"]  # None: the step was skipped, nothing to publish
+            return Trained(batch_id, version, None if weights is None else str(weights), out.get("metrics", {}),
+                           list(out.get("per_sample", [])), bool(out.get("checkpointed", False)), out.get("failed"))
+        case PublishWeights(version=version):
+            return Published(version, str(handler.publish(version)))
+        case WaitWritten(version=version):
+            return Written(version, handler.written(version))
+        case Restore(version=version):
+            return Restored(version, handler.restore(version))
+        case JoinGroup():
+            return Joined(request.name, handler.join_group(request.name, request.address, request.port,
+                                                           request.world_size, request.backend, request.timeout,
+                                                           request.bucket_bytes))
+        case SendWeights(name=name, version=version, bucket_bytes=bucket_bytes):
+            return Sent(name=name, version=version, **handler.send_weights(name, version, bucket_bytes))
+        case LeaveGroup(name=name):
+            handler.leave_group(name)
+            return Left(name)
+        case Checkpoint():
+            path, step = handler.checkpoint()
+            return Checkpointed(str(path), step)
+    raise ValueError(f"unanswerable request {request!r}")
+
+
 def ready_message(handler) -> dict:
-    return {"type": "ready", "pid": os.getpid(), "step": handler.step, "version": handler.version,
-            "weights_version": handler.weights_version, "state": state_of(handler), "world_size": 1}
+    return {**message(Ready(os.getpid(), handler.step, handler.version, handler.weights_version, 1)),
+            "state": state_of(handler)}
 
 
 def main(conn, factory: Factory | None, options: dict) -> None:

@@ -129,7 +129,8 @@ class TrainerHandler:
                 failed = self._failed("publish", exc)
                 self._note_line()  # the step happened; its version comes with the publish that succeeds
         checkpointed = False
-        if failed is None and self.owed == ["checkpoint"] and self.writing is None:  # never over weights no version says
+        # Never over weights no version says; after a deferred publish, the checkpoint waits behind its write.
+        if failed is None and self.owed == ["checkpoint"] and self.writing is None:
             try:
                 self._checkpoint()
                 checkpointed = True

@@ -30,14 +30,16 @@ import socket
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Sequence
+from typing import Any, Sequence
 
 from clawd.config import Config
 from clawd.devices import Launch, child_env, device_set
 from clawd.samples import Sample
 from clawd.trainer import child
-from clawd.trainer.wire import (Checkpointed, ProtocolError, Ready, Trained, answers, encode_message, frame_header,
-                                message_frames, read_message, retitled)
+from clawd.trainer.catalogue import (Checkpoint, Checkpointed, Ping, PublishWeights, Ready, Restore, Train, Trained,
+                                     WaitWritten, message, read_reply)
+from clawd.trainer.wire import (ProtocolError, answers, encode_message, frame_header, message_frames, read_message,
+                                retitled)
 
 log = logging.getLogger("clawd.trainer")
 
@@ -181,7 +183,7 @@ class TrainerLink:
             ours.close()
             self.kill()
             raise
-        self._tasks = [asyncio.create_task(self._read(reader)), asyncio.create_task(self._settle())]
+        self._tasks = [asyncio.create_task(self._typed(reader)), asyncio.create_task(self._settle())]
         try:
             reply = await asyncio.wait_for(handshake, self.ready_timeout)
         except TimeoutError:
@@ -197,8 +199,7 @@ class TrainerLink:
         if reply["type"] == "error":
             await self._closed.wait()  # it exits 1 after saying why
             raise TrainerError(f"trainer failed to start: {reply['message']}")
-        self.ready = Ready(reply["pid"], reply["step"], reply["version"], reply["weights_version"],
-                           reply.get("world_size", 1))
+        self.ready = read_reply(reply)
         log.info("trainer %d ready at step %d, holding version %d (newest %d)", self._pid, self.ready.step,
                  self.ready.weights_version, self.ready.version)
         return self.ready
@@ -225,25 +226,24 @@ class TrainerLink:
     async def ping(self, timeout: float = 10.0) -> float:
         """Round-trip seconds. Meant for an idle child: a ping waits behind a train step."""
         started = time.monotonic()
-        await self.request({"type": "ping", "n": next(self._pings)}, timeout)
+        await self.request(message(Ping(next(self._pings))), timeout)
         return time.monotonic() - started
 
     async def checkpoint(self, timeout: float | None = None) -> Checkpointed:
-        reply = await self._ask({"type": "checkpoint"}, timeout)
-        return Checkpointed(reply["path"], reply["step"])
+        return await self.ask(Checkpoint(), timeout)
 
     async def publish(self, version: int, timeout: float | None = None) -> str:
-        return (await self._ask({"type": "publish", "version": version}, timeout))["weights_dir"]
+        return (await self.ask(PublishWeights(version), timeout)).weights_dir
 
     async def restore(self, version: int, timeout: float | None = None) -> int:
-        return (await self._ask({"type": "restore", "version": version}, timeout))["step"]
+        return (await self.ask(Restore(version), timeout)).step
 
-    async def _ask(self, msg: dict, timeout: float | None) -> dict:
-        """A request whose error reply raises."""
-        reply = await self.request(msg, timeout)
+    async def ask(self, request, timeout: float | None):
+        """A request of the catalogue (`clawd.trainer.catalogue`); its reply, typed. An error reply raises."""
+        reply = await self.request(message(request), timeout)
         if reply["type"] == "error":
             raise HandlerError.of(reply)
-        return reply
+        return read_reply(reply)
 
     async def stop(self, timeout: float = 30.0) -> int | None:
         """Ask the child to exit after its current message; SIGTERM, then SIGKILL, if it does not."""
@@ -306,7 +306,7 @@ class TrainerLink:
         atexit.unregister(self._kill_at_exit)
         self._exited.set()
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _typed(self, reader: asyncio.StreamReader) -> None:
         try:
             while (msg := await read_message(reader, self.stats)) is not None:
                 self._deliver(msg)
@@ -440,8 +440,7 @@ class TrainerSupervisor:
                     timeout: float | None = None, deferred: bool = False) -> Trained:
         """One training step on `samples`, producing weights `version`; retried across restarts. `deferred`: its
         directory is written off the critical path (`written` waits for it)."""
-        msg = {"type": "train", "batch_id": batch_id, "version": version, "samples": list(samples),
-               **({"deferred": True} if deferred else {})}
+        msg = message(Train(batch_id, version, list(samples), deferred))
         frames = await encode_message(msg)  # once: every attempt sends the same samples
         head = {k: v for k, v in msg.items() if k != "samples"}
         last: TrainerError | None = None
@@ -457,9 +456,7 @@ class TrainerSupervisor:
                 log.warning("batch %s, attempt %d/%d: %s", batch_id, attempt, self.attempts, exc)
                 continue
             if reply["type"] == "trained":
-                return Trained(reply["batch_id"], reply["version"], reply["weights_dir"], reply["metrics"],
-                               reply.get("per_sample", []), bool(reply.get("checkpointed", False)),
-                               reply.get("failed"), reply.get("state"))
+                return read_reply(reply)
             last = HandlerError.of(reply, batch_id)
             if not last.retryable:
                 raise last
@@ -479,17 +476,17 @@ class TrainerSupervisor:
     async def written(self, version: int, timeout: float | None = None) -> str:
         """`version`'s directory once the trainer's deferred write of it is on disk (at once when none is
         pending: whether it exists is the caller's to check)."""
-        return (await self.ask({"type": "written", "version": version}, timeout))[1]["weights_dir"]
+        return (await self.ask(WaitWritten(version), timeout))[1].weights_dir
 
     async def restore(self, version: int, timeout: float | None = None) -> int:
         """A rollback: the trainer back on `version`'s checkpoint (weights and optimizer); its step."""
         return await (await self._live_link()).restore(version, timeout)
 
-    async def ask(self, msg: dict, timeout: float | None = None) -> tuple[int | None, dict]:
+    async def ask(self, request, timeout: float | None = None) -> tuple[int | None, Any]:
         """Any other request of the catalogue (the weight-update group's); the pid of the child that answered
-        (its groups die with it) and the reply. An error reply raises HandlerError."""
+        (its groups die with it) and its reply, typed. An error reply raises HandlerError."""
         link = await self._live_link()
-        return link.pid, await link._ask(msg, timeout)
+        return link.pid, await link.ask(request, timeout)
 
     async def ready_info(self) -> Ready:
         """The live child's handshake (waits for one, like `train`)."""

@@ -1,13 +1,13 @@
 """Writing a version's directory: now, or on a thread off the trainer's critical path (docs/ARCHITECTURE.md §13).
 
 A version is a complete Hugging Face directory in the served dtype (full weights) or a PEFT adapter's (LoRA),
-after a check that the write leaves `[state] min_free_bytes` free. With weight-update groups the engines take a new version from the trainer's memory, so the directory
-(restarts, realignment, the gate and rollbacks load it) need not be on disk before they do. The trainer
-copies the weights to the host in the served dtype (the same gather a synchronous write makes), replies,
-and this thread writes the copy while the version is pushed. The copy is kept until the directory is on
-disk, so a write that failed is written again from it (`result`), never from weights a later step changed.
-The trainer settles a pending write before anything that needs it or would race it: the next step, a
-checkpoint, a restore, another publish.
+after a check that the write leaves `[state] min_free_bytes` free. With weight-update groups the engines take a
+new version from the trainer's memory, so the directory (restarts, realignment, the gate and rollbacks load it)
+need not be on disk before they do. The trainer copies the weights to the host in the served dtype (the same
+gather a synchronous write makes), replies, and this thread writes the copy while the version is pushed. The
+copy is kept until the directory is on disk, so a write that failed is written again from it (`result`), never
+from weights a later step changed. The trainer settles a pending write before anything that needs it or would
+race it: the next step, a checkpoint, a restore, another publish.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ of memory: the batch is split by the daemon, never sent again whole; `fatal` as 
 trainer's state may have moved or other ranks were left in a collective) or "request";
 `retryable` says whether sending it again may help. An error reply to train means no step was kept.
 
-`Ready`, `Trained` and `Checkpointed` are replies as the daemon's link returns them.
+Both ends build and read these messages as the dataclasses of `clawd.trainer.catalogue`.
 """
 from __future__ import annotations
 
@@ -58,7 +58,6 @@ import asyncio
 import collections
 import json
 import struct
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 from clawd.samples import Sample
@@ -68,36 +67,6 @@ _MAX_SHORT = 0x7FFFFFFF  # multiprocessing sends the 8-byte length only above th
 
 class ProtocolError(Exception):
     """Bytes that are not a well-formed message."""
-
-
-# ---- replies, as the daemon keeps them --------------------------------------------------------
-
-@dataclass(frozen=True)
-class Ready:
-    pid: int
-    step: int
-    version: int          # the newest version the trainer has published: new ones go above it
-    weights_version: int  # the version whose weights it holds (its checkpoint's); 0: the base model
-    world_size: int = 1   # the trainer's ranks (clawd.trainer.world)
-
-
-@dataclass(frozen=True)
-class Trained:
-    batch_id: str
-    version: int
-    weights_dir: str | None  # None: nothing published (the step was skipped, or `failed` says its publish failed)
-    metrics: dict
-    per_sample: list
-    checkpointed: bool = False  # the batch's samples may now be acknowledged in the journal
-    failed: dict | None = None  # {op, kind, message}: a write after the step failed; the step is kept
-    state: dict | None = None   # the trainer's after the step (the catalogue's `state`)
-
-
-@dataclass(frozen=True)
-class Checkpointed:
-    path: str
-    step: int
-
 
 
 # ---- frames -----------------------------------------------------------------------------------
@@ -229,7 +198,8 @@ def answers(request: dict, reply: dict) -> bool:
         return kind == "trained" and reply.get("batch_id") == request["batch_id"] \
             and reply.get("version") == request["version"]
     if want in ("publish", "written"):
-        return kind == {"publish": "published", "written": "written"}[want] and reply.get("version") == request["version"]
+        return (kind == {"publish": "published", "written": "written"}[want]
+                and reply.get("version") == request["version"])
     if want == "restore":
         return kind == "restored" and reply.get("version") == request["version"]
     if want in ("join_group", "send_weights", "leave_group"):
