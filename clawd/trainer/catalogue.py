@@ -107,9 +107,8 @@ class Published:
 
 
 @dataclass(frozen=True)
-class Written:
-    version: int
-    weights_dir: str
+class Written(Published):
+    """A deferred write's directory, on disk now."""
 
 
 @dataclass(frozen=True)
