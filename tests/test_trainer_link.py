@@ -390,24 +390,25 @@ def test_the_child_dies_with_its_parent(tmp_path):
 def test_every_message_of_the_catalogue_is_its_wire_json_and_reads_back_as_itself():
     import dataclasses
 
-    from clawd.trainer import catalogue as c
+    from clawd.trainer.catalogue import (Checkpoint, Checkpointed, JoinGroup, Joined, LeaveGroup, Left, Ping, Pong,
+                                         Published, PublishWeights, Ready, Restore, Restored, SendWeights, Sent,
+                                         Train, Trained, WaitWritten, Written, message, read_reply, read_request)
     sample = make_sample(0)
-    train = c.Train("b1", 3, [sample.to_json()])
-    assert c.message(train) == {"type": "train", "batch_id": "b1", "version": 3, "samples": [sample.to_json()]}
-    assert c.message(c.Train("b1", 3, [], deferred=True))["deferred"] is True  # sent only when set
-    assert c.read_request(c.message(train)) == c.Train("b1", 3, [sample])   # the samples decoded
-    requests = [c.PublishWeights(4), c.WaitWritten(4), c.Checkpoint(), c.Restore(2), c.Ping(7), c.LeaveGroup("p"),
-                c.JoinGroup("p", "127.0.0.1", 5000, 2, "gloo", 60.0, 1 << 20), c.SendWeights("p", 4, 1 << 20)]
-    assert [c.read_request(c.message(r)) for r in requests] == requests
-    assert c.message(c.PublishWeights(4)) == {"type": "publish", "version": 4}
-    replies = [c.Published(4, "/w/v4"), c.Written(4, "/w/v4"), c.Checkpointed("/c/1", 1), c.Restored(2, 5),
-               c.Joined("p", [{"names": ["a"]}]), c.Sent("p", 4, 10, 1, 0.5), c.Left("p"), c.Pong(7),
-               c.Ready(11, 1, 2, 2, 1)]
+    train = Train("b1", 3, [sample.to_json()])
+    assert message(train) == {"type": "train", "batch_id": "b1", "version": 3, "samples": [sample.to_json()]}
+    assert message(Train("b1", 3, [], deferred=True))["deferred"] is True  # sent only when set
+    assert read_request(message(train)) == Train("b1", 3, [sample])   # the samples decoded
+    requests = [PublishWeights(4), WaitWritten(4), Checkpoint(), Restore(2), Ping(7), LeaveGroup("p"),
+                JoinGroup("p", "127.0.0.1", 5000, 2, "gloo", 60.0, 1 << 20), SendWeights("p", 4, 1 << 20)]
+    assert [read_request(message(r)) for r in requests] == requests
+    assert message(PublishWeights(4)) == {"type": "publish", "version": 4}
+    replies = [Published(4, "/w/v4"), Written(4, "/w/v4"), Checkpointed("/c/1", 1), Restored(2, 5),
+               Joined("p", [{"names": ["a"]}]), Sent("p", 4, 10, 1, 0.5), Left("p"), Pong(7), Ready(11, 1, 2, 2, 1)]
     # A reply read back keeps only its own fields: the `state` every reply carries is the link's to keep, but
     # a train's, which the learner reads with the step.
-    assert [c.read_reply({**c.message(r), "state": {"step": 1}}) for r in replies] == replies
-    trained = c.Trained("b1", 3, "/w/v3", {"loss": 0.5}, [], True, None)
-    assert c.read_reply({**c.message(trained), "state": {"step": 1}}) == dataclasses.replace(trained, state={"step": 1})
-    assert c.message(c.Written(4, "/w/v4")) == {"type": "written", "version": 4, "weights_dir": "/w/v4"}
+    assert [read_reply({**message(r), "state": {"step": 1}}) for r in replies] == replies
+    trained = Trained("b1", 3, "/w/v3", {"loss": 0.5}, [], True, None)
+    assert read_reply({**message(trained), "state": {"step": 1}}) == dataclasses.replace(trained, state={"step": 1})
+    assert message(Written(4, "/w/v4")) == {"type": "written", "version": 4, "weights_dir": "/w/v4"}
     with pytest.raises(ValueError, match="unknown message type"):
-        c.read_request({"type": "reboot"})
+        read_request({"type": "reboot"})
