@@ -261,7 +261,8 @@ def table(compared: dict, served: dict | None) -> str:
 # ---------------------------------------------------------------- node 0: the daemon's trainer child
 
 async def _node0(args: argparse.Namespace) -> dict:
-    from clawd.trainer.link import TrainerLink, trainer_options
+    from clawd.trainer.link import TrainerLink
+    from clawd.trainer.options import trainer_options
 
     cfg = config(args.model, args.state, nnodes=args.nnodes, nproc=args.nproc, endpoint=args.endpoint)
     vocab = min(json.loads((args.model / "config.json").read_text())["vocab_size"], 4096)

@@ -46,7 +46,8 @@ from clawd.learning.publisher import Publisher  # noqa: E402
 from clawd.learning.weight_groups import WeightGroups  # noqa: E402
 from clawd.served import Policy  # noqa: E402
 from clawd.tools.models import cached_tiny_model  # noqa: E402
-from clawd.trainer.link import TrainerSupervisor, trainer_options  # noqa: E402
+from clawd.trainer.link import TrainerSupervisor  # noqa: E402
+from clawd.trainer.options import trainer_options  # noqa: E402
 from clawd.weights import is_published  # noqa: E402
 from tests.local_engine import running, supervised  # noqa: E402
 from tests.trainer_handlers import make_sample  # noqa: E402

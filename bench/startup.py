@@ -51,7 +51,7 @@ from clawd import startup
 startup.loading()
 from clawd.trainer.handler import make
 from clawd.config import config_from_dict
-from clawd.trainer.link import trainer_options
+from clawd.trainer.options import trainer_options
 cfg = config_from_dict({{"model": {{"path": {model!r}}}, "state": {{"dir": {state!r}}}}})
 handler = make(trainer_options(cfg))
 startup.loaded()

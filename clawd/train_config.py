@@ -53,7 +53,7 @@ class LossConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """The trainer's settings. The daemon hands this object to the trainer process as is
-    (clawd.trainer.link.trainer_options); the trainer refuses one whose check() finds problems."""
+    (clawd.trainer.options.trainer_options); the trainer refuses one whose check() finds problems."""
 
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)

@@ -212,3 +212,36 @@ def test_top_level_names_are_defined_once_or_say_why():
     twice = {n: sorted(set(m)) for n, m in where.items() if len(set(m)) > 1}
     assert sorted(set(twice) - set(SAME_NAME_ALLOWED)) == [], {n: twice[n] for n in set(twice) - set(SAME_NAME_ALLOWED)}
     assert sorted(set(SAME_NAME_ALLOWED) - set(twice)) == []  # no stale exception
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The clawd modules `path` imports when it is imported (statements run at import, not inside functions)."""
+    found, todo = set(), list(ast.parse(path.read_text(), str(path)).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.If, ast.Try)):  # run at import too
+            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *(h for handler in getattr(node, "handlers", []) for h in handler.body)]
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+    return found
+
+
+def test_the_daemon_process_imports_no_module_that_starts_threads():
+    # The daemon is one process, one event loop, no threads: no module it imports uses `threading` (asyncio
+    # imports it; that is not a module of ours starting one). Threads live in the processes it starts: the CPU
+    # engine's compute thread, the trainer's deferred directory write.
+    seen, todo = set(), ["clawd.daemon", "clawd.cli"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [m for m in map(resolve, (n for n in module_level_imports(MODULES[name]) if n.startswith("clawd")))
+                 if m and m not in seen]
+    threaded = sorted(m for m in seen if {"threading", "concurrent.futures"} & module_level_imports(MODULES[m]))
+    assert threaded == [], threaded
+    outside = {m for m, path in MODULES.items() if "threading" in module_level_imports(path)}
+    assert outside == {"clawd.engine.local.compute", "clawd.trainer.publishing"}, outside  # the rule can see them

@@ -12,7 +12,8 @@ from clawd.config import Config, ModelConfig, ScoringConfig, StateConfig, TrainC
 from clawd.engine.client import EngineClient
 from clawd.samples import Sample
 from clawd.tokenizer import ChatTokenizer
-from clawd.trainer.link import TrainerLink, trainer_options
+from clawd.trainer.link import TrainerLink
+from clawd.trainer.options import trainer_options
 from tests.test_teacher import engine_url  # noqa: F401  (a CPU engine on the tiny model)
 
 

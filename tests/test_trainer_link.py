@@ -21,8 +21,9 @@ import pytest
 
 from clawd.config import Config, LoggingConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig
 from clawd.samples import Sample
-from clawd.trainer.link import (HandlerError, Ready, TrainerDied, TrainerError, TrainerLink, TrainerSupervisor,
-                                TrainerTimeout, TrainerUnavailable, TrainFailed, trainer_options)
+from clawd.trainer.errors import HandlerError, TrainerDied, TrainerError, TrainerTimeout, TrainerUnavailable, TrainFailed
+from clawd.trainer.link import Ready, TrainerLink, TrainerSupervisor
+from clawd.trainer.options import trainer_options
 from clawd.trainer.wire import (ProtocolError, encode_message, frame_header, message_frames, read_frame, read_message,
                                 recv_message, send_message)
 from tests.trainer_handlers import build, calls, make_sample
@@ -395,8 +396,8 @@ def test_every_message_of_the_catalogue_is_its_wire_json_and_reads_back_as_itsel
                                          Train, Trained, WaitWritten, Written, message, read_reply, read_request)
     sample = make_sample(0)
     train = Train("b1", 3, [sample.to_json()])
-    assert message(train) == {"type": "train", "batch_id": "b1", "version": 3, "samples": [sample.to_json()]}
-    assert message(Train("b1", 3, [], deferred=True))["deferred"] is True  # sent only when set
+    assert message(train) == {"type": "train", "batch_id": "b1", "version": 3, "samples": [sample.to_json()],
+                              "deferred": False}
     assert read_request(message(train)) == Train("b1", 3, [sample])   # the samples decoded
     requests = [PublishWeights(4), WaitWritten(4), Checkpoint(), Restore(2), Ping(7), LeaveGroup("p"),
                 JoinGroup("p", "127.0.0.1", 5000, 2, "gloo", 60.0, 1 << 20), SendWeights("p", 4, 1 << 20)]
@@ -409,6 +410,7 @@ def test_every_message_of_the_catalogue_is_its_wire_json_and_reads_back_as_itsel
     assert [read_reply({**message(r), "state": {"step": 1}}) for r in replies] == replies
     trained = Trained("b1", 3, "/w/v3", {"loss": 0.5}, [], True, None)
     assert read_reply({**message(trained), "state": {"step": 1}}) == dataclasses.replace(trained, state={"step": 1})
+    assert message(Train("b1", 3, [], deferred=True))["deferred"] is True
     assert message(Written(4, "/w/v4")) == {"type": "written", "version": 4, "weights_dir": "/w/v4"}
     with pytest.raises(ValueError, match="unknown message type"):
         read_request({"type": "reboot"})

@@ -24,7 +24,8 @@ from clawd.learning.store import SampleStore
 from clawd.pauses import DISK
 from clawd.served import Policy
 from clawd.trainer import checkpoints
-from clawd.trainer.link import TrainerSupervisor, trainer_options
+from clawd.trainer.link import TrainerSupervisor
+from clawd.trainer.options import trainer_options
 from clawd.trainer.step import Trainer
 from clawd.weights import Ledger, checkpointed_samples, is_published, lineage, read_ledger
 from tests.fake_sglang import FakeSGLang

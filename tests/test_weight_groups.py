@@ -23,7 +23,8 @@ from clawd.engine.replicas import Replicas
 from clawd.learning import weight_groups
 from clawd.learning.publisher import NotWritten, Publisher
 from clawd.served import Policy
-from clawd.trainer.link import TrainerSupervisor, trainer_options
+from clawd.trainer.link import TrainerSupervisor
+from clawd.trainer.options import trainer_options
 from clawd.weights import is_published
 from tests.local_engine import running, supervised
 from tests.trainer_handlers import make_sample

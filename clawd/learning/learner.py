@@ -46,8 +46,9 @@ from clawd.pauses import DISK, GATE, NON_FINITE, Pauses, describe
 from clawd.safety.gate import PromotionGate
 from clawd.safety.versions import CANDIDATE, GOOD, REJECTED, ROLLED_BACK, SERVING, Version, Versions
 from clawd.samples import Sample
-from clawd.trainer.link import HandlerError, TrainerError, TrainerSupervisor
 from clawd.trainer.catalogue import Trained
+from clawd.trainer.errors import HandlerError, TrainerError
+from clawd.trainer.link import TrainerSupervisor
 from clawd.weights import (checkpointed_samples, checkpointed_versions, is_published, ledger_path, read_ledger,
                            version_dir)
 
@@ -267,12 +268,6 @@ class Learner:
             await self._backoff()
         return False
 
-    @property
-    def _deferred(self) -> dict:
-        """With weight-update groups a step's directory is written off the critical path (the publisher waits
-        for it before anything reads it and before the policy moves)."""
-        return {"deferred": True} if self.publisher.groups is not None else {}
-
     def _next_version(self) -> int:
         return max(self.policy.version, self.trainer.version, self.versions.newest) + 1
 
@@ -316,7 +311,9 @@ class Learner:
         try:
             trained = await self.trainer.train(batch_id, version, controls.apply(self.cfg.control, canonical(batch),
                                                                                   self._control_rng),
-                                               timeout=self.cfg.train_timeout, **self._deferred)
+                                               timeout=self.cfg.train_timeout,
+                                               # with groups, the directory is written off the critical path
+                                               deferred=self.publisher.groups is not None)
         except TrainerError as exc:  # no step was kept for the batch (a fatal one restarts the trainer)
             self.stats.failed_steps += 1
             if isinstance(exc, HandlerError) and exc.kind == "oom":  # a bad batch: split, never sent whole again

@@ -19,7 +19,7 @@ from clawd.engine.client import EngineClient, EngineError, EngineUnavailable
 from clawd.engine.lora import AdapterUse, adapter_name
 from clawd.engine.replicas import Replicas
 from clawd.learning.weight_groups import WeightGroups
-from clawd.trainer.link import TrainerError
+from clawd.trainer.errors import TrainerError
 from clawd.weights import is_published
 
 log = logging.getLogger("clawd.learner")
@@ -176,8 +176,10 @@ class Publisher:
                     done.add(i)
         if not done:
             raise next(iter(failed.values()), None) or EngineUnavailable("no policy replica is ready")
-        # Before the policy moves onto it: restarts, realignment, canaries and rollbacks load the directory.
-        await self._on_disk(weights_dir, version)
+        # Before the policy moves onto it: restarts, realignment, canaries and rollbacks load the directory. Only
+        # pushes skipped `_on_disk` (a swap from disk already ran it).
+        if self.groups is not None:
+            await self._on_disk(weights_dir, version)
         for i in failed:  # realigned by its supervisor once the policy has moved (right after this returns)
             replicas.supervisors[i].needs_realign = True
         return held

@@ -26,7 +26,8 @@ from clawd.safety.gate import PromotionGate
 from clawd.safety.versions import Versions
 from clawd.served import Policy
 from clawd.tokenizer import ChatTokenizer
-from clawd.trainer.link import TrainerSupervisor, trainer_options
+from clawd.trainer.link import TrainerSupervisor
+from clawd.trainer.options import trainer_options
 
 log = logging.getLogger("clawd")
 

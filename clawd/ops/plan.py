@@ -17,7 +17,7 @@ from clawd.config import Config
 from clawd.devices import Launch
 from clawd.engine.launch import engine_launch, keys_file_path
 from clawd.train_config import recompute_on
-from clawd.trainer.link import trainer_launch
+from clawd.trainer.options import trainer_launch
 from clawd.trainer.memory import MemoryPlan, Shape, describe, plan, problem
 from clawd.trainer.world import world_launches
 from clawd.weights import restored_weights

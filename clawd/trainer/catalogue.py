@@ -21,7 +21,7 @@ class Train:
     batch_id: str
     version: int           # the version the new weights will carry
     samples: list          # Samples (the daemon sends them pre-encoded; `read_request` decodes them)
-    deferred: bool = False  # the directory written off the critical path (only sent when set)
+    deferred: bool = False  # the directory written off the critical path
 
 
 @dataclass(frozen=True)
@@ -155,14 +155,8 @@ _KIND = {cls: kind for kind, cls in (*REQUESTS.items(), *REPLIES.items())}
 
 
 def message(value: Any) -> dict:
-    """A request or a reply as its wire message. A train's `deferred` goes only when set (a handler that
-    predates it is never asked), a reply's `state` only when it has one (the child's `handle` adds it)."""
-    out = {"type": _KIND[type(value)], **{f.name: getattr(value, f.name) for f in dataclasses.fields(value)}}
-    if isinstance(value, Train) and not value.deferred:
-        del out["deferred"]
-    if isinstance(value, Trained) and value.state is None:
-        del out["state"]
-    return out
+    """A request or a reply as its wire message (the child's `handle` sets every reply's `state`)."""
+    return {"type": _KIND[type(value)], **{f.name: getattr(value, f.name) for f in dataclasses.fields(value)}}
 
 
 def _typed(table: dict[str, type], msg: dict):

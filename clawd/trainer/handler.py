@@ -12,7 +12,7 @@ in the reply (`failed`), and the handler owes it (`owed`, in every reply's `stat
 After every step one line goes to the trained-steps ledger (`clawd.weights.Ledger`,
 state_dir/trainer/steps.jsonl), synced before every checkpoint.
 
-Its options (`clawd.trainer.link.trainer_options`): mode, model_dir, state_dir and train, a
+Its options (`clawd.trainer.options.trainer_options`): mode, model_dir, state_dir and train, a
 `TrainConfig` or a [train] table as a dict; dtype, the `[model] dtype` that versions are published
 in ("auto", the base model's, when absent); min_free_bytes, what every write must leave free
 (`[state] min_free_bytes`; 0 when absent); keep_checkpoints, the complete checkpoints kept (rollback

@@ -1,6 +1,6 @@
 """The daemon's side of the trainer process: one event loop, no threads, no torch. The link and its
-supervisor are one file past 500 lines on purpose: the supervisor's restarts are the link's life seen from
-outside, and read best beside it.
+supervisor share the file: the supervisor's restarts are the link's life seen from outside, and read best
+beside it.
 
 `TrainerLink` is one child's life: spawn (multiprocessing, `spawn` context, target `clawd.trainer.child.main`),
 the `ready` handshake, requests whose replies come back in order, the child's exit noticed through its
@@ -13,7 +13,7 @@ restart, under a version above the new child's newest. After `attempts` it raise
 still holds the samples, nothing is dropped silently. Every reply's `state` (the trainer's step,
 newest version and owed writes; `clawd.trainer.wire`) is kept as `link.state`.
 
-`trainer_options(cfg)` is what the real trainer is spawned with. The handler is the child's business: a
+What the real trainer is spawned with is `clawd.trainer.options`. The handler is the child's business: a
 link given no factory runs `clawd.trainer.handler.make`, imported in the child only.
 """
 from __future__ import annotations
@@ -27,17 +27,16 @@ import multiprocessing
 import os
 import signal
 import socket
-import sys
 import time
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
-from clawd.config import Config
-from clawd.devices import Launch, child_env, device_set
 from clawd.samples import Sample
 from clawd.trainer import child
 from clawd.trainer.catalogue import (Checkpoint, Checkpointed, Ping, PublishWeights, Ready, Restore, Train, Trained,
                                      WaitWritten, message, read_reply)
+from clawd.trainer.errors import (HandlerError, TrainerDied, TrainerError, TrainerProtocolError, TrainerTimeout,
+                                  TrainerUnavailable, TrainFailed)
 from clawd.trainer.wire import (ProtocolError, answers, encode_message, frame_header, message_frames, read_message,
                                 retitled)
 
@@ -46,71 +45,6 @@ log = logging.getLogger("clawd.trainer")
 _STREAM_LIMIT = 1 << 20  # the stream pauses the socket once twice this is buffered unread
 _GRACE = 1.0             # for the last bytes (or the exit) that follow the other one
 _BACKOFF_RESET = 60.0    # a child that lived this long earns a fresh backoff
-
-
-class TrainerError(Exception):
-    """The trainer could not do what was asked."""
-
-
-class TrainerDied(TrainerError):
-    """The child exited (or closed its end) before replying."""
-
-
-class TrainerTimeout(TrainerError):
-    """No reply in time; the child was killed, since its replies can no longer be matched."""
-
-
-class TrainerProtocolError(TrainerError):
-    """The child sent something that is not the reply expected; it was killed."""
-
-
-class TrainerUnavailable(TrainerError):
-    """No live trainer within the wait, or the supervisor is stopping."""
-
-
-class HandlerError(TrainerError):
-    """The handler raised. `retryable` says whether trying again may help; `kind` is the wire's ("disk",
-    "io", "step", "request"); `fatal`: the child exits and is restarted from its checkpoint."""
-
-    def __init__(self, message: str, *, retryable: bool, batch_id: str | None = None, kind: str = "request",
-                 fatal: bool = False):
-        super().__init__(message)
-        self.retryable = retryable
-        self.batch_id = batch_id
-        self.kind = kind
-        self.fatal = fatal
-
-    @classmethod
-    def of(cls, reply: dict, batch_id: str | None = None) -> "HandlerError":
-        return cls(reply["message"], retryable=reply["retryable"], batch_id=batch_id,
-                   kind=reply.get("kind", "request"), fatal=bool(reply.get("fatal", False)))
-
-
-class TrainFailed(TrainerError):
-    """A batch failed every attempt; the caller keeps its samples."""
-
-    def __init__(self, message: str, *, attempts: int):
-        super().__init__(message)
-        self.attempts = attempts
-
-
-def trainer_options(cfg: Config) -> dict:
-    """The options the real trainer (`clawd.trainer.handler`) is spawned with, for a daemon run by cfg.
-    `env`: what the child changes in its inherited environment before torch starts CUDA (its GPUs)."""
-    return {"mode": cfg.scoring.mode, "model_dir": str(cfg.model_path.resolve()),
-            "state_dir": str(cfg.state_dir.resolve()), "train": cfg.train, "dtype": cfg.model.dtype,
-            "min_free_bytes": cfg.state.min_free_bytes, "keep_checkpoints": cfg.versions.rollback_depth + 2,
-            "checkpoint_base": cfg.versions.rollback_depth > 0,
-            "log_level": cfg.logging.level, "env": child_env(cfg, cfg.train.gpus, dict(os.environ), unbuffered=False)}
-
-
-def trainer_launch(cfg: Config) -> Launch:
-    """The trainer process as `bin/clawd --plan` prints it: multiprocessing's spawn command line, whose
-    target is `clawd.trainer.child.main` (the pipe and tracker descriptors exist only at run time)."""
-    argv = (sys.executable, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(...)",
-            "--multiprocessing-fork")
-    return Launch("trainer", argv, trainer_options(cfg)["env"], None, device_set(cfg.train.gpus),
-                  cfg.learner.trainer_ready_timeout)
 
 
 async def _wait(event: asyncio.Event, timeout: float | None) -> bool:

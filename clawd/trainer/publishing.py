@@ -8,6 +8,9 @@ gather a synchronous write makes), replies, and this thread writes the copy whil
 copy is kept until the directory is on disk, so a write that failed is written again from it (`result`), never
 from weights a later step changed. The trainer settles a pending write before anything that needs it or would
 race it: the next step, a checkpoint, a restore, another publish.
+
+The thread is the trainer process's, never the daemon's (one event loop, no threads): only `clawd.trainer.step`
+imports this module, in the child (tests/test_layout.py checks that the daemon imports nothing that starts one).
 """
 from __future__ import annotations
 
@@ -31,8 +34,8 @@ def check_room(model, model_dir: Path, dest: Path, dtype: str, lora: bool, min_f
 
 def write_version(model, model_dir: Path, version: int, dest: Path, dtype: str, *, lora: bool, world,
                   deferred: bool, then: Callable[[], None]) -> tuple[Path, DeferredWrite | None]:
-    """The version directory `dest`, then `then` (pruning older ones) on the rank that writes. `deferred` (full
-    weights only): the weights copied to the host now and written on a thread; returns the pending write."""
+    """The version directory `dest`, written now; or, `deferred` (full weights only), the weights copied to the host
+    now and written on a thread, which runs `then` (pruning older versions) after it: the pending write."""
     if deferred and not lora:
         host = checkpoints.host_copy(model, dtype, world)
 
@@ -45,10 +48,6 @@ def write_version(model, model_dir: Path, version: int, dest: Path, dtype: str, 
         dest = adapters.publish(model, dest, dtype, world)
     else:
         dest = checkpoints.publish_weights(model, model_dir, dest, dtype, world=world)
-    if world is None:
-        then()
-    else:
-        world.agree(then if world.writer else None)
     return dest, None
 
 

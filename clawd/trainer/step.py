@@ -386,9 +386,13 @@ class Trainer:
         dest, lora, spare = version_dir(self.state_dir, version), self.cfg.lora, self._checkpointed_version
         self._on_writer(lambda: publishing.check_room(self.model, self.model_dir, dest, self.publish_dtype, lora,
                                                       self.min_free_bytes))
-        dest, self.writing = publishing.write_version(
-            self.model, self.model_dir, version, dest, self.publish_dtype, lora=lora, world=self.world,
-            deferred=deferred, then=lambda: checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare))
+        def prune() -> None:
+            checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare)
+
+        dest, self.writing = publishing.write_version(self.model, self.model_dir, version, dest, self.publish_dtype,
+                                                      lora=lora, world=self.world, deferred=deferred, then=prune)
+        if self.writing is None:  # written now: pruned now (a deferred write prunes on its thread, after it)
+            self._on_writer(prune)
         self.version = self.weights_version = version
         self.unpublished = False
         self._publishes_since_checkpoint += 1
