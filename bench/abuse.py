@@ -63,6 +63,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 from clawd.tools.sim import launch  # noqa: E402
+from clawd.tools.tomlfile import merged  # noqa: E402
 from clawd.tokenizer import ChatTokenizer  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 from serve import WORDS, cpu_seconds, pct, start_fake, stop, tiny_model, wait_ready  # noqa: E402
@@ -91,8 +92,7 @@ def start_daemon(tmp: Path, model: Path, engine_url: str, server: dict,
     cfg = {"server": {"port": 0, **server}, "model": {"path": str(model)},
            "engine": {"launch": "none", "url": engine_url}, "state": {"dir": str(tmp / "state")},
            "scoring": {"mode": "rl"}, "judge": {"backend": "rules"}, "learner": {"enabled": False}}
-    for name, table in (extra or {}).items():
-        cfg[name] = {**cfg.get(name, {}), **table}
+    cfg = merged(cfg, extra or {})
     return launch_daemon(tmp, cfg)
 
 

@@ -174,7 +174,7 @@ def sections(args, port: int) -> dict:
             "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1,
                         "max_staleness": 1_000_000, "rollout_timeout": 1.0},
             "journal": {"fsync": "always"},
-            "train": {"lr": 1e-4, "checkpoint_every": args.checkpoint_every}}
+            "train": {"checkpoint_every": args.checkpoint_every, "optimizer": {"lr": 1e-4}}}
 
 
 def choose(rng: random.Random, landed: Counter, asked: int, lives_left: int) -> str | None:

@@ -279,7 +279,7 @@ def publish_broadcast(trainer, bucket_mb: int = 512) -> dict:
 
 def run(args, result: dict) -> None:
     import torch
-    from clawd.config import TrainConfig
+    from clawd.config.train import OptimizerConfig, TrainConfig, WorldConfig
     from clawd.trainer import memory, recompute
     from clawd.trainer.step import Trainer
 
@@ -291,8 +291,9 @@ def run(args, result: dict) -> None:
         build_base(work / "base", args.shape, args.seed, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        cfg = TrainConfig(device=device.type, micro_batch_tokens=args.micro_batch_tokens, lr=1e-6, seed=args.seed,
-                          memory_fraction=args.memory_fraction, recompute=args.recompute)
+        cfg = TrainConfig(micro_batch_tokens=args.micro_batch_tokens, seed=args.seed, recompute=args.recompute,
+                          world=WorldConfig(device=device.type,
+                                            memory_fraction=args.memory_fraction), optimizer=OptimizerConfig(lr=1e-6))
         trainer = Trainer(work / "base", work / "state", cfg)
         if args.head_chunk_tokens:
             trainer.head_chunk_tokens = args.head_chunk_tokens

@@ -2,7 +2,7 @@
 (10.231.0.1/24 and 10.231.0.2/24, loopback up in both), and the trainer world of docs/ARCHITECTURE.md §13 across
 them, launched as clawd launches it.
 
-Node 0 runs in namespace A as `python bench/hosts.py node0 ...`: it builds a Config with `[train] nnodes`,
+Node 0 runs in namespace A as `python bench/hosts.py node0 ...`: it builds a Config with `[train.world] nnodes`,
 `rdzv_endpoint`, and spawns the trainer child through the daemon's own `TrainerLink(trainer_options(cfg))`,
 whose coordinator (clawd/trainer/world.py) starts torchrun for node 0. Node 1 runs in namespace B with the
 torchrun line `bin/clawd --plan` prints for `clawd-trainer@1` (`world_launches`; this machine's interpreter in
@@ -111,11 +111,16 @@ def left_over() -> list[str]:
 def config(model: Path, state: Path, *, nnodes: int, nproc: int, endpoint: str, seed: int = 0):
     """The daemon's Config for one host of the world: the rules judge's rl mode, a visible learning rate,
     no base checkpoint and none during the steps (only the step and its publish are timed)."""
-    from clawd.config import Config, ModelConfig, ScoringConfig, StateConfig, VersionsConfig
-    from clawd.train_config import TrainConfig
+    from clawd.config.model import ModelConfig
+    from clawd.config.schema import Config
+    from clawd.config.scoring import ScoringConfig
+    from clawd.config.state import StateConfig
+    from clawd.config.versions import VersionsConfig
+    from clawd.config.train import OptimizerConfig, TrainConfig, WorldConfig
 
-    train = TrainConfig(lr=1e-3, seed=seed, nnodes=nnodes, nproc_per_node=nproc, rdzv_endpoint=endpoint,
-                        collective_timeout=120.0, checkpoint_every=1000)
+    train = TrainConfig(seed=seed, checkpoint_every=1000, optimizer=OptimizerConfig(lr=1e-3),
+                        world=WorldConfig(nnodes=nnodes, nproc_per_node=nproc, rdzv_endpoint=endpoint,
+                                          collective_timeout=120.0))
     return Config(model=ModelConfig(path=str(model)), scoring=ScoringConfig(mode="rl"),
                   state=StateConfig(dir=str(state), min_free_bytes=0), train=train,
                   versions=VersionsConfig(rollback_depth=0))

@@ -43,8 +43,8 @@ interrupted SmolLM2 bench (about 25 minutes a run) loses one run, not hours. `--
 in lockstep keeps about one core busy (its engine, then its trainer, each on `--threads` 1), so two share 2 cores
 with little waiting. The figures are learning, not speed, so running side by side changes none of them.
 
-`--lora` trains LoRA adapters instead of the whole model (`[train] lora_rank`, 16 or `--lora-rank N`; the
-default alpha and target modules): the runs then take `--lr` as `lora_lr` (default: ten times the profile's
+`--lora` trains LoRA adapters instead of the whole model (`[train.lora] rank`, 16 or `--lora-rank N`; the
+default alpha and target modules): the runs then take `--lr` as `[train.lora] lr` (default: ten times the profile's
 full fine-tune lr, the ratio at which SmolLM2's LoRA learnt in the demo), and the JSON records `lora_rank`.
 
 Targets: satisfaction after / before > 1 in every judged mode arm (every mode but opd on the tiny
@@ -70,6 +70,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from clawd.config.train import overlay  # noqa: E402
 from clawd.safety import degeneration, paired  # noqa: E402
 from clawd.tools.models import cached_tiny_model  # noqa: E402
 from clawd.tools.sim.launch import Clawd  # noqa: E402
@@ -111,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.add_argument("--" + name.replace("_", "-"), type=kind, help="default: the profile's")
     ap.add_argument("--personas", help="default: the profile's")
     ap.add_argument("--baseline", choices=("batch_mean", "none"), default="batch_mean",
-                    help="[train] reward_baseline (default batch_mean, clawd's)")
+                    help="[train.loss] reward_baseline (default batch_mean, clawd's)")
     ap.add_argument("--teacher", choices=("policy", "reference"), default="reference",
                     help="opd/combine teacher engine (default reference, clawd's: the frozen initial weights; "
                          "'policy' teaches the policy by itself)")
@@ -119,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a [train] setting for every run, VALUE in TOML (aggregation=\"token_sum\", "
                          "ppo_mini_batches=2); repeatable")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for clawd's engine and trainer")
-    ap.add_argument("--lora", action="store_true", help="train LoRA adapters ([train] lora_rank), lr as lora_lr")
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters ([train.lora] rank), lr as its lr")
     ap.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (default 16; implies --lora)")
     ap.add_argument("--out", help="default bench/results/learning.json (learning-lora.json with --lora)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1; 2 on 2 cores: a run keeps about one busy)")
@@ -172,8 +173,8 @@ async def one_run(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) 
         "scoring": {"mode": mode},
         "judge": {"backend": "rules", "teacher_engine": args.teacher},
         "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1, "control": control},
-        "train": {"lr": args.lr, "seed": seed, "checkpoint_every": 1000, "keep_versions": 2,
-                  "reward_baseline": args.baseline, **lora_keys(args), **args.train_keys},
+        "train": overlay({"seed": seed, "checkpoint_every": 1000, "keep_versions": 2, "optimizer": {"lr": args.lr},
+                          "loss": {"reward_baseline": args.baseline}, **lora_keys(args)}, args.train_keys),
         "sessions": {"session_idle_timeout": 120.0, "sweep_interval": 2.0},
     }, threads=args.threads)
     users: Users | None = None
@@ -254,8 +255,8 @@ def curve(run: dict) -> str:
 
 
 def lora_keys(args: argparse.Namespace) -> dict:
-    """[train]'s LoRA keys for a run: the rank, and the lr as LoRA's; none for a full fine-tune."""
-    return {"lora_rank": args.lora_rank, "lora_lr": args.lr} if args.lora_rank else {}
+    """[train]'s LoRA table for a run: the rank, and the lr as LoRA's; none for a full fine-tune."""
+    return {"lora": {"rank": args.lora_rank, "lr": args.lr}} if args.lora_rank else {}
 
 
 async def until_batch_taken(clawd: Clawd, users: Users, driving: asyncio.Task, batch: int, done: int) -> None:

@@ -1,9 +1,9 @@
 """LoRA beside the full fine-tune, per publish: bytes and seconds written, the engine's swap, the trainer's peak memory.
 
 `bench/swap.py --lora` runs this (so does `.venv/bin/python bench/lora.py`). One run, two arms on one model
-(default SmolLM2-135M-Instruct, `make model`): **lora**, clawd's trainer with `[train] lora_rank` `--rank` (16)
-and the default lora_alpha and target modules (docs/ARCHITECTURE.md §15), and **full**, the same trainer
-with lora_rank 0. Side by side:
+(default SmolLM2-135M-Instruct, `make model`): **lora**, clawd's trainer with `[train.lora] rank` `--rank` (16)
+and the default alpha and target modules (docs/ARCHITECTURE.md §15), and **full**, the same trainer
+with rank 0. Side by side:
 
   trainer  per arm a fresh subprocess (this file, `--worker`): clawd's `Trainer` trains `--publishes`
            steps of bench/trainer_memory.py's batch and publishes after each as the daemon does
@@ -89,12 +89,13 @@ def missed(r: dict, target: float) -> list[str]:
 def worker(model: Path, state: Path, arm: str, rank: int, publishes: int, out: Path) -> None:
     import torch
 
-    from clawd.train_config import TrainConfig
+    from clawd.config.train import LoraConfig, TrainConfig
     from clawd.trainer.step import Trainer
     from trainer_memory import batch
 
     torch.set_num_threads(1)
-    cfg = TrainConfig(lora_rank=rank if arm == "lora" else 0, keep_versions=publishes, checkpoint_every=10**6)
+    cfg = TrainConfig(keep_versions=publishes, checkpoint_every=10**6,
+                      lora=LoraConfig(rank=rank if arm == "lora" else 0))
     trainer = Trainer(model, state, cfg)
     steps = []
     for version in range(1, publishes + 1):
@@ -107,7 +108,7 @@ def worker(model: Path, state: Path, arm: str, rank: int, publishes: int, out: P
     optim = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
                 for v in st.values() if isinstance(v, torch.Tensor))
     out.write_text(json.dumps({
-        "arm": arm, "lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha if cfg.lora else None,
+        "arm": arm, "lora_rank": cfg.lora.rank, "lora_alpha": cfg.lora.alpha if cfg.lora.enabled else None,
         "learning_rate": cfg.learning_rate, "publish_dtype": trainer.publish_dtype,
         "params": sum(p.numel() for p in trainer.model.parameters()), "trainable_params": sum(p.numel() for p in trainer.params),
         "optimizer_bytes": optim, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -190,12 +191,13 @@ class Engine:
 
 
 def measure_engines(args, trainer: dict, work: Path) -> dict:
-    from clawd.train_config import TrainConfig
+    from clawd.config.train import LoraConfig, TrainConfig
 
     full_dirs = [s["dir"] for s in trainer["full"]["steps"]]
     lora_dirs = [s["dir"] for s in trainer["lora"]["steps"]]
     plain = Engine(args.model, (), work / "engine-full.log", args.timeout)
-    lora = Engine(args.model, TrainConfig(lora_rank=args.rank).lora_flags(), work / "engine-lora.log", args.timeout)
+    lora = Engine(args.model, TrainConfig(lora=LoraConfig(rank=args.rank)).lora.flags(), work / "engine-lora.log",
+                  args.timeout)
     out = {"update_weights_s": [], "load_lora_s": [], "unload_lora_s": [], "first_load_lora_s": None}
     try:
         plain.wait_ready()

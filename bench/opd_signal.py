@@ -51,7 +51,7 @@ from clawd.scoring import judging, rules  # noqa: E402
 from clawd.tokenizer import ChatTokenizer  # noqa: E402
 from clawd.tools.sim import questions  # noqa: E402
 from clawd.tools.sim.personas import PERSONAS  # noqa: E402
-from clawd.train_config import TrainConfig  # noqa: E402
+from clawd.config.train import LossConfig, OptimizerConfig, TrainConfig
 
 K = 4
 OPENINGS = {"plain": "", "right": "You're right, ", "sorry": "I'm sorry, "}
@@ -178,7 +178,8 @@ def measure(model_dir: Path, n_items: int, lr: float, state: Path, n_steps: int 
     steps = {}
     for placement, form in [(p, f) for p in ("user", "system_default") for f in ("token", "topk")]:
         trainer = Trainer(model_dir, state / f"{placement}-{form}", TrainConfig(
-            lr=lr, seed=0, opd_clip=1.0, opd_top_k=K if form == "topk" else 0))
+            seed=0, optimizer=OptimizerConfig(lr=lr),
+            loss=LossConfig(opd_clip=1.0, opd_top_k=K if form == "topk" else 0)))
         before = logprob_spans(trainer)
         batch = []
         for i, c in enumerate(cases):  # the frozen teacher: the initial weights, scored before any step

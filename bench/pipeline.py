@@ -45,7 +45,8 @@ from clawd.scoring.handover import TurnHandover  # noqa: E402
 from clawd.pauses import Pauses  # noqa: E402
 from clawd.ops.status import Rate  # noqa: E402
 from clawd.scoring import judging  # noqa: E402
-from clawd.config import Config, config_from_dict  # noqa: E402
+from clawd.config.loading import config_from_dict
+from clawd.config.schema import Config
 from clawd.learning.journal import Journal  # noqa: E402
 from clawd.records import RecordWriter  # noqa: E402
 from clawd.learning.store import SampleStore  # noqa: E402

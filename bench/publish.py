@@ -38,7 +38,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
 
-from clawd.config import Config, ModelConfig, ScoringConfig, StateConfig, TrainConfig  # noqa: E402
+from clawd.config.model import ModelConfig
+from clawd.config.schema import Config
+from clawd.config.scoring import ScoringConfig
+from clawd.config.state import StateConfig
+from clawd.config.train import LossConfig, OptimizerConfig, TrainConfig
 from clawd.engine.local.scheduler import Engine  # noqa: E402
 from clawd.engine.local.server import parse_args  # noqa: E402
 from clawd.engine.replicas import Replicas  # noqa: E402
@@ -68,7 +72,8 @@ def model_dir(name: str) -> Path:
 async def measure(args, model: Path, work: Path) -> dict:
     cfg = Config(model=ModelConfig(path=str(model)), scoring=ScoringConfig(mode="rl"),
                  state=StateConfig(dir=str(work / "state")),
-                 train=TrainConfig(lr=1e-5, reward_baseline="none", checkpoint_every=1000))
+                 train=TrainConfig(checkpoint_every=1000, optimizer=OptimizerConfig(lr=1e-5),
+                                   loss=LossConfig(reward_baseline="none")))
     trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=600)
     engine = Engine(parse_args(["--model", str(model), "--threads", "1", "--context-length", "512"]))
     task = asyncio.create_task(trainer.run())

@@ -50,7 +50,7 @@ TRAINER = """{patch}import gc, json, time
 from clawd import startup
 startup.loading()
 from clawd.trainer.handler import make
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.trainer.options import trainer_options
 cfg = config_from_dict({{"model": {{"path": {model!r}}}, "state": {{"dir": {state!r}}}}})
 handler = make(trainer_options(cfg))

@@ -61,7 +61,7 @@ def run(args) -> dict:
         daemon = Daemon(Path(tmp), {"model": {"path": str(args.model), "max_tokens_cap": args.max_tokens},
                                     "engine": {"launch": "local"},
                                     "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
-                                    "train": {"lr": args.lr}})
+                                    "train": {"optimizer": {"lr": args.lr}}})
         t0 = time.time()
         try:
             requests, learner = load_until_published(daemon, users=args.concurrency, publishes=args.publishes,

@@ -53,7 +53,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from clawd.config import TrainConfig  # noqa: E402
+from clawd.config.train import TrainConfig, WorldConfig
 from clawd.samples import Sample  # noqa: E402
 from clawd.trainer.batches import pack  # noqa: E402
 from clawd.trainer.step import Trainer  # noqa: E402
@@ -249,7 +249,8 @@ def run(args) -> dict:
         if model_dir is None:
             model_dir = Path(tmp) / "model"
             random_model(model_dir, args.shape, args.seed)
-        cfg = TrainConfig(device=args.device, micro_batch_tokens=args.micro_batch_tokens, seed=args.seed)
+        cfg = TrainConfig(micro_batch_tokens=args.micro_batch_tokens, seed=args.seed,
+                          world=WorldConfig(device=args.device))
         trainer = Trainer(model_dir, Path(tmp) / "state", cfg)
     model = trainer.model
     vocab = model.get_input_embeddings().weight.shape[0]

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from clawd.samples import Sample  # noqa: E402
-from clawd.train_config import TrainConfig  # noqa: E402
+from clawd.config.train import LoraConfig, OptimizerConfig, TrainConfig, WorldConfig
 from clawd.trainer import sharded_load, sharding  # noqa: E402
 from clawd.trainer.step import Trainer  # noqa: E402
 
@@ -54,8 +54,9 @@ def main() -> None:
     lora_rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     torch.set_num_threads(1)
     world = sharding.join(120.0) if "RANK" in os.environ else None
-    trainer = Trainer(model_dir, work, TrainConfig(lr=1e-5, device="cuda" if torch.cuda.is_available() else "cpu",
-                                                   lora_rank=lora_rank), world=world)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    trainer = Trainer(model_dir, work, TrainConfig(optimizer=OptimizerConfig(lr=1e-5), world=WorldConfig(device=device),
+                                                   lora=LoraConfig(rank=lora_rank)), world=world)
     seconds = []
     for _ in range(3):  # the first step allocates AdamW's moments; the next ones are timed
         t0 = time.monotonic()
@@ -111,7 +112,7 @@ def startup_rank(how: str, model_dir: Path, out: Path) -> None:
         sharded_load.sharded = lambda d, cfg, w, autocast: sharded_load.whole(d, cfg, w.device, w, autocast)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as state:
-        trainer = Trainer(model_dir, state, TrainConfig(device="cpu"), world=world)
+        trainer = Trainer(model_dir, state, TrainConfig(world=WorldConfig(device="cpu")), world=world)
         mine = {"hwm_before": before, "hwm_after": vm("VmHWM"), "rss_after": vm("VmRSS"),
                 "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "seconds": time.monotonic() - t0}

@@ -8,7 +8,8 @@ import os
 import sys
 
 from clawd import credentials, startup
-from clawd.config import LOG_FORMAT, ConfigError, load_config
+from clawd.config.loading import ConfigError, load_config
+from clawd.config.logging import LOG_FORMAT
 
 DEFAULT_CONFIG = "etc/clawd.toml"
 # Exit statuses systemd must not answer with a restart (RestartPreventExitStatus in the unit).

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.engine.lora import adapter_name
 from clawd.engine.stage import Engines, staged
 from clawd.learning.journal import Journal
@@ -283,7 +283,7 @@ def _startup_budget(cfg: Config) -> float:
     where the start is staged (on GPUs), else the longest."""
     engines = cfg.engine.startup_seconds * ((cfg.engine.replicas + cfg.reference_engine_needed) if staged(cfg) else 1)
     trainer = cfg.learner.trainer_ready_timeout if cfg.learner.enabled else 0.0
-    trainer_staged = cfg.learner.enabled and cfg.train.device.startswith("cuda")
+    trainer_staged = cfg.learner.enabled and cfg.train.world.device.startswith("cuda")
     return (engines + trainer if trainer_staged else max(engines, trainer)) + 60
 
 

@@ -106,9 +106,10 @@ def roles(cfg) -> list[Role]:
             found.append(Role("the reference engine", "engine.reference_gpus",
                               "--mem-fraction-static in engine.reference_sglang_args",
                               device_set(eng.reference_gpus), _share(args)))
-    if cfg.learner.enabled and cfg.train.device.startswith("cuda"):
-        found.append(Role("the trainer", "train.gpus", "train.memory_fraction", device_set(cfg.train.gpus),
-                          cfg.train.memory_fraction))
+    if cfg.learner.enabled and cfg.train.world.device.startswith("cuda"):
+        found.append(Role("the trainer", "train.world.gpus", "train.world.memory_fraction",
+                          device_set(cfg.train.world.gpus),
+                          cfg.train.world.memory_fraction))
     return found
 
 
@@ -137,7 +138,8 @@ def placement_problem(cfg) -> tuple[str, str] | None:
                                   f"use {gpus_needed(args)} (tp × pp × dp){each}")
         trainer = next((r for r in found if r.name == "the trainer"), None)
         if trainer is not None and not trainer.devices:
-            return "train.gpus", "must be set when clawd launches SGLang and trains on CUDA (else both take GPU 0)"
+            return "train.world.gpus", ("must be set when clawd launches SGLang and trains on CUDA (else both take "
+                                        "GPU 0)")
     for gpu in sorted({d for r in found for d in r.devices}):
         sharing = [r for r in found if gpu in r.devices]
         if len(sharing) < 2:

@@ -21,7 +21,7 @@ startup.loading()  # while torch and clawd's trainer import, as in clawd's own r
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from clawd.train_config import TrainConfig  # noqa: E402
+from clawd.config.train import LoraConfig, LossConfig, OptimizerConfig, TrainConfig
 from clawd.trainer import recompute, sharding  # noqa: E402
 from clawd.trainer.step import Trainer  # noqa: E402
 from tests.test_trainer import sample  # noqa: E402
@@ -35,7 +35,7 @@ LR = 1e-2  # a step large enough to see: at 1e-5 any one AdamW step leaves the w
 ADAM_EPS = 1e-6
 # One update a batch, each sample's token mean, token-level OPD: the step the comparisons were written for (the
 # shipped defaults' mini-batches and top-K rows have their own case, "topk").
-UNIT = {"ppo_mini_batches": 1, "aggregation": "sample_mean", "opd_top_k": 0, "opd_clip": 0.0}
+UNIT = {"ppo_mini_batches": 1, "loss": LossConfig(aggregation="sample_mean", opd_top_k=0, opd_clip=0.0)}
 
 
 def skewed_batch(mode: str) -> list:
@@ -91,7 +91,8 @@ def main() -> None:
     # between the packs of 6 samples and of each rank's share; the second config packs them.
     for mode in ("rl", "opd", "combine"):
         for budget in (1, 256):
-            cfg = TrainConfig(**UNIT, lr=LR, micro_batch_tokens=budget, grad_clip=1e6, eps=ADAM_EPS)
+            cfg = TrainConfig(**UNIT, micro_batch_tokens=budget, optimizer=OptimizerConfig(lr=LR, grad_clip=1e6,
+                                                                                           eps=ADAM_EPS))
             batch = skewed_batch(mode)
             grads: dict = {}
             # Packed, the world also recomputes its layers in the backward (applied before fully_shard, as
@@ -119,7 +120,8 @@ def main() -> None:
 
     # The shipped step: two mini-batches, token_sum, top-K rows on the hinted samples (their parts summed over ranks
     # whether a rank's share holds top-k rows or not). The gradients compared are the last update's.
-    cfg = TrainConfig(lr=LR, micro_batch_tokens=256, grad_clip=1e6, eps=ADAM_EPS, opd_top_k=2, ppo_mini_batches=2)
+    cfg = TrainConfig(micro_batch_tokens=256, ppo_mini_batches=2,
+                      optimizer=OptimizerConfig(lr=LR, grad_clip=1e6, eps=ADAM_EPS), loss=LossConfig(opd_top_k=2))
     batch = [dataclasses.replace(s, top_ids=[[1, 2]] * s.response_length,
                                  teacher_top_logprobs=[[-1.0, -2.5]] * s.response_length) if s.has_hint else s
              for s in skewed_batch("combine")]
@@ -140,7 +142,7 @@ def main() -> None:
 
     # The negative control: FSDP's own default, gradients averaged over ranks on top of the loss's
     # whole-batch normaliser. The comparison above must see it.
-    cfg = TrainConfig(**UNIT, lr=LR, micro_batch_tokens=256, grad_clip=1e6)
+    cfg = TrainConfig(**UNIT, micro_batch_tokens=256, optimizer=OptimizerConfig(lr=LR, grad_clip=1e6))
     control = Trainer(model_dir, work / "control", cfg, world=world)
     for module in control.scorer.modules():
         if hasattr(module, "set_gradient_divide_factor"):
@@ -159,7 +161,7 @@ def main() -> None:
     del control
 
     # Checkpoints across world sizes: 2 ranks write, 1 resumes; 1 writes, 2 resume; format 1 migrates.
-    cfg = TrainConfig(**UNIT, lr=LR, micro_batch_tokens=256, grad_clip=1e6)
+    cfg = TrainConfig(**UNIT, micro_batch_tokens=256, optimizer=OptimizerConfig(lr=LR, grad_clip=1e6))
     b1, b2 = skewed_batch("combine"), skewed_batch("rl")[::-1]
     two = Trainer(model_dir, work / "two", cfg, world=world)
     two.train_step(b1, "combine")
@@ -220,8 +222,8 @@ def _lora(model_dir: Path, work: Path, world) -> dict | None:
     adapter each publishes, and the 2-rank checkpoint resumed by one process."""
     from safetensors.torch import load_file
 
-    cfg = TrainConfig(**UNIT, lora_rank=4, lora_alpha=8.0, lora_lr=LR, micro_batch_tokens=256, grad_clip=1e6, eps=ADAM_EPS,
-                      seed=5)
+    cfg = TrainConfig(**UNIT, micro_batch_tokens=256, seed=5, lora=LoraConfig(rank=4, alpha=8.0, lr=LR),
+                      optimizer=OptimizerConfig(grad_clip=1e6, eps=ADAM_EPS))
     grads: dict = {}
     two = Trainer(model_dir, work / "lora-two", cfg, world=world)
     before = full_weights(two)  # the adapters' init came from rank 0, drawn as one process draws it

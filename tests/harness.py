@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from clawd.tools.sim import launch
+from clawd.tools.tomlfile import merged
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,9 +47,9 @@ class Daemon:
                "state": {"dir": str(self.state), "min_free_bytes": 64 * 1024 * 1024},
                "scoring": {"mode": "rl"}, "judge": {"backend": "rules"},
                "learner": {"enabled": False, "backlog_batches": 1},
-               "train": {"reward_baseline": "none"}, "gate": {"enabled": False}, "monitors": {"enabled": False}}
-        for name, table in sections.items():
-            cfg[name] = {**cfg.get(name, {}), **table}
+               "train": {"loss": {"reward_baseline": "none"}}, "gate": {"enabled": False},
+               "monitors": {"enabled": False}}
+        cfg = merged(cfg, sections)
         self.config_path = self.tmp / "clawd.toml"
         self.lines: list[str] = []
         self._seen = threading.Condition()

@@ -37,7 +37,7 @@ async def running(engine) -> AsyncIterator[str]:
 async def supervised(url: str, policy, health_interval: float = 0.2, ready_timeout: float = 120.0):
     """An engine supervisor over the engine at `url` (launch "none", as for an engine clawd does not start),
     running and ready; stopped and closed on exit. Yields it."""
-    from clawd.config import config_from_dict
+    from clawd.config.loading import config_from_dict
     from clawd.engine.client import EngineClient
     from clawd.engine.supervisor import EngineSupervisor
 

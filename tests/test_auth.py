@@ -6,7 +6,7 @@ import openai
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from clawd.config import ConfigError, config_from_dict
+from clawd.config.loading import config_from_dict, ConfigError
 from clawd.serving.auth import ANONYMOUS, Authenticator
 from clawd.serving.errors import ApiError
 

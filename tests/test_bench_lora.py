@@ -77,11 +77,11 @@ def model_dir(tmp_path) -> Path:
 def test_learning_lora_passes_the_rank_and_lora_lr_to_train(model_dir):
     args = learning.parse_args(["--model", str(model_dir), "--lora"])
     assert (args.lora_rank, args.lr) == (16, 5e-4)  # the demo's default LoRA rate (its settings runs)
-    assert learning.lora_keys(args) == {"lora_rank": 16, "lora_lr": 5e-4}
+    assert learning.lora_keys(args) == {"lora": {"rank": 16, "lr": 5e-4}}
     assert args.out.endswith("learning-lora.json")
     args = learning.parse_args(["--model", str(model_dir), "--lora-rank", "8", "--lr", "3e-4", "--out", "x.json"])
     assert (args.lora_rank, args.lr, args.out) == (8, 3e-4, "x.json")
-    assert learning.lora_keys(args) == {"lora_rank": 8, "lora_lr": 3e-4}
+    assert learning.lora_keys(args) == {"lora": {"rank": 8, "lr": 3e-4}}
     full = learning.parse_args(["--model", str(model_dir)])
     assert (full.lora_rank, full.lr, learning.lora_keys(full)) == (0, 1e-5, {})
     assert full.out.endswith("learning.json")
@@ -92,15 +92,15 @@ def test_learning_lora_passes_the_rank_and_lora_lr_to_train(model_dir):
 def test_demo_lora_sets_the_train_section_and_names_it(model_dir):
     args = demo.parse_args(["--model", str(model_dir), "--lora"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
-    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (16, 3e-4, "LoRA rank 16")
+    assert (train["lora"]["rank"], train["lora"]["lr"], args.tuning) == (16, 3e-4, "LoRA rank 16")
     args = demo.parse_args(["--model", str(model_dir), "--lora-rank", "4", "--lr", "2e-4"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
-    assert (train["lora_rank"], train["lora_lr"], args.tuning) == (4, 2e-4, "LoRA rank 4")
+    assert (train["lora"]["rank"], train["lora"]["lr"], args.tuning) == (4, 2e-4, "LoRA rank 4")
     args = demo.parse_args(["--model", str(model_dir)])  # LoRA is the demo's default (its settings runs)
-    assert demo.clawd_sections(args, model_dir / "state")["train"]["lora_rank"] == 16
+    assert demo.clawd_sections(args, model_dir / "state")["train"]["lora"]["rank"] == 16
     args = demo.parse_args(["--model", str(model_dir), "--full"])
     train = demo.clawd_sections(args, model_dir / "state")["train"]
-    assert "lora_rank" not in train and (train["lr"], args.tuning) == (1e-5, "full fine-tune")
+    assert "lora" not in train and (train["optimizer"]["lr"], args.tuning) == (1e-5, "full fine-tune")
     for bad in (["--lora-rank", "-1"], ["--full", "--lora"]):
         with pytest.raises(SystemExit):
             demo.parse_args(["--model", str(model_dir), *bad])

@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from tokenizers import Tokenizer
 
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.daemon import Shutdown, run
 from clawd.serving import connections as conns_module
 from clawd.serving.api import CONNECTIONS, ADMISSION, make_app

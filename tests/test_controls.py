@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from clawd.config import ConfigError, config_from_dict
+from clawd.config.loading import config_from_dict, ConfigError
 from clawd.learning import controls
 from tests.trainer_handlers import make_sample
 
@@ -65,16 +65,16 @@ def test_an_unknown_control_is_refused_here_and_in_the_config():
 def test_a_zero_reward_batch_leaves_the_weights_exactly_as_they_were(tiny_model, tmp_path):
     """The zero-reward control through the real trainer: no advantage anywhere, so no update at all
     (AdamW's first step from zero gradients is zero); the same batch with its rewards moves them."""
-    from clawd.config import TrainConfig
+    from clawd.config.train import OptimizerConfig, TrainConfig
     from clawd.trainer.step import Trainer
     import torch
 
     b = [dataclasses.replace(s, tokens=[100 + i + j for j in range(len(s.tokens))]) for i, s in enumerate(batch())]
-    trainer = Trainer(tiny_model, tmp_path / "zero", TrainConfig(lr=1e-3))
+    trainer = Trainer(tiny_model, tmp_path / "zero", TrainConfig(optimizer=OptimizerConfig(lr=1e-3)))
     weights = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train_step(controls.apply("zero_rewards", b, random.Random(0)), "combine")
     assert all(torch.equal(a, p) for a, p in zip(weights, trainer.model.parameters()))
-    trainer = Trainer(tiny_model, tmp_path / "real", TrainConfig(lr=1e-3))
+    trainer = Trainer(tiny_model, tmp_path / "real", TrainConfig(optimizer=OptimizerConfig(lr=1e-3)))
     trainer.train_step(b, "combine")
     assert not all(torch.equal(a, p) for a, p in zip(weights, trainer.model.parameters()))
 

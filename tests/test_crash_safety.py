@@ -14,6 +14,8 @@ import uuid
 
 import pytest
 
+from clawd.tools.tomlfile import merged
+
 from .harness import Daemon
 from .load import (OK, ChatLoad, alive, expected_weight_version, free_port, newest_checkpoint, port_free,
                    read_journal, read_records, tagged_processes, thanked_conversation, wait_until,
@@ -32,10 +34,8 @@ def _learning(tiny_model, **sections) -> dict:
                         "max_staleness": 1_000_000},
             "journal": {"fsync": "always"},
             # a checkpoint before every publish (the default is every 10th): the assertions below rely on it
-            "train": {"lr": 1e-4, "checkpoint_every": 1}}
-    for name, table in sections.items():
-        base[name] = {**base.get(name, {}), **table}
-    return base
+            "train": {"checkpoint_every": 1, "optimizer": {"lr": 1e-4}}}
+    return merged(base, sections)
 
 
 def _first(lines: list[str], pattern: str) -> re.Match | None:
@@ -147,11 +147,12 @@ def test_random_sigkills_lose_no_acknowledged_sample(tiny_model, tmp_path, monke
         load.stop()
         drained = wait_until(lambda: (lambda d: d and d["scoring"]["pending"] == 0 and d["queue"]["journal_live"] == 0
                                       and d["learner"]["waiting_since"] is not None)(_debug(daemon)), 120, 0.2)
-        if not drained:  # what held it, in full (pytest shortens a long assertion message)
+        if not drained:  # what held it: a digest first (CI shows only part of a failure), then in full
             state_now = _debug(daemon) or {}
-            held = {k: state_now.get(k) for k in ("scoring", "queue", "learner", "trainer", "engines", "safety")}
+            held = {k: state_now.get(k) for k in ("scoring", "queue", "learner", "trainer", "engines", "safety",
+                                                    "paused")}
             print("not drained:", json.dumps(held, default=str))
-            raise AssertionError(f"not drained: {json.dumps(held, default=str)[:2000]}")
+            raise AssertionError(f"not drained: {_held_digest(held)}\n" + "".join(_not_chat(daemon.lines)[-25:]))
         assert daemon.stop() == 0
         _check_life(daemon, expect)
     finally:
@@ -171,6 +172,23 @@ def test_random_sigkills_lose_no_acknowledged_sample(tiny_model, tmp_path, monke
     acked = [0] + [entry["acked"] for entry in lives]
     assert sum(1 for a, b in zip(acked, acked[1:]) if b > a) >= 2
     assert lives[-1]["version"] != "0" and len(witnessed) >= 10
+
+
+def _held_digest(held: dict) -> str:
+    """The few status fields that say why a last life did not drain, on one short line."""
+    learner, trainer = held.get("learner") or {}, held.get("trainer") or {}
+    picks = {"pending": (held.get("scoring") or {}).get("pending"),
+             "journal_live": (held.get("queue") or {}).get("journal_live"), "paused": held.get("paused"),
+             **{k: learner.get(k) for k in ("waiting_since", "steps", "failed_steps", "failed_publishes",
+                                           "failed_writes", "skipped_steps", "requeued_after_restart", "rollbacks")},
+             **{f"trainer_{k}": trainer.get(k) for k in ("alive", "restarts", "step", "checkpoint_step", "owed",
+                                                         "writing")}}
+    return json.dumps(picks, default=str)
+
+
+def _not_chat(lines: list[str]) -> list[str]:
+    """The daemon's log without its per-request chat lines: what the learner, trainer and engines said."""
+    return [line for line in lines if " clawd.chat: " not in line]
 
 
 def _check_start(daemon: Daemon, expect: dict) -> None:

@@ -9,7 +9,7 @@ import signal
 
 import openai
 
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.daemon import Shutdown, run
 
 from .fake_sglang import FakeSGLang

@@ -41,7 +41,7 @@ async def test_the_dashboard_draws_a_live_daemons_versions(tiny_model, tmp_path)
         "auth": {"keys": [{"name": "ops", "key": KEY, "operator": True}]},
         "model": {"path": str(tiny_model), "max_tokens_cap": 8}, "engine": {"launch": "local", "seed": 1},
         "learner": {"enabled": True, "rollout_batch_size": 4, "min_batch_size": 4},
-        "train": {"lr": 1e-2, "checkpoint_every": 1},
+        "train": {"checkpoint_every": 1, "optimizer": {"lr": 1e-2}},
         # A gate that scores but never rejects (margin 0.95): this test is about the view, not the verdicts.
         "gate": {"enabled": True, "set": gate_set(tmp_path / "gate.jsonl"), "samples_per_prompt": 2, "max_tokens": 8,
                  "margin": 0.95},

@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.ops.dashboard import CHALLENGE, Dashboard, csp_for, presented_secret
 from clawd.serving.api import AUTH, make_app
 from clawd.serving.auth import Authenticator

@@ -12,7 +12,7 @@ import urllib.request
 import openai
 import pytest
 
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.engine.client import EngineClient, EngineTimeout
 from clawd.engine.supervisor import EngineState, EngineSupervisor
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from clawd import credentials
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.credentials import REDACTED
 from clawd.engine.output import EngineOutput
 

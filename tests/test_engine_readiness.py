@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.engine.client import EngineClient, EngineError
 from clawd.engine.supervisor import EngineState, EngineSupervisor
 

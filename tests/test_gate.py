@@ -12,7 +12,7 @@ import pytest
 from clawd.safety import evalset
 from clawd.safety.gate import GateUnavailable, PromotionGate, decide, seed_of
 from clawd.safety.versions import REJECTED, Versions
-from clawd.safety_config import GateConfig
+from clawd.config.gate import GateConfig
 from clawd.tools.sim import personas
 from clawd.tools.sim.users import Users
 
@@ -149,8 +149,9 @@ async def test_a_version_trained_on_adversarial_rewards_is_rejected_on_its_canar
         "engine": {"launch": "local", "seed": 1, "replicas": 2},
         "learner": {"enabled": True, "rollout_batch_size": 8, "min_batch_size": 8},
         # one update a batch, sample_mean: the step this test's canary collapse was calibrated on
-        "train": {"lr": 0.3, "checkpoint_every": 1, "seed": 1, "reward_baseline": "batch_mean", "ppo_mini_batches": 1,
-                  "aggregation": "sample_mean"}, "versions": {"rollback_depth": 2},
+        "train": {"checkpoint_every": 1, "seed": 1, "ppo_mini_batches": 1, "optimizer": {"lr": 0.3},
+                  "loss": {"reward_baseline": "batch_mean",
+                           "aggregation": "sample_mean"}}, "versions": {"rollback_depth": 2},
         "gate": {"enabled": True, "set": gate_set(tmp_path / "gate.jsonl"), "samples_per_prompt": 2,
                  "max_tokens": 8, "temperature": 1.0, "margin": 0.05}})
     # The poison: terse users thank replies of under three words whatever they say, and correct the rest;

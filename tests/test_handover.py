@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from clawd.pauses import Pauses
 from clawd.privacy.policy import Privacy
-from clawd.privacy_config import PrivacyConfig
+from clawd.config.privacy import PrivacyConfig
 from clawd.records import RecordWriter
 from clawd.scoring.handover import TurnHandover
 from clawd.turns import FinishedTurn, Turn

@@ -459,7 +459,7 @@ def test_tiny_model_tokens(tiny_model):
 async def test_the_scorer_gives_every_judge_prompt_its_own_nonce(tmp_path):
     import asyncio
 
-    from clawd.config import config_from_dict
+    from clawd.config.loading import config_from_dict
     from clawd.learning.journal import Journal
     from clawd.learning.store import SampleStore
     from clawd.records import RecordWriter

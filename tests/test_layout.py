@@ -21,6 +21,7 @@ PACKAGE = ROOT / "clawd"
 # upstream to downstream; privacy (PII, consent, file modes, retention) is the policy any stage may call
 STAGES = ["serving", "scoring", "learning", "safety", "trainer", "engine", "privacy"]
 ENTRY = {"clawd.cli", "clawd.daemon", "clawd.__main__"}
+FLOOR_PACKAGES = {"config"}  # a package of the floor: the configuration, one module per section of the file
 MAX_LINES, REASONED_MAX_LINES = 500, 600
 
 
@@ -66,6 +67,8 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "root"
+    if parts[1] in FLOOR_PACKAGES:
+        return "floor"
     return parts[1] if len(parts) > 2 or (PACKAGE / parts[1]).is_dir() else "floor"
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from clawd.config import LearnerConfig
+from clawd.config.learner import LearnerConfig
 from clawd.engine.client import EngineError, EngineClient, EngineUnavailable
 from clawd.learning.journal import Journal
 from clawd.learning.learner import Learner

@@ -123,7 +123,7 @@ def learn(tiny_model, tmp_path, mode: str, seed: int, control: str = "none",
         "judge": {"teacher_engine": "policy"},
         "learner": {"enabled": True, "rollout_batch_size": ROLLOUT_BATCH, "min_batch_size": 1,
                     "control": control},
-        "train": {"lr": LR, "seed": seed, "reward_baseline": baseline}})
+        "train": {"seed": seed, "optimizer": {"lr": LR}, "loss": {"reward_baseline": baseline}}})
     try:
         user = User(daemon)
         before = user.evaluate()

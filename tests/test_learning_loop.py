@@ -24,7 +24,8 @@ def test_judged_turns_are_trained_and_the_engine_serves_the_new_version(tiny_mod
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 6},
                                "engine": {"launch": "local"},
                                "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 1},
-                               "train": {"lr": 1e-3, "checkpoint_every": 1}})  # acked at once (default: 10th)
+                               "train": {"checkpoint_every": 1,
+                                         "optimizer": {"lr": 1e-3}}})  # acked at once (default: 10th)
     try:
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
         for i in range(2):

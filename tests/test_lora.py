@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from clawd.train_config import TrainConfig
+from clawd.config.train import LoraConfig, LossConfig, OptimizerConfig, TrainConfig
 from clawd.trainer.step import Trainer
 
 from .harness import Daemon
 from .load import load_until_published, publish_windows
 from .test_trainer import REPO, mixed_batch, sample
 
-LORA = dict(lora_rank=4, lora_alpha=8.0, lora_lr=1e-2, seed=3)
+LORA = dict(lora=LoraConfig(rank=4, alpha=8.0, lr=1e-2), seed=3)
 PUBLISHES = 5
 
 
@@ -43,7 +43,7 @@ def test_a_lora_step_changes_only_the_adapters(tiny_model, tmp_path):
     assert {id(p) for p in trainer.params} == {id(p) for p in trainer.model.parameters() if p.requires_grad}
     for batch in batches(2):
         metrics = trainer.train_step(batch, "combine")
-        assert not metrics["skipped"] and metrics["lr"] == LORA["lora_lr"]
+        assert not metrics["skipped"] and metrics["lr"] == LORA["lora"].lr
     after = base_of(trainer)
     assert after.keys() == base.keys() and all(torch.equal(after[k], base[k]) for k in base)  # bit for bit
     moved = adapters_of(trainer)
@@ -55,14 +55,15 @@ def test_a_lora_step_changes_only_the_adapters(tiny_model, tmp_path):
     assert sorted(p.name for p in dest.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((dest / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 8.0, 0.0)
-    assert sorted(config["target_modules"]) == sorted(TrainConfig().lora_target_modules)
+    assert sorted(config["target_modules"]) == sorted(TrainConfig().lora.target_modules)
 
 
 def test_lora_rank_0_is_the_full_fine_tune(tiny_model, tmp_path):
     """The LoRA keys change nothing while lora_rank is 0: the same step, the same weights, a model directory."""
-    plain = Trainer(tiny_model, tmp_path / "a", TrainConfig(lr=1e-3))
-    zero = Trainer(tiny_model, tmp_path / "b", TrainConfig(lr=1e-3, lora_rank=0, lora_alpha=3.0, lora_lr=0.5,
-                                                          lora_target_modules=("q_proj",)))
+    plain = Trainer(tiny_model, tmp_path / "a", TrainConfig(optimizer=OptimizerConfig(lr=1e-3)))
+    zero = Trainer(tiny_model, tmp_path / "b", TrainConfig(optimizer=OptimizerConfig(lr=1e-3),
+                                                           lora=LoraConfig(rank=0, alpha=3.0, lr=0.5,
+                                                                           target_modules=("q_proj",))))
     assert type(zero.model) is type(plain.model) and "Peft" not in type(zero.model).__name__
     for batch in batches(2):
         assert plain.train_step(batch, "combine")["loss"] == zero.train_step(batch, "combine")["loss"]
@@ -102,7 +103,8 @@ def test_the_reference_in_lora_mode_is_the_base_model(tiny_model, tmp_path):
     """The reference log-probs (the KL term's) are the base model's, however far the adapters moved, and
     the KL term starts at 0 (PEFT's B starts at zero: step 1's policy is the base)."""
     base = Trainer(tiny_model, tmp_path / "base", TrainConfig())
-    trainer = Trainer(tiny_model, tmp_path / "lora", TrainConfig(**LORA, kl_loss_coef=0.1, ppo_mini_batches=1))
+    trainer = Trainer(tiny_model, tmp_path / "lora", TrainConfig(**LORA, ppo_mini_batches=1,
+                                                                 loss=LossConfig(kl_coef=0.1)))
     probe = mixed_batch()
     first = trainer.train_step(batches(1)[0], "combine")
     assert first["loss_kl"] == 0.0
@@ -171,7 +173,7 @@ async def test_the_cpu_engine_serves_the_adapters_logprobs_and_the_base_as_refer
     for batch in batches(2):
         trainer.train_step(batch, "combine")
     adapter = trainer.publish(1)
-    args = parse_args(["--model", str(tiny_model), "--threads", "1", *TrainConfig(**LORA).lora_flags()])
+    args = parse_args(["--model", str(tiny_model), "--threads", "1", *TrainConfig(**LORA).lora.flags()])
     async with running(Engine(args)) as url, aiohttp.ClientSession() as http:
         async def post(path: str, body: dict) -> dict:
             async with http.post(url + path, json=body) as resp:
@@ -202,7 +204,7 @@ async def test_a_rolling_adapter_publish_and_the_retired_adapters_unload(tmp_pat
     none; a retired adapter is unloaded only once the last request carrying it has ended."""
     import asyncio
 
-    from clawd.config import config_from_dict
+    from clawd.config.loading import config_from_dict
     from clawd.engine.client import EngineClient
     from clawd.engine.lora import AdapterUse
     from clawd.engine.replicas import Balanced, Replicas
@@ -212,7 +214,7 @@ async def test_a_rolling_adapter_publish_and_the_retired_adapters_unload(tmp_pat
 
     from .fake_sglang import FakeSGLang
 
-    targets = list(TrainConfig().lora_target_modules)
+    targets = list(TrainConfig().lora.target_modules)
     for v in (1, 2):
         (tmp_path / f"v{v}").mkdir()
         (tmp_path / f"v{v}" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4,
@@ -220,7 +222,7 @@ async def test_a_rolling_adapter_publish_and_the_retired_adapters_unload(tmp_pat
     lora = dict(enable_lora=True, max_lora_rank=4, lora_target_modules=targets)
     async with FakeSGLang(**lora) as a, FakeSGLang(**lora) as b:
         cfg = config_from_dict({"engine": {"launch": "none", "urls": [a.url, b.url], "health_interval": 0.1},
-                                "train": {"lora_rank": 4}})
+                                "train": {"lora": {"rank": 4}}})
         policy = Policy()
         sups = [EngineSupervisor(cfg, EngineClient(f.url), "policy", policy, index=i) for i, f in enumerate((a, b))]
         for sup in sups:
@@ -293,14 +295,14 @@ async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tin
 
     import openai
 
-    from clawd.config import config_from_dict
+    from clawd.config.loading import config_from_dict
     from clawd.daemon import Shutdown, run
 
     from .fake_sglang import FakeSGLang
     from .test_daemon import _listening
 
     caplog.set_level(logging.INFO, logger="clawd")
-    targets = list(TrainConfig().lora_target_modules)
+    targets = list(TrainConfig().lora.target_modules)
     async with FakeSGLang(tokens=6, enable_lora=True, max_lora_rank=4, lora_target_modules=targets) as fake:
         cfg = config_from_dict({
             "server": {"port": 0}, "state": {"dir": str(tmp_path / "state"), "min_free_bytes": 0},
@@ -309,7 +311,7 @@ async def test_the_daemon_serves_each_adapter_and_asks_the_base_as_reference(tin
             "scoring": {"mode": "combine"}, "judge": {"backend": "rules", "teacher_engine": "reference"},
             "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
             # the raw reward: a batch of one would centre on its own reward and take no step
-            "train": {"lora_rank": 4, "lora_alpha": 8.0, "reward_baseline": "none"}})
+            "train": {"lora": {"rank": 4, "alpha": 8.0}, "loss": {"reward_baseline": "none"}}})
         assert not cfg.reference_engine_needed
         shutdown = Shutdown()
         running = asyncio.create_task(run(cfg, shutdown))
@@ -368,7 +370,7 @@ def test_five_adapter_publishes_under_load_fail_no_request(tiny_model, tmp_path)
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 8},
                                "engine": {"launch": "local"},
                                "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
-                               "train": {"lora_rank": 4, "lora_lr": 1e-3}})
+                               "train": {"lora": {"rank": 4, "lr": 1e-3}}})
     try:
         requests, learner = load_until_published(daemon, users=4, publishes=PUBLISHES, timeout=240)
         # The users have stopped and their requests ended: every retired adapter is unloaded soon after (the

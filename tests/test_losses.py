@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from clawd.train_config import LossConfig
+from clawd.config.train import LossConfig
 from clawd.trainer import head, losses
 
 F64 = torch.float64
@@ -395,7 +395,8 @@ def test_padding_contributes_nothing_whatever_it_holds():
             x[1, 2] = pad
         lp_old, lp_rollout, adv, lp_ref, ent = filled
         loss, parts = losses.total_loss(lp_new, lp_old, lp_rollout, adv, MASK,
-                                        LossConfig(kl_coef=0.1, entropy_coef=0.01), lp_ref=lp_ref, entropy=ent)
+                                        LossConfig(aggregation="sample_mean", kl_coef=0.1,
+                                                   entropy_coef=0.01), lp_ref=lp_ref, entropy=ent)
         loss.backward()
         return loss, parts, lp_new.grad
 
@@ -469,8 +470,8 @@ def test_kl_k3_by_hand():
     assert close(lp_new.grad, [-1.0, 0.0, 0.5])
 
 
-def test_total_loss_is_the_policy_loss_by_default():
-    loss, parts = losses.total_loss(LP_NEW, LP_OLD, LP_ROLLOUT, ADV, MASK)
+def test_total_loss_without_its_extra_terms_is_the_policy_loss():
+    loss, parts = losses.total_loss(LP_NEW, LP_OLD, LP_ROLLOUT, ADV, MASK, LossConfig(aggregation="sample_mean"))
     assert torch.equal(loss, losses.policy_loss(LP_NEW, LP_OLD, LP_ROLLOUT, ADV, MASK))
     assert parts == {"policy_loss": loss.item()}
 
@@ -482,7 +483,8 @@ def test_total_loss_with_kl_and_entropy_by_hand():
     ent = t([[1.0, 2.0]], requires_grad=True)     # mean 1.5
     adv, mask = t([[1.0, -1.0]]), torch.ones(1, 2)
     loss, parts = losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask,
-                                    LossConfig(kl_coef=0.5, entropy_coef=0.1), lp_ref=lp_ref, entropy=ent)
+                                    LossConfig(aggregation="sample_mean", kl_coef=0.5,
+                                               entropy_coef=0.1), lp_ref=lp_ref, entropy=ent)
     # 0 + 0.5·0.25 − 0.1·1.5
     assert close(loss, -0.025)
     assert parts.keys() == {"policy_loss", "kl", "entropy"}
@@ -492,9 +494,11 @@ def test_total_loss_with_kl_and_entropy_by_hand():
     # the entropy bonus pushes entropy up: ∂loss/∂H = −0.1 / 2 tokens
     assert close(ent.grad, [[-0.05, -0.05]])
     with pytest.raises(ValueError):
-        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, LossConfig(kl_coef=0.1))
+        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, LossConfig(aggregation="sample_mean",
+                                                                                          kl_coef=0.1))
     with pytest.raises(ValueError):
-        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, LossConfig(entropy_coef=0.1))
+        losses.total_loss(lp_new, lp_new.detach(), lp_new.detach(), adv, mask, LossConfig(aggregation="sample_mean",
+                                                                                          entropy_coef=0.1))
 
 
 # --- metrics ---------------------------------------------------------------------------------
@@ -576,7 +580,8 @@ def test_topk_opd_loss_by_hand_and_its_gradient_is_minus_the_advantage():
     assert torch.equal(lp_new.grad[1], torch.zeros(2, 2))  # no top-k rows: nothing, NaN slots or not
     # in total_loss it is a part of its own, weighted by w_opd
     zero = torch.zeros(2, 2)
-    total, parts = losses.total_loss(zero, zero, zero, zero, mask, topk=losses.TopK(
+    total, parts = losses.total_loss(zero, zero, zero, zero, mask, LossConfig(aggregation="sample_mean"),
+                                     topk=losses.TopK(
         lp_new.detach(), lp_new.detach(), teacher, rows, weight=2.0, clip=1.0))
     assert close(total, 2 * -0.125 / 4) and math.isclose(parts["opd_topk"], -0.125 / 4, rel_tol=1e-12)
 
@@ -587,7 +592,8 @@ def test_the_kl_term_reads_its_own_logprobs_on_the_rows_that_have_a_reference():
     kl_lp = lp(0.5, 0.5, 0.5, 0.5).reshape(2, 2).requires_grad_()
     lp_ref = t([[ln(1.0), ln(0.25)], [math.nan, math.nan]])
     mask = torch.ones(2, 2)
-    loss, parts = losses.total_loss(lp_new, lp_new, lp_new, torch.zeros(2, 2), mask, LossConfig(kl_coef=1.0),
+    loss, parts = losses.total_loss(lp_new, lp_new, lp_new, torch.zeros(2, 2), mask,
+                                    LossConfig(aggregation="sample_mean", kl_coef=1.0),
                                     lp_ref=lp_ref, kl_lp=kl_lp, kl_rows=torch.tensor([True, False]))
     # row 0: k3 = [1 − ln2, ln2 − 1/2], its mean 1/4; row 1 adds 0; sample_mean over 2 samples
     assert math.isclose(parts["kl"], 0.125, rel_tol=1e-12)

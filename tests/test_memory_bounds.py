@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.engine.replicas import Replicas
 from clawd.served import Policy
 from clawd.serving.completion import ChatService

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from clawd.train_config import TrainConfig
+from clawd.config.train import LoraConfig, TrainConfig, WorldConfig, overlay
 from clawd.trainer import recompute
 from clawd.trainer.memory import GIB, Shape, activation_bytes_per_token_layer, plan, problem
 
@@ -70,9 +70,10 @@ def test_the_plan_adds_up_and_refuses_what_cannot_fit():
     assert full.activations == 8192 * (36 * activation_bytes_per_token_layer(shape, True) + 8 * 2560)
     redone = plan(shape, TrainConfig(micro_batch_tokens=8192), cuda=True, recompute=True)
     assert redone.activations == full.activations_other < full.activations / 10
-    two = plan(shape, TrainConfig(micro_batch_tokens=8192, nproc_per_node=2), cuda=True, recompute=True)
+    two = plan(shape, TrainConfig(micro_batch_tokens=8192, world=WorldConfig(nproc_per_node=2)), cuda=True,
+               recompute=True)
     assert two.optimizer == redone.optimizer // 2 and two.gathered > 0
-    lora = plan(shape, TrainConfig(micro_batch_tokens=8192, lora_rank=16), cuda=True, recompute=True)
+    lora = plan(shape, TrainConfig(micro_batch_tokens=8192, lora=LoraConfig(rank=16)), cuda=True, recompute=True)
     assert lora.parameters < redone.parameters / 1.9 and lora.optimizer < redone.optimizer / 50
     print(f"\n4B shape, 8192 tokens: full {full.total / GIB:.0f} GiB, recompute {redone.total / GIB:.0f}, "
           f"2 ranks {two.total / GIB:.0f}, LoRA {lora.total / GIB:.0f}")
@@ -94,11 +95,12 @@ def test_check_config_and_plan_print_the_plan_and_refuse_a_layout_that_cannot_fi
         vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, tie_word_embeddings=True).to_dict()))
     raw = {"model": {"path": str(model)}, "state": {"dir": str(tmp_path / "state")},
-           "train": {"device": "cuda", "gpu_memory_gib": 80.0, "micro_batch_tokens": 32768, "recompute": "off"}}
+           "train": {"micro_batch_tokens": 32768, "recompute": "off", "world": {"device": "cuda",
+                                                                                "gpu_memory_gib": 80.0}}}
     path = tmp_path / "clawd.toml"
 
     def run(*args: str, **train) -> int:
-        path.write_text(to_toml({**raw, "train": {**raw["train"], **train}}))
+        path.write_text(to_toml({**raw, "train": overlay(raw["train"], train)}))
         return main(["--config", str(path), *args])
 
     assert run("--check-config") == EXIT_CONFIG

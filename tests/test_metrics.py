@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clawd.serving.api import make_app
 from clawd.serving.completion import ChatStats
-from clawd.config import ApiKey, AuthConfig, Config
+from clawd.config.auth import ApiKey, AuthConfig
+from clawd.config.schema import Config
 from clawd.learning.learner import LearnerStats
 from clawd.ops.metrics import Metrics
 

@@ -30,8 +30,8 @@ def sections(tiny_model, monitors: bool) -> dict:
             "engine": {"launch": "local", "seed": 1},
             "learner": {"enabled": True, "rollout_batch_size": 16, "min_batch_size": 16},
             # one update a batch, sample_mean: the step the hack's pace (and this test's time) was measured on
-            "train": {"lr": 3e-2, "checkpoint_every": 1, "seed": 1, "reward_baseline": "batch_mean",
-                      "ppo_mini_batches": 1, "aggregation": "sample_mean"},
+            "train": {"checkpoint_every": 1, "seed": 1, "ppo_mini_batches": 1, "optimizer": {"lr": 3e-2},
+                      "loss": {"reward_baseline": "batch_mean", "aggregation": "sample_mean"}},
             # Every version's checkpoint is kept: a rollback's target is the newest version judged clean, and
             # when steps come faster than replies (a quiet machine: 21 versions in 6 s) only the first few
             # versions are judged. With a depth of 8 their checkpoints had rotated out by the alarm on v20,

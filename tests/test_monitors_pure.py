@@ -12,7 +12,7 @@ import pytest
 from clawd.safety.degeneration import summarise
 from clawd.safety.monitors import (MONITORS, TEXT_CHARS, TEXTS_KEPT, Alarm, Monitors, Tally, drift, is_refusal,
                                    tool_call_error, worst)
-from clawd.safety_config import DEFAULT_RULES, MonitorRule, MonitorsConfig
+from clawd.config.monitors import DEFAULT_RULES, MonitorRule, MonitorsConfig
 from clawd.turns import FinishedTurn, Turn
 
 RULES = MonitorsConfig().rules()

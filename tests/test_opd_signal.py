@@ -29,7 +29,7 @@ import types
 import pytest
 import torch
 
-from clawd.config import TrainConfig
+from clawd.config.train import LossConfig, OptimizerConfig, TrainConfig
 from clawd.samples import Sample
 from clawd.scoring import judging, rules
 from clawd.tokenizer import ChatTokenizer
@@ -144,7 +144,8 @@ def test_a_hint_that_carries_the_answer_moves_the_teacher_and_top_k_steps_move_t
             teacher = rows(trainer, prompts[i], ids)
             batch.append(_sample(i, c.prompt, ids, teacher=teacher.gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist(),
                                  rollout=b, top=(top.tolist(), teacher.gather(-1, top).tolist())))
-        model = Trainer(model_dir, tmp_path / name, TrainConfig(lr=2e-6, seed=0, opd_top_k=K, ppo_mini_batches=1))
+        model = Trainer(model_dir, tmp_path / name, TrainConfig(
+            seed=0, ppo_mini_batches=1, optimizer=OptimizerConfig(lr=2e-6), loss=LossConfig(opd_top_k=K)))
         for _ in range(STEPS):
             assert not model.train_step(batch, "opd")["skipped"]
         first = {kind: statistics.fmean(a[c.spans[kind][0]] - b[c.spans[kind][0]] for a, b, c in

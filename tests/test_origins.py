@@ -127,7 +127,7 @@ async def test_a_page_on_another_origin_leaves_no_turn_and_a_listed_one_is_serve
 
 
 def test_config_checks_origins_as_browsers_send_them():
-    from clawd.config import ConfigError, config_from_dict
+    from clawd.config.loading import config_from_dict, ConfigError
 
     config_from_dict({"server": {"allowed_origins": ["https://chat.example.com", "http://a:8080"]}})
     for bad in ("*", "chat.example.com", "https://chat.example.com/", "ftp://x"):

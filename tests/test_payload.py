@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from clawd.config import SamplingConfig
+from clawd.config.sampling import SamplingConfig
 from clawd.serving.errors import ApiError
 from clawd.serving.payload import engine_sampling
 from clawd.serving.request import Sampling

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from clawd.config import ConfigError, config_from_dict
+from clawd.config.loading import config_from_dict, ConfigError
+from clawd.config.train import overlay
 from clawd.tools.tomlfile import to_toml
 from clawd.engine.launch import write_keys_file
 
@@ -32,7 +33,7 @@ def _gpu_config(tmp_path) -> dict:
                        "admin_api_key_env": "CLAWD_TEST_ADMIN", "sglang_args": ["--tp-size", "2"],
                        "reference_sglang_args": ["--mem-fraction-static", "0.5"]},
             "judge": {"api_key_file": str(tmp_path / "judge-key")},
-            "train": {"gpus": "3"}}
+            "train": {"world": {"gpus": "3"}}}
 
 
 def _plan(tmp_path, raw: dict, *args: str) -> subprocess.CompletedProcess:
@@ -83,20 +84,22 @@ def test_the_child_environment_scrubs_log_prob_switches(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("change, key", [
     ({"engine": {"reference_gpus": "1"}}, "engine.gpus: GPU 1 is shared by the policy engine"),
-    ({"train": {"gpus": "2"}}, "train.gpus: GPU 2 is shared by the reference engine (engine.reference_gpus) and "
-                               "the trainer (train.gpus): every role on a shared GPU must set its memory share "
-                               "(train.memory_fraction for the trainer)"),
-    ({"train": {"gpus": "2", "memory_fraction": 0.6}}, "train.gpus: GPU 2 is shared by the reference engine "
-                                                        "(engine.reference_gpus) and the trainer (train.gpus), "
+    ({"train": {"world": {"gpus": "2"}}},
+     "train.world.gpus: GPU 2 is shared by the reference engine (engine.reference_gpus) and "
+                               "the trainer (train.world.gpus): every role on a shared GPU must set its memory share "
+                               "(train.world.memory_fraction for the trainer)"),
+    ({"train": {"world": {"gpus": "2", "memory_fraction": 0.6}}},
+     "train.world.gpus: GPU 2 is shared by the reference engine "
+                                                        "(engine.reference_gpus) and the trainer (train.world.gpus), "
                                                         "whose memory shares add up to 1.10"),
     ({"engine": {"reference_gpus": ""}}, "engine.reference_gpus: must name the GPUs of the reference engine"),
     ({"engine": {"gpus": "0"}}, "engine.gpus: names 1 GPU(s), but the SGLang arguments of the policy engine use 2"),
-    ({"train": {"gpus": ""}, "learner": {}}, None),  # no trainer GPUs: the trainer runs on the CPU
+    ({"train": {"world": {"gpus": ""}}, "learner": {}}, None),  # no trainer GPUs: the trainer runs on the CPU
 ])
 def test_check_config_refuses_overlapping_gpus_naming_the_key(tmp_path, change, key):
     raw = _gpu_config(tmp_path)
     for section, values in change.items():
-        raw[section] = {**raw.get(section, {}), **values}
+        raw[section] = overlay(raw[section], values) if section == "train" else {**raw.get(section, {}), **values}
     done = _plan(tmp_path, raw, "--check-config")
     if key is None:
         assert done.returncode == 0, done.stderr
@@ -108,7 +111,7 @@ def test_a_shared_gpu_is_accepted_when_every_role_on_it_sets_its_share(tmp_path)
     raw = _gpu_config(tmp_path)
     raw["engine"] |= {"gpus": "0", "reference_gpus": "0", "sglang_args": ["--mem-fraction-static", "0.4"],
                       "reference_sglang_args": ["--mem-fraction-static=0.25"]}
-    raw["train"] |= {"gpus": "0", "memory_fraction": 0.3}
+    raw["train"] = overlay(raw["train"], {"world": {"gpus": "0", "memory_fraction": 0.3}})
     done = _plan(tmp_path, raw, "--plan", "--json")
     assert done.returncode == 0, done.stderr
     assert {p["role"]: p["devices"] for p in json.loads(done.stdout)["processes"]} == {
@@ -116,9 +119,9 @@ def test_a_shared_gpu_is_accepted_when_every_role_on_it_sets_its_share(tmp_path)
 
 
 def test_train_gpus_make_the_trainer_run_on_cuda_unless_told_otherwise():
-    assert config_from_dict({"train": {"gpus": "3"}}).train.device == "cuda"
-    with pytest.raises(ConfigError, match='train.device: must be "cuda" when gpus is set'):
-        config_from_dict({"train": {"gpus": "3", "device": "cpu"}})
+    assert config_from_dict({"train": {"world": {"gpus": "3"}}}).train.world.device == "cuda"
+    with pytest.raises(ConfigError, match='train.world.device: must be "cuda" when gpus is set'):
+        config_from_dict({"train": {"world": {"gpus": "3", "device": "cpu"}}})
 
 
 def test_keys_file_is_private_and_holds_sglang_config_keys(tmp_path):
@@ -153,7 +156,7 @@ def test_plan_in_lora_mode_serves_adapters_on_the_policy_engine_and_starts_no_re
     raw = _gpu_config(tmp_path)
     raw["engine"].pop("reference_gpus")
     raw["engine"].pop("reference_sglang_args")
-    raw["train"] |= {"lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"]}
+    raw["train"] = overlay(raw["train"], {"lora": {"rank": 16, "target_modules": ["q_proj", "v_proj"]}})
     done = _plan(tmp_path, raw, "--plan", "--json")
     assert done.returncode == 0, done.stderr
     processes = {p["role"]: p for p in json.loads(done.stdout)["processes"]}
@@ -171,11 +174,11 @@ def test_plan_in_lora_mode_serves_adapters_on_the_policy_engine_and_starts_no_re
 def test_lora_refuses_data_parallel_replicas_and_modules_sglang_does_not_serve_adapters_on():
     """SGLang 0.5.23 asserts dp_size == 1 when it loads an adapter (an HTTP 500 at every publish) and its
     argparse refuses a target module outside its list (the engine never starts): both are refused at start."""
-    with pytest.raises(ConfigError, match="--dp-size above 1 with train.lora_rank > 0.*replicas = N"):
-        config_from_dict({"train": {"lora_rank": 8}, "engine": {"sglang_args": ["--dp-size=2"]}})
-    config_from_dict({"train": {"lora_rank": 8}, "engine": {"sglang_args": ["--tp-size", "2"]}})
+    with pytest.raises(ConfigError, match="--dp-size above 1 with train.lora.rank > 0.*replicas = N"):
+        config_from_dict({"train": {"lora": {"rank": 8}}, "engine": {"sglang_args": ["--dp-size=2"]}})
+    config_from_dict({"train": {"lora": {"rank": 8}}, "engine": {"sglang_args": ["--tp-size", "2"]}})
     config_from_dict({"engine": {"sglang_args": ["--dp-size", "2"]}})  # a full fine-tune publishes from disk
-    with pytest.raises(ConfigError, match="train.lora_target_modules: attn: not a module SGLang serves"):
-        config_from_dict({"train": {"lora_rank": 8, "lora_target_modules": ["q_proj", "attn"]}})
+    with pytest.raises(ConfigError, match="train.lora.target_modules: attn: not a module SGLang serves"):
+        config_from_dict({"train": {"lora": {"rank": 8, "target_modules": ["q_proj", "attn"]}}})
     with pytest.raises(ConfigError, match="all: not a module"):  # the trainer needs the names
-        config_from_dict({"train": {"lora_rank": 8, "lora_target_modules": ["all"]}})
+        config_from_dict({"train": {"lora": {"rank": 8, "target_modules": ["all"]}}})

@@ -8,11 +8,11 @@ import os
 import stat
 from dataclasses import replace
 
-from clawd.config import ApiKey
+from clawd.config.auth import ApiKey
 from clawd.privacy import files
 from clawd.privacy.policy import CONSENT, PII, Privacy
 from clawd.privacy.retention import Retention
-from clawd.privacy_config import PrivacyConfig
+from clawd.config.privacy import PrivacyConfig
 from clawd.records import RecordWriter
 from clawd.turns import NO_TRAIN, FinishedTurn, Turn
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
-from clawd.config import TrainConfig
+from clawd.config.train import OptimizerConfig, TrainConfig
 from clawd.trainer import checkpoints
 from clawd.trainer.handler import TrainerHandler
 from clawd.trainer.step import Trainer
@@ -32,7 +32,7 @@ def loaded(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_bf16_base_is_published_in_bf16_rounded_from_the_float32_master(tiny_model_bf16, tmp_path):
-    trainer = Trainer(tiny_model_bf16, tmp_path / "state", TrainConfig(lr=1e-3))
+    trainer = Trainer(tiny_model_bf16, tmp_path / "state", TrainConfig(optimizer=OptimizerConfig(lr=1e-3)))
     assert trainer.publish_dtype == "bfloat16"
     base = loaded(tiny_model_bf16)
     master = weights(trainer)
@@ -67,7 +67,7 @@ def test_a_bf16_base_is_published_in_bf16_rounded_from_the_float32_master(tiny_m
 
 
 def test_a_float32_base_still_publishes_float32_equal_to_the_master(tiny_model, tmp_path):
-    trainer = Trainer(tiny_model, tmp_path / "state", TrainConfig(lr=1e-3))
+    trainer = Trainer(tiny_model, tmp_path / "state", TrainConfig(optimizer=OptimizerConfig(lr=1e-3)))
     assert trainer.publish_dtype == "float32"
     trainer.train_step(mixed_batch(), "combine")
     path = trainer.publish(1)

@@ -7,7 +7,10 @@ import tomllib
 
 import pytest
 
-from clawd.config import ApiKey, Config, config_from_dict
+from clawd.config.auth import ApiKey
+from clawd.config.loading import config_from_dict
+from clawd.config.schema import Config
+from clawd.config.train import OptimizerConfig
 from clawd.tools.tomlfile import to_toml
 from clawd.ops.reload import (RELOADABLE, ReloadPlan, ReloadTargets, apply_reload, changed_keys, in_effect,
                           load_for_reload, plan_reload, reload)
@@ -57,10 +60,11 @@ def test_judge_call_settings_apply_and_the_backend_does_not():
 
 def test_everything_else_needs_a_restart():
     new = changed(engine={"url": "http://127.0.0.1:31000", "launch": "none"}, server={"port": 9000},
-                  state={"dir": "/srv/clawd"}, train={"lr": 2e-5}, logging={"level": "warning"})
+                  state={"dir": "/srv/clawd"}, train={"optimizer": OptimizerConfig(lr=2e-5)},
+                  logging={"level": "warning"})
     assert plan_reload(BASE, new) == ReloadPlan(
         apply=("logging.level",),
-        refused=("server.port", "engine.launch", "engine.url", "train.lr", "state.dir"))
+        refused=("server.port", "engine.launch", "engine.url", "train.optimizer.lr", "state.dir"))
 
 
 def test_the_reloadable_keys_exist():

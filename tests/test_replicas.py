@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from clawd import faults
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.engine.client import (EngineClient, EngineDisconnected, EngineError, EngineRejected, EngineTimeout,
                                  EngineUnavailable)
 from clawd.engine.replicas import Attempt, Load, Replicas, behind, choose, retryable
@@ -299,7 +299,7 @@ def test_two_cpu_replicas_publish_ten_times_keep_sessions_home_and_survive_a_kil
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 8},
                                "engine": {"launch": "local", "replicas": 2, "restart_backoff_initial": 0.5},
                                "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
-                               "train": {"lr": 1e-4}})
+                               "train": {"optimizer": {"lr": 1e-4}}})
     try:
         requests, learner = load_until_published(daemon, users=4, publishes=publishes, timeout=150)
         status = daemon.get("/debug/process")[1]

@@ -17,7 +17,7 @@ from clawd.weights import checkpointed_versions
 
 from .harness import ROOT, Daemon
 from .test_learning_loop import _wait
-from .test_trainer import mixed_batch, same, sample, weights
+from .test_trainer import flat_config, mixed_batch, same, sample, weights
 
 CLAWCTL = str(ROOT / "bin" / "clawctl")
 
@@ -101,10 +101,9 @@ def test_rejected_samples_are_kept_for_inspection(tmp_path):
 
 @pytest.fixture
 def make(tiny_model, tmp_path):
-    from clawd.config import TrainConfig
     from clawd.trainer.step import Trainer
 
-    return lambda name="state", **cfg: Trainer(tiny_model, tmp_path / name, TrainConfig(**{"lr": 1e-3, **cfg}))
+    return lambda name="state", **cfg: Trainer(tiny_model, tmp_path / name, flat_config(**{"lr": 1e-3, **cfg}))
 
 
 def test_the_trainer_restores_a_versions_checkpoint_weights_and_optimizer(make):
@@ -168,7 +167,7 @@ def clawctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess:
 def test_clawctl_rollback_serves_a_versions_weights_again_and_training_goes_on_from_it(tiny_model, tmp_path):
     sections = {"model": {"path": str(tiny_model), "max_tokens_cap": 6}, "engine": {"launch": "local"},
                 "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 1},
-                "train": {"lr": 1e-2, "checkpoint_every": 1}, "versions": {"rollback_depth": 3}}
+                "train": {"checkpoint_every": 1, "optimizer": {"lr": 1e-2}}, "versions": {"rollback_depth": 3}}
     daemon = Daemon(tmp_path, sections)
     try:
         _learn(daemon, 3)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from clawd.config import config_from_dict
+from clawd.config.loading import config_from_dict
 from clawd.learning.journal import Journal
 from clawd.scoring.judges import JudgeFailed
 from clawd.records import RecordWriter
@@ -192,7 +192,7 @@ async def test_the_hint_whose_teacher_overlaps_the_students_top_k_most_is_kept(t
     from clawd.tokenizer import ChatTokenizer
     tok = ChatTokenizer(tiny_model)
     cfg = config_from_dict({"scoring": {"mode": "opd", "prm_m": 3}, "judge": {"backend": "sglang"},
-                            "train": {"opd_top_k": 2}})
+                            "train": {"loss": {"opd_top_k": 2}}})
     store = SampleStore(Journal(tmp_path / "journal"))
     await store.replay()
     teacher = OverlapTeacher(tok, fail_third)

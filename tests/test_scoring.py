@@ -42,7 +42,7 @@ async def test_combine_mode_builds_a_hinted_sample_with_exact_teacher_logprobs(t
     """With top_k, the reply's top-k ids come from the policy engine, the teacher's log-probs at them from the
     reference engine, and so do the reference's own log-probs of the reply (the KL term's, kl_loss_coef > 0)."""
     policy_script, judge_script = Script(tiny_model), JudgeScript(tiny_model)
-    train = {"opd_top_k": top_k, "kl_loss_coef": 0.1} if top_k else {"opd_top_k": 0}
+    train = {"loss": {"opd_top_k": top_k, "kl_coef": 0.1} if top_k else {"opd_top_k": 0}}
     async with FakeSGLang(responder=policy_script, eos_id=policy_script.eos) as policy, \
             FakeSGLang(responder=judge_script, eos_id=judge_script.eos) as reference:
         daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model)},

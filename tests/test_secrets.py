@@ -36,7 +36,7 @@ import openai
 import pytest
 
 from clawd import credentials
-from clawd.config import ConfigError, config_from_dict
+from clawd.config.loading import config_from_dict, ConfigError
 from clawd.tools.tomlfile import to_toml
 
 from .fake_judge import FakeJudge, Reply

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clawd.train_config import TrainConfig
+from clawd.config.train import LoraConfig, TrainConfig
 from clawd.trainer import adapters, sharded_load
 
 
@@ -54,10 +54,10 @@ def test_a_non_persistent_buffer_nothing_rebuilds_raises(tiny_model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adapters_on_the_meta_device_take_the_loaded_models_dtypes(tiny_model, dtype):
-    cfg = TrainConfig(lora_rank=4, lora_alpha=8.0)
+    cfg = TrainConfig(lora=LoraConfig(rank=4, alpha=8.0))
     loaded = sharded_load.plain(tiny_model, cfg, dtype)
     with torch.device("meta"):
-        meta = adapters.wrap(meta_model(tiny_model, dtype), cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        meta = adapters.wrap(meta_model(tiny_model, dtype), cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules)
     want = {n: (p.dtype, p.shape, p.requires_grad) for n, p in loaded.named_parameters()}
     assert {n: (p.dtype, p.shape, p.requires_grad) for n, p in meta.named_parameters()} == want
     assert {p.device.type for p in meta.parameters()} == {"meta"}

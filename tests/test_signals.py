@@ -11,6 +11,8 @@ import uuid
 import openai
 import pytest
 
+from clawd.tools.tomlfile import merged
+
 from .harness import Daemon
 from .load import (BROKEN, NO_RESPONSE, OK, REFUSED, STATUS, ChatLoad, alive, expected_weight_version,
                    newest_checkpoint, read_journal, tagged_processes, thanked_conversation, wait_until,
@@ -60,10 +62,8 @@ def _learning(tiny_model, **sections) -> dict:
             "engine": {"launch": "local"},
             "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 1},
             # every other publish checkpoints: the checkpoint at shutdown is then the learner's own doing
-            "train": {"lr": 1e-4, "checkpoint_every": 2}}
-    for name, table in sections.items():
-        base[name] = {**base.get(name, {}), **table}
-    return base
+            "train": {"checkpoint_every": 2, "optimizer": {"lr": 1e-4}}}
+    return merged(base, sections)
 
 
 @pytest.mark.slow

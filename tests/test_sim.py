@@ -376,7 +376,8 @@ async def test_users_see_the_policy_version_move(tiny_model, tmp_path):
     daemon = Daemon(tmp_path, {"model": {"path": str(tiny_model), "max_tokens_cap": 8},
                                "engine": {"launch": "local", "seed": 1},
                                "learner": {"enabled": True, "rollout_batch_size": 4, "min_batch_size": 1},
-                               "train": {"lr": 3e-2, "checkpoint_every": 1000, "reward_baseline": "batch_mean"}})
+                               "train": {"checkpoint_every": 1000, "optimizer": {"lr": 3e-2},
+                                         "loss": {"reward_baseline": "batch_mean"}}})
     try:
         # Form-only: users.py judges a reply by its text alone (a substance persona needs the question).
         users = Users(daemon.url, [personas.FORM_ONLY_PERSONAS["terse"]], seed=2, concurrency=4, max_tokens=8)

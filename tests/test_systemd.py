@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from clawd.config import load_config
+from clawd.config.loading import load_config
 from clawd.ops.systemd import datagram, extend_timeout, notify, notify_address, parse_watchdog, watchdog, watchdog_interval
 
 from .harness import ROOT, Daemon
@@ -434,7 +434,7 @@ def test_the_trainer_world_unit_runs_the_line_the_plan_prints_for_its_host():
     trainer child runs on node 0, with node rank N (the values from /etc/clawd/trainer-world.env)."""
     import shlex
 
-    from clawd.train_config import TrainConfig
+    from clawd.config.train import TrainConfig, WorldConfig
     from clawd.trainer.world import world_argv
 
     unit = _directives(TRAINER_UNIT.read_text())
@@ -446,8 +446,9 @@ def test_the_trainer_world_unit_runs_the_line_the_plan_prints_for_its_host():
     line = re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], line).replace("%i", "1")
     argv = shlex.split(line)
     assert argv[1] == "-P"  # the working directory is not on the import path
-    train = TrainConfig(nproc_per_node=4, nnodes=2, rdzv_endpoint="10.0.0.5:29500", collective_timeout=300.0)
-    assert [argv[0], *argv[2:]] == world_argv(train, node_rank=1, endpoint=train.rdzv_endpoint,
+    train = TrainConfig(world=WorldConfig(nproc_per_node=4, nnodes=2, rdzv_endpoint="10.0.0.5:29500",
+                                          collective_timeout=300.0))
+    assert [argv[0], *argv[2:]] == world_argv(train, node_rank=1, endpoint=train.world.rdzv_endpoint,
                                                 python="/opt/clawd/.venv/bin/python")
 
 

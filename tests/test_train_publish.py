@@ -8,7 +8,11 @@ import urllib.request
 
 import pytest
 
-from clawd.config import Config, ModelConfig, ScoringConfig, StateConfig, TrainConfig
+from clawd.config.model import ModelConfig
+from clawd.config.schema import Config
+from clawd.config.scoring import ScoringConfig
+from clawd.config.state import StateConfig
+from clawd.config.train import LossConfig, OptimizerConfig, TrainConfig
 from clawd.engine.client import EngineClient
 from clawd.samples import Sample
 from clawd.tokenizer import ChatTokenizer
@@ -44,7 +48,8 @@ async def test_trained_weights_are_published_and_served(engine_url, tiny_model, 
                               has_hint=False, policy_version=0, created=0.0, scored=0.0))
 
     # The raw reward: four +1s measured against their own mean (the default baseline) would teach nothing.
-    train = TrainConfig(lr=1e-2, seed=0, checkpoint_every=1, reward_baseline="none")
+    train = TrainConfig(seed=0, checkpoint_every=1, optimizer=OptimizerConfig(lr=1e-2),
+                        loss=LossConfig(reward_baseline="none"))
     cfg = Config(model=ModelConfig(path=str(tiny_model)), state=StateConfig(dir=str(tmp_path / "state")),
                  scoring=ScoringConfig(mode="rl"), train=train)
     link = TrainerLink(trainer_options(cfg))

@@ -19,7 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from clawd.config import Config, LoggingConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig
+from clawd.config.logging import LoggingConfig
+from clawd.config.model import ModelConfig
+from clawd.config.schema import Config
+from clawd.config.scoring import ScoringConfig
+from clawd.config.state import StateConfig
+from clawd.config.train import LossConfig, OptimizerConfig, TrainConfig, WorldConfig
 from clawd.samples import Sample
 from clawd.trainer.errors import HandlerError, TrainerDied, TrainerError, TrainerTimeout, TrainerUnavailable, TrainFailed
 from clawd.trainer.link import Ready, TrainerLink, TrainerSupervisor
@@ -134,7 +139,8 @@ async def test_messages_travel_as_a_head_and_one_frame_per_list_element():
 def test_trainer_options_carry_the_config_itself(tmp_path):
     cfg = Config(model=ModelConfig(path=str(tmp_path / "model"), dtype="bfloat16"),
                  state=StateConfig(dir=str(tmp_path / "state")), scoring=ScoringConfig(mode="opd"),
-                 train=TrainConfig(lr=0.5, opd_clip=0.0, gpus="3", device="cuda"), logging=LoggingConfig(level="debug"))
+                 train=TrainConfig(optimizer=OptimizerConfig(lr=0.5), loss=LossConfig(opd_clip=0.0),
+                                   world=WorldConfig(gpus="3", device="cuda")), logging=LoggingConfig(level="debug"))
     options = trainer_options(cfg)
     assert options == {"mode": "opd", "model_dir": str(tmp_path / "model"), "state_dir": str(tmp_path / "state"),
                        "train": cfg.train, "dtype": "bfloat16", "log_level": "debug", "min_free_bytes": 1 << 30,

@@ -14,8 +14,13 @@ import torch
 from safetensors.torch import load_file
 
 from clawd import faults
-from clawd.config import Config, LearnerConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig
-from clawd.safety_config import VersionsConfig
+from clawd.config.learner import LearnerConfig
+from clawd.config.model import ModelConfig
+from clawd.config.schema import Config
+from clawd.config.scoring import ScoringConfig
+from clawd.config.state import StateConfig
+from clawd.config.train import LossConfig, OptimizerConfig, TrainConfig
+from clawd.config.versions import VersionsConfig
 from clawd.engine.client import EngineClient
 from clawd.learning.journal import Journal
 from clawd.learning.learner import Learner
@@ -30,6 +35,7 @@ from clawd.trainer.step import Trainer
 from clawd.weights import Ledger, checkpointed_samples, is_published, lineage, read_ledger
 from tests.fake_sglang import FakeSGLang
 from tests.test_learner import until
+from tests.test_trainer import flat_config
 from tests.trainer_handlers import make_sample
 
 
@@ -79,7 +85,8 @@ def armed():
 
 
 def test_a_write_failing_midway_leaves_no_temporary_and_the_step_stays_owed(tiny_model, tmp_path, armed):
-    trainer = Trainer(tiny_model, tmp_path / "state", TrainConfig(lr=1e-3, reward_baseline="none"))  # +1, +1: a step
+    trainer = Trainer(tiny_model, tmp_path / "state",  # +1, +1: a step
+                      TrainConfig(optimizer=OptimizerConfig(lr=1e-3), loss=LossConfig(reward_baseline="none")))
     trainer.train_step([make_sample(0), make_sample(1)], "rl")
     armed("trainer.publish.mid", "enospc", at=1)
     with pytest.raises(OSError, match="No space left"):
@@ -108,7 +115,8 @@ def test_a_write_failing_midway_leaves_no_temporary_and_the_step_stays_owed(tiny
 
 def test_a_deferred_write_holds_its_versions_weights_and_a_failed_one_is_written_again_from_them(
         tiny_model, tmp_path, armed):
-    trainer = Trainer(tiny_model, tmp_path / "state", TrainConfig(lr=1e-3, reward_baseline="none"))
+    trainer = Trainer(tiny_model, tmp_path / "state", TrainConfig(optimizer=OptimizerConfig(lr=1e-3),
+                                                                  loss=LossConfig(reward_baseline="none")))
     trainer.train_step([make_sample(0), make_sample(1)], "rl")
     v1 = weights(trainer)
     armed("trainer.publish.write", "enospc", at=1)  # the thread's write of v1 fails
@@ -152,7 +160,7 @@ async def learning(tiny_model, tmp_path, *, min_free_bytes=0, **train):
     cfg = Config(model=ModelConfig(path=str(tiny_model)), scoring=ScoringConfig(mode="rl"),
                  state=StateConfig(dir=str(tmp_path / "state"), min_free_bytes=min_free_bytes),
                  # the raw reward: make_sample's rewards are all +1, which the batch mean would centre to no step
-                 train=TrainConfig(**{"lr": 1e-3, "checkpoint_every": 1, "reward_baseline": "none", **train}),
+                 train=flat_config(**{"lr": 1e-3, "checkpoint_every": 1, "reward_baseline": "none", **train}),
                  versions=VersionsConfig(rollback_depth=0))  # no base checkpoint: the writes counted are the steps
     async with FakeSGLang() as fake:
         engine = EngineClient(fake.url)

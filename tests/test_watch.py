@@ -5,7 +5,7 @@ from clawd.pauses import Pauses
 from clawd.safety.monitors import Monitors
 from clawd.safety.versions import SERVING, Version, Versions
 from clawd.safety.watch import Watch
-from clawd.safety_config import MonitorsConfig
+from clawd.config.monitors import MonitorsConfig
 from clawd.served import Policy
 
 

@@ -16,7 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clawd.config import Config, EngineConfig, ModelConfig, ScoringConfig, StateConfig, TrainConfig
+from clawd.config.engine import EngineConfig
+from clawd.config.model import ModelConfig
+from clawd.config.schema import Config
+from clawd.config.scoring import ScoringConfig
+from clawd.config.state import StateConfig
+from clawd.config.train import LoraConfig, LossConfig, OptimizerConfig, TrainConfig, WorldConfig
 from clawd.engine.local.scheduler import Engine
 from clawd.engine.local.server import parse_args
 from clawd.engine.replicas import Replicas
@@ -43,7 +48,7 @@ def served_equals_directory(engine: Engine, weights_dir: str) -> list[str]:
 def test_groups_apply_only_where_sglang_can_receive_them():
     def cfg(lora_rank=0, device="cpu", **engine):  # replaced, not parsed: the GPU placement checks are not the point
         return dataclasses.replace(Config(), engine=dataclasses.replace(EngineConfig(), **engine),
-                                   train=dataclasses.replace(TrainConfig(), lora_rank=lora_rank, device=device))
+                                   train=TrainConfig(lora=LoraConfig(rank=lora_rank), world=WorldConfig(device=device)))
     trainer = object()
     assert weight_groups.for_config(cfg(), trainer) is None   # "auto": the CPU engine loads a directory faster
     local = weight_groups.for_config(cfg(weight_sync="distributed"), trainer)
@@ -66,7 +71,8 @@ async def trainer_and_engine(model, tmp_path):
     supervisor: yields (trainer, engine, policy, supervisor)."""
     cfg = Config(model=ModelConfig(path=str(model)), scoring=ScoringConfig(mode="rl"),
                  state=StateConfig(dir=str(tmp_path / "state")),
-                 train=TrainConfig(lr=1e-3, reward_baseline="none", checkpoint_every=1))
+                 train=TrainConfig(checkpoint_every=1, optimizer=OptimizerConfig(lr=1e-3),
+                                   loss=LossConfig(reward_baseline="none")))
     trainer = TrainerSupervisor(trainer_options(cfg), backoff_initial=0.05, ready_timeout=120)
     engine = Engine(parse_args(["--model", str(model), "--threads", "1", "--context-length", "512"]))
     task = asyncio.create_task(trainer.run())

@@ -20,7 +20,7 @@ def test_five_publishes_under_load_fail_no_request(tiny_model, tmp_path):
                                # over the replica's weight-update group (gloo): its pause too must hold no one
                                "engine": {"launch": "local", "weight_sync": "distributed"},
                                "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
-                               "train": {"lr": 1e-4}})
+                               "train": {"optimizer": {"lr": 1e-4}}})
     try:
         requests, learner = load_until_published(daemon, users=4, publishes=PUBLISHES, timeout=240)
     finally:

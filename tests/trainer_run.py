@@ -25,11 +25,11 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
 
-from clawd.config import TrainConfig  # noqa: E402
+from clawd.config.train import LossConfig, OptimizerConfig, TrainConfig
 from clawd.samples import Sample  # noqa: E402
 from clawd.trainer.step import Trainer  # noqa: E402
 
-CONFIG = TrainConfig(lr=1e-3, micro_batch_tokens=48, eps_clip_high=0.28)
+CONFIG = TrainConfig(micro_batch_tokens=48, optimizer=OptimizerConfig(lr=1e-3), loss=LossConfig(eps_clip_high=0.28))
 
 
 def batch(n: int = 4) -> list[Sample]:

@@ -1,6 +1,6 @@
 """LoRA serving: which adapter chat requests carry, and unloading the ones they no longer use.
 
-In LoRA mode (`[train] lora_rank > 0`) every policy engine serves the frozen base model and holds the
+In LoRA mode (`[train.lora] rank > 0`) every policy engine serves the frozen base model and holds the
 trainer's adapters beside it. A publish loads the new version's adapter directory under its own name
 (`adapter_name`) on every replica; once all confirm, the policy names it and new chat requests carry it
 (`/generate`'s `lora_path`), while requests already running finish on the adapter they started with.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.engine.client import EngineClient
 from clawd.engine.lora import AdapterUse
 from clawd.engine.replicas import Balanced, Replicas
@@ -24,7 +24,7 @@ class Engines(Stage):
         # The policy replicas (one unless [engine] replicas/urls say more): a router sends each request to one.
         self.replicas = Replicas([e for e in self.supervisors if e.role == "policy"], policy)
         # LoRA mode: the replicas serve the base, and the trainer's adapters beside it (clawd.engine.lora).
-        self.adapters = AdapterUse(policy) if cfg.train.lora else None
+        self.adapters = AdapterUse(policy) if cfg.train.lora.enabled else None
         # Judge and teacher calls go to the least loaded replica; in LoRA mode "policy" carries the policy's
         # adapter and "reference" is the same replicas asked without one: the frozen base.
         self.for_role: dict = {e.role: e.client for e in self.supervisors if e.role != "policy"}

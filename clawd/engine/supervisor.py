@@ -49,7 +49,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.served import Policy
 from clawd.engine.output import EngineOutput
 from clawd.engine.client import (NEUTRAL_SAMPLING, EngineClient, EngineError, EngineUnavailable,
@@ -122,7 +122,7 @@ class EngineSupervisor:
     @property
     def lora(self) -> bool:
         """Serving the trainer's adapters beside the base (the policy role in LoRA mode)."""
-        return self.policy is not None and self.cfg.train.lora
+        return self.policy is not None and self.cfg.train.lora.enabled
 
     @property
     def served_version(self) -> str | None:

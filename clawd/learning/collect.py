@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 
-from clawd.config import LearnerConfig
+from clawd.config.learner import LearnerConfig
 from clawd.learning.limits import BatchLimits
 from clawd.learning.store import SampleStore
 from clawd.samples import Sample

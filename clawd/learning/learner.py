@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from clawd.config import LearnerConfig
+from clawd.config.learner import LearnerConfig
 from clawd.engine.client import EngineError
 from clawd.served import Policy
 from clawd.learning import controls

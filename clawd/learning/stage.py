@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from typing import Callable
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.engine.replicas import Balanced
 from clawd.engine.stage import Engines
 from clawd.learning import weight_groups
@@ -44,7 +44,8 @@ class Learning(Stage):
                               base_dir=str(cfg.model_path), groups=weight_groups.for_config(cfg, self.trainer),
                               before_load=share_weights)
         self.learner = Learner(cfg.learner, store, self.trainer, publisher, policy, cfg.state_dir,
-                               control_seed=cfg.train.seed, pauses=pauses, versions=versions, lora=cfg.train.lora,
+                               control_seed=cfg.train.seed, pauses=pauses, versions=versions,
+                               lora=cfg.train.lora.enabled,
                                gate=_gate(cfg, tokenizer, Balanced(engines.replicas), judge),
                                max_sample_tokens=cfg.max_sample_tokens, on_step=on_step, on_publish=on_publish)
         if cfg.learner.control != "none":
@@ -54,7 +55,7 @@ class Learning(Stage):
 
     async def start(self, tasks: asyncio.TaskGroup) -> None:
         # A trainer on CUDA starts once the engines are up: SGLang measures the GPU's free memory as it starts.
-        waits = self.engines.ready if self.cfg.train.device.startswith("cuda") else ()
+        waits = self.engines.ready if self.cfg.train.world.device.startswith("cuda") else ()
         self._tasks = [tasks.create_task(_after(waits, self.trainer.run()), name="trainer"),
                        tasks.create_task(self.learner.run(), name="learner")]
 
@@ -81,7 +82,7 @@ class Learning(Stage):
                             "limits": learner.limits.snapshot(),
                             "weight_sync": groups and dataclasses.asdict(groups.stats)},
                 "trainer": {"alive": trainer.alive, "pid": trainer.pid, "restarts": trainer.restarts,
-                            "world_size": trainer.ready.world_size if trainer.ready else cfg.train.world_size,
+                            "world_size": trainer.ready.world_size if trainer.ready else cfg.train.world.size,
                             "step": trainer.ready.step if trainer.ready else None, "version": trainer.version,
                             "checkpoint_step": state.get("checkpoint_step"), "owed": state.get("owed", []),
                             "writing": state.get("writing")}}  # a version's directory written off the critical path

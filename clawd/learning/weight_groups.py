@@ -174,11 +174,11 @@ def for_config(cfg, trainer) -> WeightGroups | None:
     may be anything, and one that cannot join leaves the trainer waiting out its group timeout at each try."""
     eng = cfg.engine
     dp = devices.flag_value(eng.sglang_args, "--dp-size", "--data-parallel-size", "--dp") or "1"
-    if trainer is None or eng.weight_sync == "disk" or cfg.train.lora or dp != "1":
+    if trainer is None or eng.weight_sync == "disk" or cfg.train.lora.enabled or dp != "1":
         return None
     if eng.weight_sync == "auto" and eng.launch != "sglang":
         return None
-    backend = "gloo" if eng.launch == "local" or cfg.train.device != "cuda" else "nccl"
+    backend = "gloo" if eng.launch == "local" or cfg.train.world.device != "cuda" else "nccl"
     if eng.launch == "sglang" and backend != "nccl":
         return None
     tp = int(devices.flag_value(eng.sglang_args, "--tp-size", "--tensor-parallel-size", "--tp") or 1)

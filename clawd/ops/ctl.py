@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from clawd.ops.admin import AdminError, decode_reply
-from clawd.config import Config, ConfigError, load_config
+from clawd.config.loading import ConfigError, load_config
+from clawd.config.schema import Config
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 RUN_SOCKET = Path("/run/clawd/clawd.sock")  # systemd's RuntimeDirectory, invisible to clawctl's environment

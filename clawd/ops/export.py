@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.weights import VERSION_DIR, atomic_dir, is_adapter, is_published, model_dtype, numbered, version_dir
 
 

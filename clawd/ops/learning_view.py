@@ -11,7 +11,7 @@ import time
 from collections import deque
 from typing import Any
 
-from clawd.safety_config import DEFAULT_RULES
+from clawd.config.monitors import DEFAULT_RULES
 
 MONITOR_KEYS = tuple(DEFAULT_RULES)
 GATE_KEYS = ("score", "incumbent", "diff", "low", "high", "passed", "detail")

@@ -13,10 +13,10 @@ import json
 import shlex
 from pathlib import Path
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.devices import Launch
 from clawd.engine.launch import engine_launch, keys_file_path
-from clawd.train_config import recompute_on
+from clawd.config.train import recompute_on
 from clawd.trainer.options import trainer_launch
 from clawd.trainer.memory import MemoryPlan, Shape, describe, plan, problem
 from clawd.trainer.world import world_launches
@@ -77,7 +77,7 @@ def _memory(cfg: Config) -> MemoryPlan | None:
         shape = Shape.from_config(config)
     except (KeyError, TypeError, ValueError):  # not a decoder's config this plan knows: nothing to plan
         return None
-    cuda = train.device.startswith("cuda")
+    cuda = train.world.device.startswith("cuda")
     return plan(shape, train, cuda, recompute_on(train.recompute, "cuda" if cuda else "cpu"))
 
 
@@ -86,8 +86,9 @@ def memory_plan(cfg: Config) -> tuple[str, str | None] | None:
     memory = _memory(cfg)
     if memory is None:
         return None
-    cuda = cfg.train.device.startswith("cuda")
-    return describe(memory), problem(memory, cfg.train.gpu_memory_gib, cfg.train.memory_fraction) if cuda else None
+    cuda = cfg.train.world.device.startswith("cuda")
+    return describe(memory), problem(memory, cfg.train.world.gpu_memory_gib,
+                                     cfg.train.world.memory_fraction) if cuda else None
 
 
 def memory_json(cfg: Config) -> dict | None:

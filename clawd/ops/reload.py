@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from clawd import credentials
-from clawd.config import ApiKey, Config, ConfigError, JudgeConfig, load_config
+from clawd.config.auth import ApiKey
+from clawd.config.judge import JudgeConfig
+from clawd.config.loading import ConfigError, load_config
+from clawd.config.schema import Config
 
 RELOADABLE: frozenset[str] = frozenset({
     "logging.level",

@@ -13,7 +13,8 @@ import logging
 import signal
 from typing import Callable
 
-from clawd.config import Config, JudgeConfig
+from clawd.config.judge import JudgeConfig
+from clawd.config.schema import Config
 from clawd.engine.stage import Engines
 from clawd.learning.stage import Learning
 from clawd.lifetime import Stage

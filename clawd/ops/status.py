@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 from aiohttp import web
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.learning.store import SampleStore
 from clawd.ops.disk import DiskBudget
 from clawd.pauses import Pauses

@@ -23,10 +23,10 @@ import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Generator, Iterable, Iterator
 
-from clawd.config import ApiKey
+from clawd.config.auth import ApiKey
 from clawd.privacy.phones import Budget
 from clawd.privacy.pii import Detector, json_strings, message_texts
-from clawd.privacy_config import PrivacyConfig
+from clawd.config.privacy import PrivacyConfig
 from clawd.turns import NO_TRAIN, FinishedTurn, Turn
 
 CONSENT = "consent"   # the turn's API key says train = false

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.lifetime import Stage
 from clawd.privacy.policy import Privacy
 from clawd.privacy.retention import Retention

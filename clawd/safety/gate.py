@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from clawd import quoting
 from clawd.safety import evalset, paired
-from clawd.safety_config import GateConfig
+from clawd.config.gate import GateConfig
 
 log = logging.getLogger("clawd.gate")
 

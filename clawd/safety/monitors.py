@@ -6,7 +6,7 @@ replies, the judge's verdicts on them, the trainer's steps) and compare it with 
 the last versions that served cleanly. A monitor that drifts past its threshold raises an `Alarm`
 whose action the daemon carries out: "alarm" (say it: log, status, dashboard), "halt" (pause learning,
 keep serving), "rollback" (serve the last clean version again). Thresholds and actions come from
-[monitors] (clawd.safety_config: MonitorRule, DEFAULT_RULES); this module only measures and compares.
+[monitors] (clawd.config.monitors: MonitorRule, DEFAULT_RULES); this module only measures and compares.
 
 The monitors, what each catches, and why its default rule:
 - mean_words (relative, either way; alarm at ±50%): replies got much longer (rambling, loops up to the
@@ -30,7 +30,7 @@ The monitors, what each catches, and why its default rule:
 - hint_share (rise; alarm at +30 points): the judge hints (a correction for distillation) far more
   often: replies got worse, or the judge stricter.
 - kl (rise by more than 1 nat; halt): the trainer's sampled KL to its frozen reference (step metric
-  "loss_kl", reported only when [train] kl_loss_coef > 0): the policy ran far from where it started.
+  "loss_kl", reported only when [train.loss] kl_coef > 0): the policy ran far from where it started.
 - entropy (fall under 50% of the baseline's; alarm): the policy's per-token entropy on its own samples
   (step metric "entropy"): it is becoming deterministic, the usual prelude to a collapse.
 
@@ -52,7 +52,7 @@ from typing import Any
 
 from clawd.checks import is_finite
 from clawd.safety import degeneration
-from clawd.safety_config import DEFAULT_RULES, MonitorRule, MonitorsConfig
+from clawd.config.monitors import DEFAULT_RULES, MonitorRule, MonitorsConfig
 
 TEXTS_KEPT = 512       # reply texts a tally keeps per version: enough for stable shares, bounded memory
 TEXT_CHARS = 1000      # of each kept text (stripped): ~170 words hold its opening, its phrases, its template
@@ -250,7 +250,7 @@ class Tally:
 
     def add_step(self, metrics: Mapping[str, Any]) -> None:
         """One trainer step's metrics (clawd.trainer.step): "loss_kl" (the sampled KL to the reference,
-        present when kl_loss_coef > 0) and "entropy" (per token), each when a finite number."""
+        present when kl_coef > 0) and "entropy" (per token), each when a finite number."""
         self.steps += 1
         kl, ent = metrics.get(KL_KEY), metrics.get(ENTROPY_KEY)
         if is_finite(kl):

@@ -10,7 +10,7 @@ import asyncio
 import collections
 from typing import Awaitable, Callable
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.lifetime import Stage
 from clawd.pauses import Pauses
 from clawd.safety.monitors import Monitors

@@ -20,7 +20,7 @@ from typing import Any, Callable, Coroutine, Protocol
 
 from clawd import quoting
 from clawd.scoring import judging, rules
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.learning.journal import JournalError
 from clawd.encoding import Encoder, encode_quoted
 from clawd.scoring.judges import JudgeFailed, teacher_prompt

@@ -14,7 +14,8 @@ import dataclasses
 import logging
 from typing import Callable
 
-from clawd.config import Config, JudgeConfig
+from clawd.config.judge import JudgeConfig
+from clawd.config.schema import Config
 from clawd.encoding import Encoder
 from clawd.learning.store import SampleStore
 from clawd.lifetime import Stage
@@ -97,9 +98,9 @@ def _judge(cfg: Config, tokenizer: ChatTokenizer, engine_for: dict, encoder: Enc
 
 def _teachers(cfg: Config, engine_for: dict) -> tuple[Teacher | None, Teacher | None]:
     """The teacher of a hinted response (None in rl mode), and the reference's scorer for a full fine-tune's KL term."""
-    if cfg.scoring.mode != "rl" and cfg.judge.teacher_engine == "policy" and not cfg.train.lora:
+    if cfg.scoring.mode != "rl" and cfg.judge.teacher_engine == "policy" and not cfg.train.lora.enabled:
         log.warning("judge.teacher_engine = \"policy\": the policy being trained is its own teacher; the frozen "
                     "reference (\"reference\", the default) does not drift with it")  # LoRA: the base is frozen
-    kl = cfg.train.kl_loss_coef > 0 and not cfg.train.lora  # LoRA: the trainer turns its adapters off instead
+    kl = cfg.train.loss.kl_coef > 0 and not cfg.train.lora.enabled  # LoRA: the trainer turns its adapters off instead
     on = lambda role: Teacher(engine_for[role], policy=call_policy(cfg.judge))  # noqa: E731
     return None if cfg.scoring.mode == "rl" else on(cfg.judge.teacher_engine), on("reference") if kl else None

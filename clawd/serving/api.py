@@ -21,7 +21,7 @@ from aiohttp.typedefs import Handler
 
 from clawd.serving.completion import ChatService
 from clawd.serving.request import Limits, parse_chat_request
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.engine.supervisor import EngineSupervisor
 from clawd.serving.auth import Authenticator
 from clawd.serving.connections import Connections

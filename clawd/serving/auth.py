@@ -13,7 +13,7 @@ import hmac
 
 from aiohttp import web
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.serving.errors import ApiError
 
 

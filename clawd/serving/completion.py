@@ -27,7 +27,7 @@ from aiohttp import web
 from clawd.turns import LOGPROB_MISMATCH, NO_TRAIN, FinishedTurn
 from clawd.encoding import Encoder, encode_prompt
 from clawd.serving.request import ChatRequest
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.serving.connections import note_hangup
 from clawd.engine.client import Chunk, EngineError, EngineUnavailable, top_ids
 from clawd.engine.lora import AdapterUse
@@ -110,7 +110,7 @@ class ChatService:
         on_first_token: called with the seconds from `complete` to a streamed reply's first token (metrics)."""
         self.cfg = cfg
         # Top-K distillation asks the engine for each reply token's top-k ids (0: not asked).
-        self.top_k = cfg.train.opd_top_k if cfg.scoring.mode != "rl" else 0
+        self.top_k = cfg.train.loss.opd_top_k if cfg.scoring.mode != "rl" else 0
         self.adapters = adapters  # LoRA mode: the policy's adapter, named in each request and counted while used
         self.tok = tokenizer
         self.encoder = encoder

@@ -37,7 +37,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.http_exceptions import HttpProcessingError
 
-from clawd.config import ServerConfig
+from clawd.config.server import ServerConfig
 
 RequestHandler = web.RequestHandler  # aiohttp's protocol for one connection
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from clawd.config import SamplingConfig
+from clawd.config.sampling import SamplingConfig
 from clawd.engine.client import NEUTRAL_SAMPLING
 from clawd.serving.errors import ApiError
 from clawd.serving.request import Sampling

@@ -17,7 +17,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.encoding import Encoder
 from clawd.engine.stage import Engines
 from clawd.lifetime import Stage

@@ -25,3 +25,12 @@ def to_toml(sections: dict[str, dict[str, Any]]) -> str:
         out += [f"{k} = {value(v)}" for k, v in table.items()]
         out.append("")
     return "\n".join(out)
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over`'s keys written over `base`'s, tables merged key by key at every depth: a caller's [train.loss]
+    opd_top_k keeps the other [train.loss] keys a default config set."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -1,6 +1,6 @@
 """LoRA: the trainer's adapters, built, published and merged with PEFT (docs/ARCHITECTURE.md §15).
 
-With `[train] lora_rank > 0` the base model is frozen and held once (bf16 on GPU, float32 on CPU, where
+With `[train.lora] rank > 0` the base model is frozen and held once (bf16 on GPU, float32 on CPU, where
 the CPU engine serves float32) and PEFT adds rank-r adapters to the target modules; only those train,
 and AdamW keeps state for them alone. Dropout is 0: the trainer runs in eval mode, so the policy being
 trained is the one that sampled. PEFT keeps the adapters' weights in float32 over a bf16 base, so the

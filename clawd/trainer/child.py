@@ -36,7 +36,7 @@ import sys
 from typing import Callable
 
 from clawd import startup
-from clawd.config import LOG_FORMAT
+from clawd.config.logging import LOG_FORMAT
 from clawd.trainer.catalogue import (Checkpoint, Checkpointed, JoinGroup, Joined, LeaveGroup, Left, Pong,
                                      PublishWeights, Published, Ready, Restore, Restored, SendWeights, Sent, Train,
                                      Trained, WaitWritten, Written, message, read_request)

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from clawd import faults
-from clawd.config import config_from_dict
-from clawd.train_config import TrainConfig
+from clawd.config.loading import config_from_dict
+from clawd.config.train import TrainConfig
 from clawd.samples import Sample
 from clawd.trainer.failures import StepFailed
 from clawd.trainer.step import Trainer
@@ -41,8 +41,10 @@ def train_config(train: TrainConfig | dict | None) -> TrainConfig:
     """The options' `train` as a TrainConfig; a table is checked as the config file's [train] is."""
     if isinstance(train, TrainConfig):
         return train
-    table = {k: list(v) if isinstance(v, tuple) else v for k, v in (train or {}).items()}
-    return config_from_dict({"train": table}, source="the trainer's options").train
+    def as_toml(value):  # asdict's tuples as the file's lists, its groups as tables
+        return ({k: as_toml(v) for k, v in value.items()} if isinstance(value, dict) else
+                list(value) if isinstance(value, tuple) else value)
+    return config_from_dict({"train": as_toml(train or {})}, source="the trainer's options").train
 
 
 class TrainerHandler:
@@ -161,7 +163,7 @@ class TrainerHandler:
     def join_group(self, name: str, address: str, port: int, world_size: int, backend: str, timeout: float,
                    bucket_bytes: int) -> list[dict]:
         """Form weight-update group `name` with an engine (full weights only); the buckets `send_weights` sends."""
-        if self.trainer.cfg.lora:
+        if self.trainer.cfg.lora.enabled:
             raise SyncRefused("LoRA publishes adapters from disk, not weights over a group")
         self.sender.join(name, address, port, world_size, backend, timeout)
         return [b.request() for b in self.sender.layout(bucket_bytes)]

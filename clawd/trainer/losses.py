@@ -26,7 +26,7 @@ One optimizer step in the trainer, sketched:
         with torch.no_grad():
             lp_old_t1 = token_logprobs(logits, targets, 1.0)
         adv = advantages(mode, mb.reward, lp_old_t1, mb.teacher_lp, mb.has_hint)
-        loss, parts = total_loss(lp_new, lp_new.detach(), mb.lp_rollout, adv, mb.mask, normaliser=norm)
+        loss, parts = total_loss(lp_new, lp_new.detach(), mb.lp_rollout, adv, mb.mask, cfg.loss, normaliser=norm)
         loss.backward()        # micro-batch losses and gradients add up to the whole batch's
     metrics = loss_metrics(...) | {"grad_norm": grad_norm(model.parameters())}
 
@@ -43,7 +43,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from clawd.train_config import AGGREGATIONS, LossConfig
+from clawd.config.train import AGGREGATIONS, LossConfig
 from clawd.samples import MODES
 
 
@@ -83,7 +83,7 @@ def reward_baseline(rewards: Iterable[float]) -> float:
 
 
 def centre_rewards(reward: Tensor, baseline: float) -> Tensor:
-    """r − baseline where r ≠ 0; 0 stays 0. With `[train] reward_baseline = "batch_mean"` the RL term
+    """r − baseline where r ≠ 0; 0 stays 0. With `[train.loss] reward_baseline = "batch_mean"` the RL term
     is then centred per batch: replies better than the batch's average are pushed up, worse ones down,
     and a batch whose rewards say nothing about its replies (all equal, or shuffled) has no mean push.
     Without it (a baseline of 0.0) every reward is returned exactly."""
@@ -257,7 +257,7 @@ def aggregate(x: Tensor, mask: Tensor, *, aggregation: str = "sample_mean",
     sample_mean weighs a token by 1 / its sample's length: the end of a short reply is pushed 10 times as hard
     as that of a reply 10 times longer, so when most advantages are negative short replies are pushed out
     (every rl run on SmolLM2 lengthened its answers). token_mean divides by the batch's tokens, which its
-    lengths still set; token_sum divides by samples × `[train] aggregation_tokens`, a constant (as Dr. GRPO
+    lengths still set; token_sum divides by samples × `[train.loss] aggregation_tokens`, a constant (as Dr. GRPO
     does), so no length enters the weights (normaliser: None computes it from the mask, with norm_tokens 1).
 
     normaliser is the WHOLE batch's (batch_normaliser), not this call's: then the values of
@@ -305,13 +305,13 @@ class TopK:
 
 
 def total_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor,
-               cfg: LossConfig = LossConfig(), *, normaliser: float | None = None, lp_ref: Tensor | None = None,
+               cfg: LossConfig, *, normaliser: float | None = None, lp_ref: Tensor | None = None,
                kl_lp: Tensor | None = None, kl_rows: Tensor | None = None, entropy: Tensor | None = None,
                topk: TopK | None = None) -> tuple[Tensor, dict[str, float]]:
     """policy_loss + w_opd·topk_opd_loss + kl_coef·aggregate(kl_k3(kl_lp, lp_ref)) − entropy_coef·aggregate(entropy),
     with `cfg` the train section's loss settings (`TrainConfig.loss`).
 
-    The extra terms are off by default (no topk, coefficients 0), and then the loss is policy_loss itself.
+    With no topk and both coefficients 0 the loss is policy_loss itself.
     The KL compares `kl_lp` (with grad; default lp_new) with the reference's `lp_ref` on the rows `kl_rows`
     marks ([B] bool; default all): the reference's log-probs are at T = 1, journaled at scoring, so the
     trainer passes its own at T = 1 and leaves out samples scored without them. `entropy` is per token
@@ -324,7 +324,7 @@ def total_loss(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, 
 
 
 def total_loss_terms(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor, mask: Tensor,
-                     cfg: LossConfig = LossConfig(), *, normaliser: float | None = None,
+                     cfg: LossConfig, *, normaliser: float | None = None,
                      lp_ref: Tensor | None = None, kl_lp: Tensor | None = None, kl_rows: Tensor | None = None,
                      entropy: Tensor | None = None, topk: TopK | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """`total_loss` with its parts as detached 0-d tensors: reading them as floats waits for the

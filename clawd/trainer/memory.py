@@ -1,6 +1,6 @@
 """The trainer's memory plan: bytes per rank for a model's shape and `[train]`, before anything loads
 (docs/ARCHITECTURE.md §13). Pure, no torch: `bin/clawd --check-config` and `--plan` print it, and refuse a
-layout whose total passes `[train] gpu_memory_gib` (its `memory_fraction` share).
+layout whose total passes `[train.world] gpu_memory_gib` (its `memory_fraction` share).
 
 What a rank holds, for a Llama/Qwen-style decoder of N parameters over W ranks (FSDP2 shards what is
 trained, its gradients and AdamW's two moments; float32 masters):
@@ -100,10 +100,10 @@ class MemoryPlan:
 
 def plan(shape: Shape, train, cuda: bool, recompute: bool) -> MemoryPlan:
     """`train`: a TrainConfig (its world size, micro_batch_tokens, LoRA settings)."""
-    w, tokens = train.world_size, train.micro_batch_tokens
+    w, tokens = train.world.size, train.micro_batch_tokens
     n = shape.parameters
-    if train.lora:
-        lora = shape.lora_parameters(train.lora_rank, train.lora_target_modules)
+    if train.lora.enabled:
+        lora = shape.lora_parameters(train.lora.rank, train.lora.target_modules)
         params = n * (2 if cuda else 4) // w + 4 * lora // w
         grads, optim = 4 * lora // w, 8 * lora // w
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from clawd.config import Config
+from clawd.config.schema import Config
 from clawd.devices import Launch, child_env, device_set
 
 
@@ -17,7 +17,8 @@ def trainer_options(cfg: Config) -> dict:
             "state_dir": str(cfg.state_dir.resolve()), "train": cfg.train, "dtype": cfg.model.dtype,
             "min_free_bytes": cfg.state.min_free_bytes, "keep_checkpoints": cfg.versions.rollback_depth + 2,
             "checkpoint_base": cfg.versions.rollback_depth > 0,
-            "log_level": cfg.logging.level, "env": child_env(cfg, cfg.train.gpus, dict(os.environ), unbuffered=False)}
+            "log_level": cfg.logging.level, "env": child_env(cfg, cfg.train.world.gpus, dict(os.environ),
+                                                             unbuffered=False)}
 
 
 def trainer_launch(cfg: Config) -> Launch:
@@ -25,5 +26,5 @@ def trainer_launch(cfg: Config) -> Launch:
     target is `clawd.trainer.child.main` (the pipe and tracker descriptors exist only at run time)."""
     argv = (sys.executable, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(...)",
             "--multiprocessing-fork")
-    return Launch("trainer", argv, trainer_options(cfg)["env"], None, device_set(cfg.train.gpus),
+    return Launch("trainer", argv, trainer_options(cfg)["env"], None, device_set(cfg.train.world.gpus),
                   cfg.learner.trainer_ready_timeout)

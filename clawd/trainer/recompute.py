@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from clawd.train_config import recompute_on
+from clawd.config.train import recompute_on
 
 def wanted(mode: str, device: torch.device) -> bool:
-    """`[train] recompute` on this device (`train_config.recompute_on`)."""
+    """`[train] recompute` on this device (`clawd.config.train.recompute_on`)."""
     return recompute_on(mode, device.type)
 
 

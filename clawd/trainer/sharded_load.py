@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from clawd.train_config import TrainConfig
+from clawd.config.train import TrainConfig
 from clawd.trainer import adapters, head, recompute, sharding
 from clawd.trainer.sharding import World
 
@@ -37,7 +37,7 @@ log = logging.getLogger("clawd.trainer")
 def base_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """The weights' dtype in the trainer: a LoRA base is frozen, bf16 on CUDA (no float32 master copy to keep),
     float32 on CPU as the CPU engine serves it; a full fine-tune's float32 master weights."""
-    return torch.bfloat16 if cfg.lora and device.type == "cuda" else torch.float32
+    return torch.bfloat16 if cfg.lora.enabled and device.type == "cuda" else torch.float32
 
 
 def plain(model_dir: Path, cfg: TrainConfig, dtype: torch.dtype):
@@ -47,9 +47,9 @@ def plain(model_dir: Path, cfg: TrainConfig, dtype: torch.dtype):
 
     # sdpa named: with no attention mask it runs the causal flash kernel on CUDA; eval: dropout off.
     m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").eval()
-    if cfg.lora:  # the adapters' random init from the seed: every run the same
+    if cfg.lora.enabled:  # the adapters' random init from the seed: every run the same
         torch.manual_seed(cfg.seed)
-        m = adapters.wrap(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        m = adapters.wrap(m, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules)
     return m
 
 
@@ -91,8 +91,8 @@ def sharded(model_dir: Path, cfg: TrainConfig, world: World, autocast) -> head.R
     config = AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-        if cfg.lora:
-            m = adapters.wrap(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        if cfg.lora.enabled:
+            m = adapters.wrap(m, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules)
     _generation_config(m, model_dir)
     m.tie_weights()  # before sharding: FSDP2 must see one parameter under both names
     if recompute.wanted(cfg.recompute, world.device):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from clawd import faults
-from clawd.train_config import TrainConfig
+from clawd.config.train import TrainConfig
 from clawd.samples import MODES, Sample
 from clawd.trainer import adapters, checkpoints, head, losses, publishing, sharded_load, sharding
 from clawd.trainer.batches import MicroBatch, micro_batch, mini_batches, pack
@@ -81,13 +81,13 @@ class Trainer:
         self.weights_dir = self.state_dir / "weights"
         self.checkpoints_dir = self.state_dir / "checkpoints"
         self.world = world
-        self.device = torch.device(cfg.device) if world is None else world.device
+        self.device = torch.device(cfg.world.device) if world is None else world.device
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {cfg.device!r} asked for, but CUDA is not available")
+            raise RuntimeError(f"device {cfg.world.device!r} asked for, but CUDA is not available")
         self.publish_dtype = model_dtype(self.model_dir, dtype)
         cuda = self.device.type == "cuda"
-        if cuda and cfg.memory_fraction > 0:  # before anything is allocated: an engine may share the GPU
-            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device)
+        if cuda and cfg.world.memory_fraction > 0:  # before anything is allocated: an engine may share the GPU
+            torch.cuda.set_per_process_memory_fraction(cfg.world.memory_fraction, self.device)
 
         self.scorer = sharded_load.load(self.model_dir, cfg, self.device, world, self._autocast)
         self.model = self.scorer.model
@@ -95,8 +95,9 @@ class Trainer:
             if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
                 raise NotImplementedError(f"models with {attr} are not supported by the trainer's logit path")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay, fused=True if cuda else None)
+        adam = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=adam.betas, eps=adam.eps,
+                                           weight_decay=adam.weight_decay, fused=True if cuda else None)
         # The logits' dtype (what autocast gives on CUDA) and positions per output-layer chunk.
         self.compute_dtype = torch.bfloat16 if cuda else None
         self.head_chunk_tokens = head.head_chunk_tokens(self.model.get_output_embeddings().weight.shape[0])
@@ -132,7 +133,7 @@ class Trainer:
     def _at_ids(self, mb: MicroBatch, mode: str) -> torch.Tensor | None:
         """The ids an update needs T = 1 log-probs at, with gradients: the sampled ids first (the KL term's: the
         reference's log-probs are at T = 1), then the policy's top-k at rollout (top-K OPD's)."""
-        cols = [mb.targets[..., None]] if self.cfg.kl_loss_coef > 0 else []
+        cols = [mb.targets[..., None]] if self.cfg.loss.kl_coef > 0 else []
         if self._top_k(mode) and mb.top_ids is not None:
             cols.append(mb.top_ids)
         return torch.cat(cols, -1) if cols else None
@@ -153,7 +154,7 @@ class Trainer:
     def _reference_forward(self, mb: MicroBatch, temperature) -> torch.Tensor:
         """Log-probs under the frozen reference, in LoRA mode: the base with the adapters off. A full fine-tune
         keeps no copy of the initial weights: its samples carry the reference engine's (`Sample.reference_logprobs`)."""
-        if not self.cfg.lora:
+        if not self.cfg.lora.enabled:
             raise RuntimeError("a full fine-tune holds no reference model: the reference's log-probs come with "
                                "the samples (reference_logprobs)")
         with adapters.disabled(self.model):
@@ -162,7 +163,7 @@ class Trainer:
     def _reference(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The KL term's reference log-probs at T = 1 and the rows that have them: the base's (LoRA), or the ones
         journaled with the samples, which a sample scored without them lacks."""
-        if self.cfg.lora:
+        if self.cfg.lora.enabled:
             return self._reference_forward(mb, 1.0), torch.ones_like(mb.has_ref)
         return mb.ref_lp, mb.has_ref
 
@@ -217,19 +218,20 @@ class Trainer:
     def _train_step(self, samples: list[Sample], mode: str) -> dict[str, Any]:
         t0 = time.monotonic()
         cfg = self.cfg
-        baseline = losses.reward_baseline(s.reward for s in samples) if cfg.reward_baseline == "batch_mean" else 0.0
+        centred = cfg.loss.reward_baseline == "batch_mean"
+        baseline = losses.reward_baseline(s.reward for s in samples) if centred else 0.0
         # The batch's mini-batches, one optimizer step each (the reward baseline is the whole batch's). One
         # whose every advantage is 0 takes no step: AdamW's momentum would still move every weight by ~lr.
         updates = []
         for rows in mini_batches(len(samples), cfg.ppo_mini_batches):
             group = [samples[i] for i in rows]
             if losses.carries_signal(mode, [losses.centred(s.reward, baseline) for s in group],
-                                     [s.has_hint for s in group], w_rl=cfg.w_rl, w_opd=cfg.w_opd,
-                                     kl_coef=cfg.kl_loss_coef, entropy_coef=cfg.entropy_coef):
-                norm = losses.batch_normaliser(len(group), sum(sum(s.loss_mask) for s in group), cfg.aggregation,
-                                               cfg.aggregation_tokens)  # fixed before splitting
+                                     [s.has_hint for s in group], w_rl=cfg.loss.w_rl, w_opd=cfg.loss.w_opd,
+                                     kl_coef=cfg.loss.kl_coef, entropy_coef=cfg.loss.entropy_coef):
+                norm = losses.batch_normaliser(len(group), sum(sum(s.loss_mask) for s in group), cfg.loss.aggregation,
+                                               cfg.loss.aggregation_tokens)  # fixed before splitting
                 updates.append((self._micro_batches(group, share=True), norm))
-        lr = losses.warmup_lr(cfg.learning_rate, self.step + 1, cfg.warmup_steps)
+        lr = losses.warmup_lr(cfg.learning_rate, self.step + 1, cfg.optimizer.warmup_steps)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         if len(updates) * cfg.ppo_epochs > 1:  # later updates see moved weights: lp_old is fixed before the first
@@ -272,7 +274,8 @@ class Trainer:
                     "skip_reason": f"no signal: every advantage in the batch is 0 ({mode})",
                     "grad_norm": math.nan}
         cat = {k: torch.cat([d["seen"][k] for d in done]) for k in done[0]["seen"]}
-        kw = dict(eps_clip=self.cfg.eps_clip, eps_clip_high=self.cfg.eps_clip_high, tis_cap=self.cfg.tis_cap)
+        loss = self.cfg.loss
+        kw = dict(eps_clip=loss.eps_clip, eps_clip_high=loss.eps_clip_high, tis_cap=loss.tis_cap)
         metrics = losses.loss_metrics(cat["new"], cat["old"], cat["rollout"], cat["adv"],
                                       torch.ones_like(cat["adv"]), entropy=cat["entropy"], **kw)
         names = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy",
@@ -295,7 +298,7 @@ class Trainer:
         the loss or the gradient is not finite ("skip_reason" says which). Its loss parts, gradient norm
         and per-token values for the step's metrics."""
         cfg = self.cfg
-        opd_clip = cfg.opd_clip or None  # 0 = off
+        opd_clip = cfg.loss.opd_clip or None  # 0 = off
         # The same parts in every update and on every rank, whatever rows a micro-batch holds: the ranks sum them
         # as one tensor, and the step averages them over its updates.
         parts = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in self._part_names(mode)}
@@ -314,16 +317,16 @@ class Trainer:
                 lp_old_at = None if lp_at is None else lp_at.detach()
             reward = losses.centre_rewards(mb.reward, baseline) if baseline else mb.reward
             kl_lp = lp_ref = kl_rows = topk = None
-            if cfg.kl_loss_coef > 0:  # the sampled ids' column of the `at` log-probs
+            if cfg.loss.kl_coef > 0:  # the sampled ids' column of the `at` log-probs
                 kl_lp, (lp_ref, kl_rows) = lp_at[..., 0], self._reference(mb)
             if self._top_k(mode) and mb.top_ids is not None:  # the top-k columns; their rows leave the token-level term
-                first = 1 if cfg.kl_loss_coef > 0 else 0
+                first = 1 if cfg.loss.kl_coef > 0 else 0
                 topk = losses.TopK(lp_at[..., first:], lp_old_at[..., first:], mb.teacher_top, mb.has_top,
-                                   weight=cfg.w_opd, clip=opd_clip)
+                                   weight=cfg.loss.w_opd, clip=opd_clip)
             token_hint = mb.has_hint if topk is None else mb.has_hint & ~mb.has_top
             adv = losses.advantages(mode, reward, lp_old_t1, mb.teacher_lp, token_hint,
-                                    w_rl=cfg.w_rl, w_opd=cfg.w_opd, opd_clip=opd_clip)
-            if not cfg.entropy_coef:
+                                    w_rl=cfg.loss.w_rl, w_opd=cfg.loss.w_opd, opd_clip=opd_clip)
+            if not cfg.loss.entropy_coef:
                 ent = ent.detach()  # a metric only: no gradient through it
             loss, mb_parts = losses.total_loss_terms(lp_new, lp_old, mb.lp_rollout, adv, mb.mask, cfg.loss,
                                                      normaliser=norm, lp_ref=lp_ref, kl_lp=kl_lp, kl_rows=kl_rows,
@@ -347,9 +350,9 @@ class Trainer:
             if not math.isfinite(gn):
                 bad = f"non-finite gradient norm ({gn})"
         if bad is None:
-            if cfg.grad_clip and gn > cfg.grad_clip:
+            if cfg.optimizer.grad_clip and gn > cfg.optimizer.grad_clip:
                 grads = [sharding.local(p.grad) for p in self.params if p.grad is not None]
-                torch._foreach_mul_(grads, cfg.grad_clip / (gn + 1e-6))  # one launch, not one per tensor
+                torch._foreach_mul_(grads, cfg.optimizer.grad_clip / (gn + 1e-6))  # one launch, not one per tensor
             self.optimizer.step()
             self.updates += 1
             faults.point("trainer.step.after_optimizer")
@@ -363,10 +366,11 @@ class Trainer:
 
     def _top_k(self, mode: str) -> bool:
         """Top-K distillation is on: samples with top-k rows take it (opd_top_k = 0: every hint is token-level)."""
-        return mode != "rl" and self.cfg.opd_top_k > 0
+        return mode != "rl" and self.cfg.loss.opd_top_k > 0
 
     def _part_names(self, mode: str) -> list[str]:
-        on = {"opd_topk": self._top_k(mode), "kl": self.cfg.kl_loss_coef > 0, "entropy": self.cfg.entropy_coef > 0}
+        loss = self.cfg.loss
+        on = {"opd_topk": self._top_k(mode), "kl": loss.kl_coef > 0, "entropy": loss.entropy_coef > 0}
         return ["policy_loss", *(k for k, v in on.items() if v), "loss"]
 
     def unpause(self) -> None:
@@ -383,7 +387,7 @@ class Trainer:
         if not isinstance(version, int) or version <= self.version:
             raise ValueError(f"version {version!r} must be an integer above the last one, {self.version}")
         self.settle()  # one write at a time, and pruning in order
-        dest, lora, spare = version_dir(self.state_dir, version), self.cfg.lora, self._checkpointed_version
+        dest, lora, spare = version_dir(self.state_dir, version), self.cfg.lora.enabled, self._checkpointed_version
         self._on_writer(lambda: publishing.check_room(self.model, self.model_dir, dest, self.publish_dtype, lora,
                                                       self.min_free_bytes))
         def prune() -> None:
@@ -429,9 +433,11 @@ class Trainer:
             raise RuntimeError(f"the weights of step {self.step} are not published yet: a checkpoint would "
                                f"say they are v{self.weights_version}")
         self.settle()  # a checkpoint says its version's directory is there
+        lora = self.cfg.lora.enabled
+
         def room() -> None:
             self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-            check_free(self.checkpoints_dir, checkpoints.checkpoint_bytes(self.model, self.optimizer, self.cfg.lora),
+            check_free(self.checkpoints_dir, checkpoints.checkpoint_bytes(self.model, self.optimizer, lora),
                        self.min_free_bytes, f"checkpoint of step {self.step}")
 
         self._on_writer(room)
@@ -439,7 +445,7 @@ class Trainer:
                  "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                  "paused": self.paused, "pause_reason": self.pause_reason,
                  "journal_position": journal_position, "created": time.time(), "config": asdict(self.cfg),
-                 "lora": self._lora_shape}
+                 "lora": self.cfg.lora.shape()}
         dest = checkpoints.save_checkpoint(self.checkpoints_dir, self.model, self.optimizer, state, self.world,
                                            keep=self.keep_checkpoints)
         self.journal_position = journal_position
@@ -457,12 +463,6 @@ class Trainer:
             raise ValueError(f"no checkpoint holds v{version}: it cannot be restored")
         self.settle(abandon=True)  # before resume clears the temporary directory it may write in; newer: abandoned
         self.resume(path)
-
-    @property
-    def _lora_shape(self) -> dict | None:
-        """What a checkpoint's adapters must match to be loaded here (None: a full fine-tune's)."""
-        c = self.cfg
-        return {"rank": c.lora_rank, "alpha": c.lora_alpha, "targets": list(c.lora_target_modules)} if c.lora else None
 
     def resume(self, path: Path | None = None) -> Any:
         """Restore the newest complete checkpoint (or `path`'s: a rollback) (model, optimizer, counters,
@@ -482,7 +482,7 @@ class Trainer:
             self.paused, self.pause_reason, self.journal_position = False, None, None
         else:
             state = checkpoints.load_checkpoint(path, self.model, self.optimizer, self.device, self.world,
-                                                seed=self.cfg.seed, lora=self._lora_shape)
+                                                seed=self.cfg.seed, lora=self.cfg.lora.shape())
             self.step = state["step"]
             self.skipped_steps = state["skipped_steps"]
             self.consecutive_skips = state["consecutive_skips"]

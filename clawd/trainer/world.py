@@ -15,7 +15,7 @@ Everything dies together: the coordinator dies with the daemon (PR_SET_PDEATHSIG
 the coordinator (the same, set between fork and exec); each rank with torchrun (the same, set at
 its start), and rank 0 also on the relay's EOF. torchrun runs with no restarts: a rank that dies
 makes it stop the others and exit; a rank that hangs makes the others' collectives time out
-(`[train] collective_timeout`), raise, and exit. Either way the coordinator exits 1 and the
+(`[train.world] collective_timeout`), raise, and exit. Either way the coordinator exits 1 and the
 daemon's supervisor starts a new world from the last checkpoint, sending the batch again.
 """
 from __future__ import annotations
@@ -54,26 +54,27 @@ def world_argv(train, *, node_rank: int = 0, endpoint: str = "", python: str = s
         rendezvous = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", port]
     else:
         rendezvous = ["--standalone", "--local-addr", "127.0.0.1"]
-    return [python, "-m", "torch.distributed.run", "--nnodes", str(train.nnodes),
-            "--nproc-per-node", str(train.ranks_per_node), "--node-rank", str(node_rank), *rendezvous,
+    return [python, "-m", "torch.distributed.run", "--nnodes", str(train.world.nnodes),
+            "--nproc-per-node", str(train.world.ranks_per_node), "--node-rank", str(node_rank), *rendezvous,
             "--max-restarts", "0", "--monitor-interval", "0.5",
-            "-m", "clawd.trainer.rank", "--collective-timeout", str(train.collective_timeout)]
+            "-m", "clawd.trainer.rank", "--collective-timeout", str(train.world.collective_timeout)]
 
 
 def world_launches(cfg) -> list[Launch]:
     """A trainer world's torchrun lines for `bin/clawd --plan`: this host's, started by the trainer child
     (the coordinator), then each other host's, run there by `clawd-trainer@N` (the same line, node rank N)."""
     train = cfg.train
-    if train.world_size == 1:
+    if train.world.size == 1:
         return []
-    env = {**child_env(cfg, train.gpus, dict(os.environ), unbuffered=False), RELAY_ENV: "<the coordinator's socket>"}
-    found = [Launch("trainer-ranks", tuple(world_argv(train, endpoint=train.rdzv_endpoint)), env, None,
-                    device_set(train.gpus), cfg.learner.trainer_ready_timeout)]
-    for node in range(1, train.nnodes):
+    env = {**child_env(cfg, train.world.gpus, dict(os.environ), unbuffered=False),
+           RELAY_ENV: "<the coordinator's socket>"}
+    found = [Launch("trainer-ranks", tuple(world_argv(train, endpoint=train.world.rdzv_endpoint)), env, None,
+                    device_set(train.world.gpus), cfg.learner.trainer_ready_timeout)]
+    for node in range(1, train.world.nnodes):
         found.append(Launch(f"trainer-ranks on host {node} (clawd-trainer@{node})",
-                            tuple(world_argv(train, node_rank=node, endpoint=train.rdzv_endpoint,
+                            tuple(world_argv(train, node_rank=node, endpoint=train.world.rdzv_endpoint,
                                              python="python3")),
-                            {}, None, device_set(train.gpus), cfg.learner.trainer_ready_timeout))
+                            {}, None, device_set(train.world.gpus), cfg.learner.trainer_ready_timeout))
     return found
 
 
@@ -93,8 +94,8 @@ def coordinate(conn: Connection, options: dict) -> None:
         else:
             env[name] = value
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several ranks, without its warning
-    argv = world_argv(train, endpoint=train.rdzv_endpoint)
-    log.info("trainer world: %d rank(s) on %d host(s): %s", train.world_size, train.nnodes, " ".join(argv))
+    argv = world_argv(train, endpoint=train.world.rdzv_endpoint)
+    log.info("trainer world: %d rank(s) on %d host(s): %s", train.world.size, train.world.nnodes, " ".join(argv))
     # die_with_parent between fork and exec: torchrun dies with the coordinator.
     proc = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
     try:
@@ -102,7 +103,7 @@ def coordinate(conn: Connection, options: dict) -> None:
         rank0.send(options)
         ready = recv_message(rank0)  # ready or error, as a child's
         if ready.get("type") == "ready":
-            ready = {**ready, "pid": os.getpid(), "world_size": train.world_size}
+            ready = {**ready, "pid": os.getpid(), "world_size": train.world.size}
         send_message(conn, ready)
         if ready.get("type") != "ready":
             raise SystemExit(1)

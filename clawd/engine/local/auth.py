@@ -26,7 +26,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from clawd.config import ConfigError
+from clawd.config.loading import ConfigError
 
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 ADMIN_OPTIONAL = frozenset({

@@ -40,7 +40,7 @@ import torch
 from aiohttp import web
 
 from clawd import startup
-from clawd.config import ConfigError
+from clawd.config.loading import ConfigError
 from clawd.engine.local import adapters, auth
 from clawd.engine.local import weight_sync
 from clawd.engine.local.scheduler import Engine

@@ -38,7 +38,7 @@ cores; the settings were chosen by the runs in bench/README.md. With the earlier
 the answers collapsed ("The answer is a planet."): the documented example of a reward hack.
 `--full` (`make demo DEMO_ARGS=--full`): a full fine-tune at lr 1e-5 (--lr); `--lora-rank N` another rank.
 `--no-safety`: no gate, no monitors, no rollback checkpoints (learning as before them: the control).
-`--train KEY=VALUE` sets any [train] key (kl_loss_coef=0.3).
+`--train KEY=VALUE` sets any [train] key (loss.kl_coef=0.3).
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from clawd.config.train import overlay
 from clawd.safety import degeneration, paired
 from clawd.tools.sim import evaluation
 from clawd.tools.sim.launch import Clawd
@@ -99,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="state/demo", help="where the plot, summary and clawd's state go (default state/demo)")
     ap.add_argument("--keep-weights", action="store_true", help="keep the weights and checkpoints (~2.7 GB for SmolLM2)")
     ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
-                    help="a [train] setting, VALUE in TOML (kl_loss_coef=0.05); repeatable")
+                    help="a [train] setting, VALUE in TOML (loss.kl_coef=0.05); repeatable")
     args = ap.parse_args(argv)
     try:
         args.train_keys = {k.strip(): tomllib.loads(f"v = {v}")["v"] for k, _, v in (t.partition("=") for t in args.train)}
@@ -141,9 +142,10 @@ def clawd_sections(args: argparse.Namespace, state_dir: Path) -> dict[str, dict[
         "judge": {"backend": "rules", "teacher_engine": args.teacher},
         "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": 1},
         # A rollback returns to a checkpoint: one a version (a few seconds each for SmolLM2 and its optimizer).
-        "train": {"lr": args.lr, "seed": args.seed, "checkpoint_every": 1000 if args.no_safety else 1,
-                  "keep_versions": 2, **({"lora_rank": args.lora_rank, "lora_lr": args.lr} if args.lora_rank else {}),
-                  **args.train_keys},
+        "train": overlay({"seed": args.seed, "checkpoint_every": 1000 if args.no_safety else 1, "keep_versions": 2,
+                          "optimizer": {"lr": args.lr},
+                          **({"lora": {"rank": args.lora_rank, "lr": args.lr}} if args.lora_rank else {})},
+                         args.train_keys),
         "sessions": {"session_idle_timeout": args.idle_timeout, "sweep_interval": 2.0},
         "state": {"dir": str(state_dir)},
         # The gate on 16 of the prompts that ship, one short answer each (all 50 take minutes a version on 2 cores,

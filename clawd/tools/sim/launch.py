@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from clawd.lifetime import die_with_parent
-from clawd.tools.tomlfile import to_toml
+from clawd.tools.tomlfile import merged, to_toml
 from clawd.ops.ctl import NotRunning, call
 
 # The repository (this file is clawd/tools/sim/launch.py): clawd's own package goes first on the daemon's path,
@@ -71,8 +71,7 @@ class Clawd:
         self.log_path = self.run_dir / "clawd.log"
         # The simulated users are told apart by the request's `user` field: trusted here, on loopback.
         cfg = {"server": {"port": 0}, "state": {"dir": str(self.state)}, "auth": {"trust_user_field": True}}
-        for name, table in sections.items():
-            cfg[name] = {**cfg.get(name, {}), **table}
+        cfg = merged(cfg, sections)
         self.socket = Path(cfg.get("admin", {}).get("socket") or self.state / "clawd.sock")
         if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:
             raise ValueError(f"admin socket path too long for a Unix socket: {self.socket} (use a shorter run dir)")

@@ -1,9 +1,4 @@
-"""The [privacy] section: what clawd keeps about the people whose conversations it serves and trains on
-(docs/ARCHITECTURE.md §18).
-
-Its own module, as [train] and the safety sections have theirs, so that `clawd.config` stays one readable
-file under its size cap. Loaded and checked as every other section is (`clawd.config`).
-"""
+"""The [privacy] section: what clawd keeps about the people whose conversations it serves and trains on."""
 from __future__ import annotations
 
 import math
@@ -11,6 +6,7 @@ import typing
 from dataclasses import dataclass
 
 from clawd.checks import is_group_name, is_number
+
 
 PII_CATEGORIES = ("email", "phone", "card", "iban", "ip", "secret")  # clawd.privacy.pii detects these
 
