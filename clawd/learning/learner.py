@@ -40,6 +40,7 @@ from clawd.learning.collect import collect
 from clawd.learning.limits import BatchLimits, canonical
 from clawd.learning.promotion import Promotion
 from clawd.learning.publisher import NotWritten, Publisher
+from clawd.learning.recovery import Held, Next, Recovery, held_needs
 from clawd.learning.rollback import keep_for_inspection, sort_unacked
 from clawd.learning.store import SampleStore
 from clawd.pauses import DISK, GATE, NON_FINITE, Pauses, describe
@@ -101,9 +102,7 @@ class Learner:
         self._idle = asyncio.Event()  # no step in progress
         self._rollback_waiting = 0  # rollbacks asked for and not yet begun: no new version is delivered
         self._idle.set()
-        self._unacked: list[Sample] = []  # trained, not yet covered by a checkpoint
-        self._trainer_pid: int | None = None  # the child whose state _unacked is in
-        self._unpublished: tuple[str, int] | None = None  # (weights_dir, version) the engine should serve
+        self.recovery = Recovery()  # what is owed before the next step (clawd.learning.recovery)
         self._retry_delay = _RETRY_INITIAL
         self.on_publish = on_publish  # (seconds, intake held): metrics
         self.on_step = on_step  # (trained from, reply, batch): the monitors and the learning view
@@ -112,10 +111,7 @@ class Learner:
         if self.versions.get(policy.version) is None:
             self.versions.add(Version(policy.version, None, time.time(), "serving", detail="served at start"))
         self.promotion = None if gate is None else Promotion(gate, self.versions, publisher, policy, lora=lora)
-        self._candidate: tuple[str, int] | None = None  # trained and written, not yet promoted or rejected
-        self._writing: int | None = None  # the candidate whose directory the trainer wrote off the critical path
         self._work = asyncio.Lock()  # a step, a promotion or a rollback: one at a time
-        self._recovered = False      # what the last stop left half-decided is settled (`_recover`)
 
     @property
     def paused(self) -> bool:
@@ -160,12 +156,12 @@ class Learner:
         try:
             async with asyncio.timeout(timeout):
                 await self._idle.wait()
-                if self._unacked and self.trainer.alive:
+                if self.recovery.unacked and self.trainer.alive:
                     await self.trainer.checkpoint(timeout)
                     await self._ack()
         except (TimeoutError, TrainerError) as exc:
             log.warning("stopping without a final checkpoint (%s); %d trained sample(s) replay at the next start",
-                        exc or "timed out", len(self._unacked))
+                        exc or "timed out", len(self.recovery.unacked))
 
     async def _serve_trainer_state(self) -> bool:
         """Before a step, make the engine serve what the trainer holds. False: not yet, try again."""
@@ -175,31 +171,30 @@ class Learner:
             log.error("learner waiting for the trainer: %s", exc)
             await self._backoff()
             return False
-        if ready.pid != self._trainer_pid:
+        rec = self.recovery
+        if ready.pid != rec.trainer_pid:
             self._trainer_restarted(ready.pid)
-            self._unpublished = None
-            if self._candidate is not None and self._candidate[1] == self._writing:
-                if not is_published(Path(self._candidate[0])):
-                    self._lost(self._candidate[1])
-            held = self.versions.get(ready.weights_version)
-            doomed = held is not None and held.status in (REJECTED, ROLLED_BACK)  # never again: `_recover` rolls back
-            if ready.weights_version != self.policy.version and not doomed:
-                path = version_dir(self.state_dir, ready.weights_version)
-                if ready.weights_version > self.policy.version and is_published(path):
-                    if held is not None and held.status == CANDIDATE and self.promotion is not None:
-                        self._candidate = (str(path), ready.weights_version)  # unchecked: its gate first
-                    else:
-                        self._unpublished = (str(path), ready.weights_version)
-                else:  # older (checkpoint_every > 1) or rotated out: the same weights, a new number
-                    version = self._next_version()
-                    try:
-                        weights = await self.trainer.publish(version, timeout=self.cfg.publish_timeout)
-                    except TrainerError as exc:
-                        log.error("could not write the trainer's weights as v%d: %s", version, exc)
-                        self._trainer_pid = None  # try the whole thing again
-                        return await self._write_failed("publish", exc)
-                    self._unpublished = (weights, version)
-        if not self._recovered:
+            rec.unpublished = None
+            if (lost := rec.lost(lambda path: is_published(Path(path)))) is not None:
+                self._lost(lost)
+            record = self.versions.get(ready.weights_version)
+            path = version_dir(self.state_dir, ready.weights_version)
+            need = held_needs(ready.weights_version, record and record.status, self.policy.version,
+                              is_published(path), self.promotion is not None)
+            if need is Held.GATE:
+                rec.candidate = (str(path), ready.weights_version)  # unchecked: its gate first
+            elif need is Held.SERVE:
+                rec.unpublished = (str(path), ready.weights_version)
+            elif need is Held.RENUMBER:  # older (checkpoint_every > 1) or rotated out: the same weights, a new number
+                version = self._next_version()
+                try:
+                    weights = await self.trainer.publish(version, timeout=self.cfg.publish_timeout)
+                except TrainerError as exc:
+                    log.error("could not write the trainer's weights as v%d: %s", version, exc)
+                    rec.trainer_pid = None  # try the whole thing again
+                    return await self._write_failed("publish", exc)
+                rec.unpublished = (weights, version)
+        if not rec.recovered:
             await self._recover(ready.weights_version)
         if not await self._write_owed():
             return False
@@ -209,15 +204,15 @@ class Learner:
     def _lost(self, version: int) -> None:
         """A candidate whose directory the trainer child died writing (a deferred write): its weights died with
         it. Replicas that took them over their group go back onto the policy's; its samples train again."""
-        self._candidate = None
-        self.versions.update(version, status=ROLLED_BACK, detail="lost: the trainer died writing its directory")
+        self.versions.update(version, status=ROLLED_BACK, detail="lost: the trainer died before its directory "
+                             "was written")
         self.publisher.abandon(version)
         log.error("v%d is lost: the trainer died before its directory was written", version)
 
-    async def _recover(self, held: int) -> None:
-        """At start: the trainer left on a rejected or rolled-back version (`held`) is rolled back again."""
-        self._recovered = True
-        record = self.versions.get(held)
+    async def _recover(self, held_version: int) -> None:
+        """At start: the trainer left on a rejected or rolled-back version (`held_version`) is rolled back again."""
+        self.recovery.recovered = True
+        record = self.versions.get(held_version)
         if record is not None and record.status in (REJECTED, ROLLED_BACK):
             log.warning("v%d was %s before the last stop: rolling back again", record.version, record.status)
             await self._rollback(self._target(exclude={record.version}), f"at start: v{record.version} was "
@@ -226,31 +221,29 @@ class Learner:
     async def _write_owed(self) -> bool:
         """The writes the trainer's last step still owes (its state's `owed`), each retried alone, and the
         engine moved onto the newest written version. False: not yet (paused or backed off)."""
-        while ((owed := (self.trainer.state or {}).get("owed", [])) or self._unpublished is not None
-               or self._candidate is not None):
-            if self._candidate is not None and not owed:  # its gate or its publish failed: again
+        rec = self.recovery
+        while (step := rec.next((self.trainer.state or {}).get("owed", []))) is not None:
+            if step is Next.DELIVER:  # its gate or its publish failed: again
                 if not await self._deliver():
                     await self._backoff()
                     return False
-                continue
-            if owed and owed[0] == "publish":
+            elif step is Next.PUBLISH:
                 version = self._next_version()
                 try:
-                    self._unpublished = (await self.trainer.publish(version, timeout=self.cfg.publish_timeout), version)
+                    rec.unpublished = (await self.trainer.publish(version, timeout=self.cfg.publish_timeout), version)
                 except TrainerError as exc:
                     return await self._write_failed("publish", exc)
-                continue
-            if self._unpublished is not None:
-                if not await self._publish(*self._unpublished):
+            elif step is Next.SERVE:
+                if not await self._publish(*rec.unpublished):
                     await self._backoff()
                     return False
-                self._unpublished = None
-                continue
-            try:  # owed == ["checkpoint"]
-                await self.trainer.checkpoint(self.cfg.publish_timeout)
-            except TrainerError as exc:
-                return await self._write_failed("checkpoint", exc)
-            await self._ack()
+                rec.unpublished = None
+            else:  # Next.CHECKPOINT
+                try:
+                    await self.trainer.checkpoint(self.cfg.publish_timeout)
+                except TrainerError as exc:
+                    return await self._write_failed("checkpoint", exc)
+                await self._ack()
         return True
 
     async def _write_failed(self, op: str, exc: TrainerError | dict) -> bool:
@@ -274,32 +267,28 @@ class Learner:
     async def _ack(self) -> None:
         """A checkpoint holds every step trained so far: their samples leave the journal. A journal write that
         fails keeps them for the next ack (until then a restart would train them again: at least once)."""
-        if not self._unacked:
+        done = self.recovery.acknowledged()
+        if not done:
             return
         try:
-            await self.store.ack([s.sample_id for s in self._unacked])
+            await self.store.ack([s.sample_id for s in done])
         except JournalWriteError as exc:
+            self.recovery.unacknowledged(done)
             log.error("acknowledging %d trained sample(s) failed, retried with the next checkpoint: %s",
-                      len(self._unacked), exc)
+                      len(done), exc)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.pauses.hold(DISK, f"a journal acknowledgement failed: {exc.strerror or exc}")
-            return
-        self._unacked = []
 
     def _trainer_restarted(self, pid: int) -> None:
         """A new child resumed from the newest checkpoint: samples trained since are not in it and wait to be
         trained again; those it holds (a child that died after its checkpoint, before its reply) stay to be
         acknowledged, never trained twice."""
-        if self._trainer_pid is not None and self._unacked:
-            kept = checkpointed_samples(self.state_dir)
-            again = [s for s in self._unacked if s.sample_id not in kept]
-            self._unacked = [s for s in self._unacked if s.sample_id in kept]
-            if again:
-                log.warning("trainer restarted from its checkpoint: %d trained sample(s) wait to be trained again",
-                            len(again))
-                self.stats.requeued_after_restart += len(again)
-                self.store.requeue(again)
-        self._trainer_pid = pid
+        again = self.recovery.restarted(pid, lambda: checkpointed_samples(self.state_dir))
+        if again:
+            log.warning("trainer restarted from its checkpoint: %d trained sample(s) wait to be trained again",
+                        len(again))
+            self.stats.requeued_after_restart += len(again)
+            self.store.requeue(again)
 
     async def _backoff(self) -> None:
         await asyncio.sleep(self._retry_delay)
@@ -324,7 +313,7 @@ class Learner:
                 await self._backoff()
             return
         ready = self.trainer.ready
-        if ready is not None and ready.pid != self._trainer_pid:  # restarted during the step, which it retried
+        if ready is not None and ready.pid != self.recovery.trainer_pid:  # restarted during the step, which it retried
             self._trainer_restarted(ready.pid)
             self._catch_up(trained)
         self.stats.steps += 1
@@ -333,7 +322,8 @@ class Learner:
         self.stats.last_metrics = trained.metrics
         if self.on_step is not None:  # the monitors and the learning view: what the step measured, and of which policy
             self.on_step(self.policy.version, trained, batch)
-        self._unacked += batch
+        written = None if trained.weights_dir is None else (trained.weights_dir, trained.version)
+        self.recovery.stepped(batch, written, (trained.state or {}).get("writing"))
         if trained.weights_dir is None and trained.failed is None:  # nothing to publish: not a failed publish
             self.stats.skipped_steps += 1
             self.stats.no_signal_steps += bool(trained.metrics.get("no_signal"))
@@ -345,8 +335,6 @@ class Learner:
             self.versions.add(Version(trained.version, self.policy.version, time.time(), CANDIDATE,
                                       steps=((trained.state or {}).get("step", 0),), samples=len(batch),
                                       principals=dict(collections.Counter(s.principal for s in batch))))
-            self._candidate = (trained.weights_dir, trained.version)
-            self._writing = trained.version if (trained.state or {}).get("writing") == trained.version else None
             await self._deliver()  # a failure is retried before the next step
         if trained.checkpointed:
             await self._ack()
@@ -360,15 +348,15 @@ class Learner:
         if trained.weights_dir is None and version is not None and version > self.policy.version:
             path = version_dir(self.state_dir, version)
             if is_published(path):
-                self._unpublished = (str(path), version)
+                self.recovery.unpublished = (str(path), version)
 
     async def _deliver(self) -> bool:
         """The candidate onto the engine, through the gate when there is one: promoted, or rejected and the
         trainer rolled back. False: not yet (an engine or the evaluation failed; tried again)."""
-        weights, version = self._candidate
+        weights, version = self.recovery.candidate
         if self._rollback_waiting:  # asked while this version trained: it is doomed, and never serves
             log.warning("v%d is not delivered: a rollback is waiting", version)
-            self._candidate = None
+            self.recovery.decided()
             return True
         if self.promotion is None:
             if not await self._publish(weights, version):
@@ -378,11 +366,11 @@ class Learner:
             if verdict is None:
                 return False
             if not verdict["passed"]:
-                self._candidate = None
+                self.recovery.decided()
                 await self._rollback(self._target(exclude={version}), f"gate: {verdict['detail']}", rejected=version)
                 self.pauses.hold(GATE, f"v{version} rejected: {verdict['detail']}")
                 return True
-        self._candidate = None
+        self.recovery.decided()
         return True
 
     def _target(self, exclude: set[int] = frozenset()) -> int:
@@ -433,9 +421,9 @@ class Learner:
         step = await self.trainer.restore(target, timeout=self.cfg.publish_timeout)
         doomed = {v.version for v in self.versions if v.version > target and v.status in (CANDIDATE, "serving")}
         doomed |= {v for v in self.versions.lineage(self.policy.version) if v > target}
-        kept, dropped, again = sort_unacked(self._unacked, read_ledger(ledger_path(self.state_dir)), current, step,
-                                            doomed)
-        self._unacked = kept + dropped  # acknowledged with the owed checkpoint: never trained again
+        ledger = read_ledger(ledger_path(self.state_dir))
+        kept, dropped, again = sort_unacked(self.recovery.unacked, ledger, current, step, doomed)
+        self.recovery.rolled_back(kept, dropped)  # acknowledged with the owed checkpoint: never trained again
         self.store.requeue(again)
         keep_for_inspection(self.state_dir, [s for s in dropped if not self.store.is_forgotten(s.sample_id)],
                             sorted(doomed))  # a forgotten person's samples are not written back to disk
@@ -452,7 +440,7 @@ class Learner:
             self.versions.add(Version(version, target, time.time(), CANDIDATE, restored_from=target,
                                       detail=f"v{target} again ({reason})"))
             if not await self._publish(weights, version):
-                self._unpublished = (weights, version)
+                self.recovery.unpublished = (weights, version)
         elif self.versions.get(target).status != SERVING:  # a restart already serves it: it is the serving one again
             self.versions.promote(target, f"serving again ({reason})")
         log.warning("rolled back to v%d (%s): %d sample(s) of %s dropped, %d to train again; serving v%d", target,
