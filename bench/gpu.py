@@ -8,7 +8,7 @@ the peak it measured.
 
 A randomly initialised Qwen2 with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocabulary 151,936, tied embeddings) is saved as a bf16 base directory without a
-tokenizer (the trainer needs none), and `clawd.trainer.step.Trainer(TrainConfig(device="cuda"))` trains
+tokenizer (the trainer needs none), and `clawd.trainer.step.Trainer` (`[train.world] device = "cuda"`) trains
 on synthetic samples: `--samples` of total length spread over [--min-len, --max-len], 20–60 % response,
 temperatures 1 / 0.7, half with a teacher hint (mode combine: the OPD term and the T = 1 log-probs run).
 One warm-up step (its micro-batch budget halved on out-of-memory), then `--steps` timed ones.
@@ -292,8 +292,8 @@ def run(args, result: dict) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         cfg = TrainConfig(micro_batch_tokens=args.micro_batch_tokens, seed=args.seed, recompute=args.recompute,
-                          world=WorldConfig(device=device.type,
-                                            memory_fraction=args.memory_fraction), optimizer=OptimizerConfig(lr=1e-6))
+                          world=WorldConfig(device=device.type, memory_fraction=args.memory_fraction),
+                          optimizer=OptimizerConfig(lr=1e-6))
         trainer = Trainer(work / "base", work / "state", cfg)
         if args.head_chunk_tokens:
             trainer.head_chunk_tokens = args.head_chunk_tokens
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="positions per output-layer chunk (0: the trainer's default for the vocabulary)")
     p.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up one")
     p.add_argument("--mode", choices=("rl", "opd", "combine"), default="combine")
-    p.add_argument("--memory-fraction", type=float, default=0.0, help="TrainConfig.memory_fraction")
+    p.add_argument("--memory-fraction", type=float, default=0.0, help="[train.world] memory_fraction")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="the model's shape (default qwen2.5-0.5b; smoke with --smoke); 4b with --recompute on "
                         "is the 4B-shaped run the memory plan is checked against")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from clawd.samples import Sample
+from clawd.trainer.catalogue import Trained
 from clawd.trainer.child import RetryableError
 
 
@@ -46,7 +47,7 @@ class Scripted:
         if names := options.get("report_env"):  # what the child's environment held as its handler was built
             (self.dir / "env.json").write_text(json.dumps({k: os.environ.get(k) for k in names}))
 
-    def train(self, batch_id: str, version: int, samples: list[Sample], deferred: bool = False) -> dict:
+    def train(self, batch_id: str, version: int, samples: list[Sample], deferred: bool = False) -> Trained:
         call = len(calls(self.dir)) + 1
         with open(self.dir / "calls.jsonl", "a") as f:
             f.write(json.dumps({"call": call, "batch_id": batch_id, "pid": os.getpid(), "n": len(samples),
@@ -70,9 +71,9 @@ class Scripted:
         self.step += 1
         self.version = self.weights_version = version
         self.writing = version if deferred else None
-        return {"weights_dir": str(self.dir / f"v{version}"),
-                "metrics": {"step": self.step, "pid": os.getpid(), "call": call, "n": len(samples)},
-                "per_sample": [json.loads(s.to_json()) for s in samples] if self.echo else []}
+        return Trained(batch_id, version, str(self.dir / f"v{version}"),
+                       {"step": self.step, "pid": os.getpid(), "call": call, "n": len(samples)},
+                       [json.loads(s.to_json()) for s in samples] if self.echo else [])
 
     def publish(self, version: int) -> str:
         self.version = self.weights_version = version

@@ -10,11 +10,10 @@ here, in the child only.
 The handler: `factory(options)` returns an object with `step`, `version` (the newest version ever
 published: new ones must be above it) and `weights_version` (the version whose weights it holds;
 0 = the base model), all restored from its last checkpoint, and optionally `checkpoint_step` and
-`owed` (the writes its last step still needs); `train(batch_id, version, samples)` -> {"weights_dir":
-str | None, "metrics": dict, "per_sample": list (optional), "checkpointed": bool (optional),
-"failed": {op, kind, message} | None (optional: a write after the step failed)}, where `version` is
-the version the new weights will carry; `publish(version)` -> weights_dir (its current weights as a
-new version) and `checkpoint()` -> (path, step). Every reply carries `state` (`state_of`).
+`owed` (the writes its last step still needs); `train(batch_id, version, samples, deferred)` -> the
+catalogue's `Trained` (`version` is the version the new weights will carry); `publish(version)` ->
+weights_dir (its current weights as a new version) and `checkpoint()` -> (path, step). Every reply
+carries `state` (`state_of`).
 
 An exception becomes an `error` reply with a `kind`: "disk" (OSError ENOSPC/EDQUOT, from a write or
 the free-space check) and "io" (any other OSError) are retryable; "step" (an exception with a true
@@ -39,7 +38,7 @@ from clawd import startup
 from clawd.config.logging import LOG_FORMAT
 from clawd.trainer.catalogue import (Checkpoint, Checkpointed, JoinGroup, Joined, LeaveGroup, Left, Pong,
                                      PublishWeights, Published, Ready, Restore, Restored, SendWeights, Sent, Train,
-                                     Trained, WaitWritten, Written, message, read_request)
+                                     WaitWritten, Written, message, read_request)
 from clawd.trainer.wire import recv_message, send_message
 from clawd.weights import write_failure_kind
 from clawd.lifetime import die_with_spawner
@@ -97,11 +96,7 @@ def _handled(handler, request):
     """The handler's work for one request, as its reply."""
     match request:
         case Train(batch_id=batch_id, version=version, samples=samples, deferred=deferred):
-            out = (handler.train(batch_id, version, samples, deferred=True) if deferred else
-                   handler.train(batch_id, version, samples))
-            weights = out["weights_dir"]  # None: the step was skipped, nothing to publish
-            return Trained(batch_id, version, None if weights is None else str(weights), out.get("metrics", {}),
-                           list(out.get("per_sample", [])), bool(out.get("checkpointed", False)), out.get("failed"))
+            return handler.train(batch_id, version, samples, deferred=deferred)
         case PublishWeights(version=version):
             return Published(version, str(handler.publish(version)))
         case WaitWritten(version=version):
@@ -132,8 +127,8 @@ def main(conn, factory: Factory | None, options: dict) -> None:
     """The child's entry point: handshake, then one reply per request until shutdown or EOF. With a
     trainer world of several ranks, the coordinator's (`clawd.trainer.world`) instead."""
     die_with_spawner()
-    train = options.get("train")
-    if factory is None and getattr(train, "world_size", 1) > 1:
+    world = getattr(options.get("train"), "world", None)  # a TrainConfig's; the tests' handlers have none
+    if factory is None and world is not None and world.size > 1:
         logging.basicConfig(level=str(options.get("log_level", "info")).upper(), stream=sys.stderr, format=LOG_FORMAT)
         from clawd.trainer.world import coordinate
 

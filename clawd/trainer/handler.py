@@ -29,6 +29,7 @@ from clawd import faults
 from clawd.config.loading import config_from_dict
 from clawd.config.train import TrainConfig
 from clawd.samples import Sample
+from clawd.trainer.catalogue import Trained
 from clawd.trainer.failures import StepFailed
 from clawd.trainer.step import Trainer
 from clawd.trainer.weight_sender import SyncRefused, WeightSender
@@ -96,16 +97,16 @@ class TrainerHandler:
         """The version whose directory is still being written (a deferred publish), or None."""
         return None if self.trainer.writing is None else self.trainer.writing.version
 
-    def train(self, batch_id: str, version: int, samples: list[Sample], deferred: bool = False) -> dict:
+    def train(self, batch_id: str, version: int, samples: list[Sample], deferred: bool = False) -> Trained:
         """One step, then its writes; `deferred`: the directory is written off the critical path (the daemon
         pushes the weights over its groups meanwhile), and a checkpoint due is left owed until it is there."""
         t = self.trainer
         if t.step and t.step == t.checkpoint_step and batch_id == self._batch:
             # The checkpoint this child resumed from already holds this batch's step: its predecessor died
             # after writing it, before its reply, and the batch came again. Never train it twice.
-            return {"weights_dir": None, "checkpointed": True, "failed": None,
-                    "metrics": {"skipped": True, "step": t.step, "skip_reason": f"batch {batch_id} is already in "
-                                f"the checkpoint of step {t.step} (the trainer died before its reply)"}}
+            return Trained(batch_id, version, None, {"skipped": True, "step": t.step, "skip_reason": (
+                f"batch {batch_id} is already in the checkpoint of step {t.step} (the trainer died before its "
+                "reply)")}, [], checkpointed=True)
         if t.paused:  # the daemon paused on our report and has been resumed by the operator
             t.unpause()
         metrics = t.train_step(samples, self.mode)  # StepFailed: fatal, the child exits after replying
@@ -114,7 +115,8 @@ class TrainerHandler:
         except Exception as exc:  # writes report their own failures; anything else must not be retrained on
             raise StepFailed(f"after step {t.step}: {type(exc).__name__}: {exc}") from exc
 
-    def _after_step(self, batch_id: str, version: int, samples: list[Sample], metrics: dict, deferred: bool) -> dict:
+    def _after_step(self, batch_id: str, version: int, samples: list[Sample], metrics: dict,
+                    deferred: bool) -> Trained:
         t = self.trainer
         self._batch = batch_id
         self._line = {"step": t.step, "batch_id": batch_id, "version": None,
@@ -138,7 +140,7 @@ class TrainerHandler:
                 checkpointed = True
             except OSError as exc:
                 failed = self._failed("checkpoint", exc)
-        return {"weights_dir": weights, "metrics": metrics, "checkpointed": checkpointed, "failed": failed}
+        return Trained(batch_id, version, weights, metrics, [], checkpointed, failed)
 
     def publish(self, version: int) -> str:
         """The current weights as `version`: the write a failed train reply left owed, or, after a restart
