@@ -1,0 +1,125 @@
+"""Active rollouts (clawd/rollouts): group advantages (exact values), and the worker that runs a deployment's
+code under a time limit, on real processes."""
+import asyncio
+import math
+import os
+import time
+
+import pytest
+
+from clawd.rollouts.groups import agree, group_advantages, turn_returns
+from clawd.rollouts.worker import CallFailed, DeploymentWorker
+
+T = "tests.rollout_targets"
+
+
+# --- group advantages ---------------------------------------------------------------------------
+
+def test_a_groups_advantages_are_its_rewards_less_their_mean():
+    assert group_advantages([1.0, 0.0, 0.0, 1.0]) == [0.5, -0.5, -0.5, 0.5]
+    assert group_advantages([1.0, 0.0, 0.0, 0.0]) == [0.75, -0.25, -0.25, -0.25]  # a hard prompt: one right
+    assert group_advantages([0.2, 0.6]) == pytest.approx([-0.2, 0.2], abs=1e-15)
+
+
+def test_with_std_they_are_divided_by_the_groups_standard_deviation():
+    got = group_advantages([1.0, 0.0, 0.0, 0.0], "std")
+    std = math.sqrt((0.75 ** 2 + 3 * 0.25 ** 2) / 4)  # population std: 0.4330...
+    assert got == pytest.approx([0.75 / (std + 1e-6), -0.25 / (std + 1e-6)] + [-0.25 / (std + 1e-6)] * 2, rel=1e-12)
+    assert group_advantages([1.0, 0.0], "std") == pytest.approx([1.0, -1.0], abs=1e-5)  # ±1 std from the mean
+
+
+def test_a_group_whose_rewards_agree_or_that_has_one_answer_is_dropped():
+    assert agree([1.0, 1.0, 1.0]) and not agree([1.0, 1.0, 0.0])
+    assert group_advantages([1.0, 1.0, 1.0]) is None and group_advantages([0.0, 0.0], "std") is None
+    assert group_advantages([1.0]) is None and group_advantages([]) is None
+    assert group_advantages([1.0, math.nan]) is None
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages([1.0, 0.0], "max")
+
+
+def test_an_episodes_reward_reaches_its_turns_discounted_by_the_turns_after_them():
+    assert turn_returns(1.0, 3) == [1.0, 1.0, 1.0]
+    assert turn_returns(1.0, 3, 0.5) == [0.25, 0.5, 1.0]
+    assert turn_returns(-0.5, 1, 0.9) == [-0.5]
+    for bad in ((1.0, 0), (1.0, 2, 0.0), (1.0, 2, 1.5)):
+        with pytest.raises(ValueError):
+            turn_returns(*bad)
+
+
+# --- the deployment worker -----------------------------------------------------------------------
+
+async def test_calls_run_in_a_worker_process_and_their_answers_come_back_as_json():
+    worker = DeploymentWorker()
+    try:
+        assert await worker.call(f"{T}:add", 2, 3, timeout=30) == 5
+        assert await worker.call(f"{T}:echo", "x", [1, 2], {"k": [3]}, timeout=30) == ["x", [1, 2], {"k": [3]}]
+        child = await worker.call(f"{T}:pid", timeout=30)
+        assert child == worker.pid != os.getpid()
+    finally:
+        await worker.close()
+
+
+async def test_a_call_past_its_limit_is_cut_and_the_next_call_gets_a_fresh_worker():
+    worker = DeploymentWorker()
+    try:
+        first = await worker.call(f"{T}:pid", timeout=30)
+        started = time.monotonic()
+        with pytest.raises(CallFailed) as info:
+            await worker.call(f"{T}:hang", timeout=0.5)  # a busy loop: only SIGKILL ends it
+        assert info.value.kind == "timeout" and time.monotonic() - started < 5
+        assert worker.timeouts == 1 and worker.pid is None
+        second = await worker.call(f"{T}:pid", timeout=30)
+        assert second != first and worker.restarts == 1
+    finally:
+        await worker.close()
+
+
+async def test_the_loop_runs_while_a_call_hangs():
+    worker = DeploymentWorker()
+    try:
+        await worker.call(f"{T}:pid", timeout=30)
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(CallFailed):
+            await worker.call(f"{T}:hang", timeout=0.5)
+        ticker.cancel()
+        assert ticks >= 20  # 0.5 s of 10 ms ticks, allowing for a loaded machine
+    finally:
+        await worker.close()
+
+
+async def test_an_exception_is_the_calls_answer_and_the_worker_lives_on():
+    worker = DeploymentWorker()
+    try:
+        first = await worker.call(f"{T}:pid", timeout=30)
+        for target, args, kind, text in [(f"{T}:boom", ("no",), "raised", "ValueError: no"),
+                                         (f"{T}:not_json", (), "raised", "TypeError"),
+                                         (f"{T}:missing", (), "bad_target", "AttributeError"),
+                                         (f"{T}:NOT_CALLABLE", (), "bad_target", "not callable"),
+                                         ("no.such.module:f", (), "bad_target", "ModuleNotFoundError"),
+                                         ("add", (), "bad_target", "module:function")]:
+            with pytest.raises(CallFailed) as info:
+                await worker.call(target, *args, timeout=30)
+            assert info.value.kind == kind and text in info.value.message, (target, info.value)
+        assert await worker.call(f"{T}:pid", timeout=30) == first and worker.restarts == 0
+    finally:
+        await worker.close()
+
+
+async def test_a_worker_that_dies_fails_its_call_and_is_replaced():
+    worker = DeploymentWorker()
+    try:
+        first = await worker.call(f"{T}:pid", timeout=30)
+        with pytest.raises(CallFailed) as info:
+            await worker.call(f"{T}:die", timeout=30)
+        assert info.value.kind == "died"
+        assert await worker.call(f"{T}:add", 1, 1, timeout=30) == 2 and worker.pid != first
+    finally:
+        await worker.close()
