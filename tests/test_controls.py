@@ -36,6 +36,19 @@ def test_zero_rewards_keeps_every_token_and_drops_every_signal():
     assert [s.reward for s in b] == REWARDS  # the journal's samples are untouched
 
 
+@pytest.mark.parametrize("control", ["shuffle_rewards", "zero_rewards"])
+def test_a_control_drops_the_top_k_teacher_rows_with_the_hint(control):
+    """Top-K OPD (opd_top_k > 0, the default) puts top-k rows on hinted samples; a sample without its hint
+    cannot keep them, and the control once raised building it (ValueError: every control run in combine mode
+    with top-K died at its first hinted batch)."""
+    b = [dataclasses.replace(s, top_ids=[[5, 6]] * 4, teacher_top_logprobs=[[-0.5, -1.5]] * 4) if s.has_hint
+         else s for s in batch()]
+    out = controls.apply(control, b, random.Random(0))
+    assert [(s.has_hint, s.teacher_logprobs, s.top_ids, s.teacher_top_logprobs) for s in out] == \
+        [(False, None, None, None)] * 5
+    assert [s.tokens for s in out] == [s.tokens for s in b]
+
+
 def test_shuffle_rewards_is_a_seeded_permutation_of_the_batchs_rewards():
     out = controls.apply("shuffle_rewards", batch(), random.Random(0))
     expected = list(REWARDS)

@@ -42,5 +42,6 @@ def apply(control: str, batch: list[Sample], rng: random.Random) -> list[Sample]
         rewards = [0.0] * len(batch)
     else:
         raise ValueError(f"control {control!r} is not one of {CONTROLS}")
-    return [dataclasses.replace(s, reward=r, has_hint=False, teacher_logprobs=None)
-            for s, r in zip(batch, rewards)]
+    # The whole teacher signal goes: its top-k rows too (they exist only on a hinted sample).
+    return [dataclasses.replace(s, reward=r, has_hint=False, teacher_logprobs=None, top_ids=None,
+                                teacher_top_logprobs=None) for s, r in zip(batch, rewards)]
