@@ -11,6 +11,11 @@ Optional, each None when not collected (and in samples journaled before they exi
 the trainer needs no second copy of the model); `top_ids` and `teacher_top_logprobs`, the
 policy's top-k ids at each response position as the engine reported them at rollout and the
 teacher's T = 1 log-probs at those ids (top-K distillation; hinted samples only).
+
+`source` says where the turn came from: "live" chat (the default, and every sample journaled before
+sources existed), or an active rollout of a prompt "set" or an "env"ironment (clawd.rollouts). A rollout
+sample carries its `advantage` within its group (clawd.rollouts.groups), which the trainer uses as it
+is; its `reward` is the checker's score in [-1, 1], kept for the records.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import Any
 FORMAT_VERSION = 1  # bumped when a field changes meaning; the journal stores it with every sample
 
 MODES = ("rl", "opd", "combine")
+SOURCES = ("live", "set", "env")
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,8 @@ class Sample:
     reference_logprobs: list[float] | None = None        # the frozen reference's, at T = 1, one per response token
     top_ids: list[list[int]] | None = None               # the policy's top-k ids at each response position
     teacher_top_logprobs: list[list[float]] | None = None  # the teacher's at T = 1 at those ids
+    source: str = "live"                                 # one of SOURCES
+    advantage: float | None = None                       # a rollout's, within its group; None for live turns
 
     def __post_init__(self):
         problems = self.problems()
@@ -72,10 +80,23 @@ class Sample:
                 math.isfinite(x) for x in self.reference_logprobs)):
             out.append("reference_logprobs must hold one finite value per response token")
         out += self._top_problems()
-        if self.reward not in (-1.0, 0.0, 1.0):
-            out.append(f"reward {self.reward} is not -1, 0 or +1")
+        out += self._reward_problems()
         if not 0 < self.temperature <= 2:
             out.append(f"temperature {self.temperature} is outside (0, 2]")
+        return out
+
+    def _reward_problems(self) -> list[str]:
+        if self.source not in SOURCES:
+            return [f"source {self.source!r} is not one of {SOURCES}"]
+        if self.source == "live":
+            if self.advantage is not None:
+                return ["a live turn's advantage comes from its batch: it carries none"]
+            return [] if self.reward in (-1.0, 0.0, 1.0) else [f"reward {self.reward} is not -1, 0 or +1"]
+        out = []
+        if not (isinstance(self.reward, (int, float)) and math.isfinite(self.reward) and -1 <= self.reward <= 1):
+            out.append(f"a rollout's reward {self.reward} is not a number in [-1, 1]")
+        if not (isinstance(self.advantage, (int, float)) and math.isfinite(self.advantage)):
+            out.append(f"a rollout needs a finite advantage, not {self.advantage!r}")
         return out
 
     def _top_problems(self) -> list[str]:

@@ -98,3 +98,18 @@ def test_the_learner_trains_a_batch_in_an_order_of_its_own():
     b = [dataclasses.replace(s, tokens=[9 - i % 3] + s.tokens[1:]) for i, s in enumerate(batch())]
     assert [s.sample_id for s in canonical(b)] == ["s2", "s1", "s4", "s0", "s3"]  # by tokens, then id
     assert canonical(b[::-1]) == canonical(b)
+
+
+def test_a_control_deals_a_rollouts_score_and_advantage_together():
+    """Rollout samples (clawd.rollouts) carry their group advantage: shuffled, it travels with its score; zeroed,
+    it is 0. A live turn dealt a rollout's pair keeps a live reward (the advantage's sign), and the other way
+    round a rollout takes the live reward as its advantage."""
+    live = [dataclasses.replace(make_sample(i), reward=r) for i, r in enumerate([1.0, -1.0])]
+    sets = [dataclasses.replace(make_sample(i + 2), source="set", reward=r, advantage=a)
+            for i, (r, a) in enumerate([(1.0, 0.5), (0.0, -0.5)])]
+    out = controls.apply("zero_rewards", live + sets, random.Random(0))
+    assert [(s.reward, s.advantage) for s in out] == [(0.0, None), (0.0, None), (0.0, 0.0), (0.0, 0.0)]
+    out = controls.apply("shuffle_rewards", sets, random.Random(1))
+    assert sorted((s.reward, s.advantage) for s in out) == [(0.0, -0.5), (1.0, 0.5)]
+    crossed = controls._scored(live[0], 1.0, -0.5), controls._scored(sets[0], -1.0, None)
+    assert [(s.source, s.reward, s.advantage) for s in crossed] == [("live", -1.0, None), ("set", 0.0, -1.0)]

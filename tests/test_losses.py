@@ -176,6 +176,15 @@ def test_the_batch_mean_baseline_counts_scored_samples_only_and_centres_them():
     assert losses.reward_baseline([-1.0, 1.0, 1.0, 0.0]) == losses.reward_baseline([1.0, 1.0, -1.0, 0.0])
 
 
+def test_a_rollouts_group_advantage_is_never_centred_again():
+    r = torch.tensor([1.0, 0.25, -1.0, 0.0], dtype=torch.float64)  # rows 1 and 3 hold group advantages
+    preset = torch.tensor([False, True, False, True])
+    assert losses.centre_rewards(r, 0.5, preset).tolist() == [0.5, 0.25, -1.5, 0.0]
+    assert losses.centre_rewards(r, 0.5).tolist() == [0.5, -0.25, -1.5, 0.0]  # without preset: all live
+    assert (losses.centred(1.0, 0.5), losses.centred(0.0, 0.5), losses.centred(1.0, 0.5, -0.75)) == (0.5, 0.0, -0.75)
+    assert losses.centred(0.0, 0.5, 0.0) == 0.0  # an answer exactly at its group's mean
+
+
 def test_opd_advantage_is_teacher_minus_old_and_zero_without_a_hint():
     a = losses.advantages("opd", REWARD, LP_OLD_T1, TEACHER, HAS_HINT)
     assert torch.equal(a, t([[0.5, -2.0], [0.0, 0.0], [-0.25, 0.75]]))

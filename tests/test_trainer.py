@@ -342,6 +342,26 @@ def test_with_the_batch_mean_baseline_rewards_move_replies_against_the_batchs_av
     assert all(torch.equal(a, b) for a, b in zip(weights, fresh.model.parameters()))
 
 
+def rollout(s: Sample, reward: float, advantage: float) -> Sample:
+    return dataclasses.replace(s, source="set", reward=reward, advantage=advantage)
+
+
+def test_a_rollouts_group_advantage_is_used_as_is_and_stays_out_of_the_live_baseline(make):
+    """A rollout sample's advantage (clawd.rollouts.groups) stands exactly where a live turn's centred reward
+    does: the same gradients, bit for bit. It is never centred again, so a group whose checker scores agree
+    but whose advantages differ still trains, and its scores do not move the live turns' baseline."""
+    a, b = sample(7, 16, 6, reward=1.0), sample(8, 16, 6, reward=-1.0)
+    live = make("live")
+    seen_live = grads_at_step(live)
+    live.train_step([a, b], "rl")  # batch mean 0: centred +1, -1
+    sets = make("set")
+    seen_set = grads_at_step(sets)
+    m = sets.train_step([rollout(a, 1.0, 1.0), rollout(b, 1.0, -1.0)], "rl")  # scores agree, advantages not
+    assert not m["skipped"] and seen_set and all(torch.equal(x, y) for x, y in zip(seen_live, seen_set))
+    mixed = make("mixed").train_step([a, sample(9, 16, 6, reward=1.0), rollout(b, -1.0, 0.5)], "rl")
+    assert mixed["reward_baseline"] == 1.0  # the live turns' mean alone (with the rollout's score: 1/3)
+
+
 def test_ppo_epochs_take_several_steps_against_a_fixed_lp_old(make):
     trainer = make(ppo_epochs=2)
     m = trainer.train_step(mixed_batch(), "combine")

@@ -33,15 +33,26 @@ def apply(control: str, batch: list[Sample], rng: random.Random) -> list[Sample]
         # Dealt in a canonical order (by tokens, then id), not the order samples reached the batch: that
         # order is a race between concurrent scorings, and which reply got which reward would follow it.
         order = sorted(range(len(batch)), key=lambda i: (batch[i].tokens, batch[i].sample_id))
-        dealt = [batch[i].reward for i in order]
+        dealt = [(batch[i].reward, batch[i].advantage) for i in order]
         rng.shuffle(dealt)
-        rewards = [0.0] * len(batch)
-        for i, r in zip(order, dealt):
-            rewards[i] = r
+        scores: list[tuple[float, float | None]] = [(0.0, None)] * len(batch)
+        for i, score in zip(order, dealt):
+            scores[i] = score
     elif control == "zero_rewards":
-        rewards = [0.0] * len(batch)
+        scores = [(0.0, None if s.advantage is None else 0.0) for s in batch]
     else:
         raise ValueError(f"control {control!r} is not one of {CONTROLS}")
+    return [_scored(s, reward, advantage) for s, (reward, advantage) in zip(batch, scores)]
+
+
+def _scored(sample: Sample, reward: float, advantage: float | None) -> Sample:
+    """`sample` with a control's score and no teacher signal. A live turn dealt a rollout's score (or the other
+    way round) keeps its own kind: the live one takes the advantage as its reward's sign, a rollout a reward of 0
+    and the live reward as its advantage."""
+    if sample.advantage is None and advantage is not None:
+        reward, advantage = float((advantage > 0) - (advantage < 0)), None
+    elif sample.advantage is not None and advantage is None:
+        reward, advantage = 0.0, reward
     # The whole teacher signal goes: its top-k rows too (they exist only on a hinted sample).
-    return [dataclasses.replace(s, reward=r, has_hint=False, teacher_logprobs=None, top_ids=None,
-                                teacher_top_logprobs=None) for s, r in zip(batch, rewards)]
+    return dataclasses.replace(sample, reward=reward, advantage=advantage, has_hint=False, teacher_logprobs=None,
+                               top_ids=None, teacher_top_logprobs=None)

@@ -61,7 +61,8 @@ class MicroBatch:
     targets: torch.Tensor         # [b, R]: the response ids (0 on padding)
     mask: torch.Tensor            # [b, R]: loss_mask (0 on padding)
     temperature: torch.Tensor     # [b]
-    reward: torch.Tensor          # [b]
+    reward: torch.Tensor          # [b]: the reward, or a rollout's group advantage where `preset`
+    preset: torch.Tensor          # [b] bool: the row's reward is its group advantage, never centred again
     has_hint: torch.Tensor        # [b] bool
     lp_rollout: torch.Tensor      # [b, R]
     teacher_lp: torch.Tensor      # [b, R], 0 where there is no hint
@@ -112,7 +113,8 @@ def micro_batch(samples: list[Sample], rows: list[int], device: torch.device) ->
     return MicroBatch(
         rows=rows, input_ids=to(input_ids), positions=to(positions), targets=to(targets), mask=to(mask),
         temperature=to(torch.tensor([s.temperature for s in group])),
-        reward=to(torch.tensor([s.reward for s in group])),
+        reward=to(torch.tensor([s.reward if s.advantage is None else s.advantage for s in group])),
+        preset=to(torch.tensor([s.advantage is not None for s in group])),
         has_hint=to(torch.tensor([s.has_hint for s in group])),
         lp_rollout=to(lp_rollout), teacher_lp=to(teacher_lp),
         tokens=sum(len(s.tokens) - 1 for s in group),

@@ -82,16 +82,21 @@ def reward_baseline(rewards: Iterable[float]) -> float:
     return math.fsum(scored) / len(scored) if scored else 0.0
 
 
-def centre_rewards(reward: Tensor, baseline: float) -> Tensor:
+def centre_rewards(reward: Tensor, baseline: float, preset: Tensor | None = None) -> Tensor:
     """r − baseline where r ≠ 0; 0 stays 0. With `[train.loss] reward_baseline = "batch_mean"` the RL term
     is then centred per batch: replies better than the batch's average are pushed up, worse ones down,
     and a batch whose rewards say nothing about its replies (all equal, or shuffled) has no mean push.
-    Without it (a baseline of 0.0) every reward is returned exactly."""
-    return torch.where(reward != 0, reward - baseline, torch.zeros_like(reward))
+    Without it (a baseline of 0.0) every reward is returned exactly. Rows where `preset` ([B] bool) is true
+    hold a rollout's group advantage already (clawd.rollouts.groups): returned exactly too."""
+    live = torch.where(reward != 0, reward - baseline, torch.zeros_like(reward))
+    return live if preset is None else torch.where(preset, reward, live)
 
 
-def centred(reward: float, baseline: float) -> float:
-    """`centre_rewards` of one reward, on the host: r − baseline where r ≠ 0, else 0."""
+def centred(reward: float, baseline: float, advantage: float | None = None) -> float:
+    """`centre_rewards` of one sample, on the host: its group advantage when it has one, else r − baseline
+    where r ≠ 0, else 0."""
+    if advantage is not None:
+        return advantage
     return reward - baseline if reward != 0 else 0.0
 
 

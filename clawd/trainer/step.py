@@ -219,13 +219,13 @@ class Trainer:
         t0 = time.monotonic()
         cfg = self.cfg
         centred = cfg.loss.reward_baseline == "batch_mean"
-        baseline = losses.reward_baseline(s.reward for s in samples) if centred else 0.0
+        baseline = losses.reward_baseline(s.reward for s in samples if s.advantage is None) if centred else 0.0
         # The batch's mini-batches, one optimizer step each (the reward baseline is the whole batch's). One
         # whose every advantage is 0 takes no step: AdamW's momentum would still move every weight by ~lr.
         updates = []
         for rows in mini_batches(len(samples), cfg.ppo_mini_batches):
             group = [samples[i] for i in rows]
-            if losses.carries_signal(mode, [losses.centred(s.reward, baseline) for s in group],
+            if losses.carries_signal(mode, [losses.centred(s.reward, baseline, s.advantage) for s in group],
                                      [s.has_hint for s in group], w_rl=cfg.loss.w_rl, w_opd=cfg.loss.w_opd,
                                      kl_coef=cfg.loss.kl_coef, entropy_coef=cfg.loss.entropy_coef):
                 norm = losses.batch_normaliser(len(group), sum(sum(s.loss_mask) for s in group), cfg.loss.aggregation,
@@ -315,7 +315,7 @@ class Trainer:
                 lp_old = lp_new.detach()
                 lp_old_t1 = lp_old if lp_t1 is None else lp_t1
                 lp_old_at = None if lp_at is None else lp_at.detach()
-            reward = losses.centre_rewards(mb.reward, baseline) if baseline else mb.reward
+            reward = losses.centre_rewards(mb.reward, baseline, mb.preset) if baseline else mb.reward
             kl_lp = lp_ref = kl_rows = topk = None
             if cfg.loss.kl_coef > 0:  # the sampled ids' column of the `at` log-probs
                 kl_lp, (lp_ref, kl_rows) = lp_at[..., 0], self._reference(mb)
