@@ -8,7 +8,10 @@ import time
 import pytest
 
 from clawd.rollouts.groups import agree, group_advantages, turn_returns
+from clawd.rollouts.tasks import checker_score, final_answer, final_number, local_score, parse_task
+from clawd.rollouts.tasks import load as load_tasks
 from clawd.rollouts.worker import CallFailed, DeploymentWorker
+from clawd.safety.evalset import EvalSetError
 
 T = "tests.rollout_targets"
 
@@ -123,3 +126,74 @@ async def test_a_worker_that_dies_fails_its_call_and_is_replaced():
         assert await worker.call(f"{T}:add", 1, 1, timeout=30) == 2 and worker.pid != first
     finally:
         await worker.close()
+
+
+# --- prompt sets and their checkers ----------------------------------------------------------------
+
+@pytest.mark.parametrize("text, number", [
+    ("The answer is 1,234.5.", 1234.5), ("−3 degrees", -3.0), ("from 2 to 2e3", 2000.0),
+    ("12 apples and 7 pears: 19", 19.0), ("no digits here", None), ("x2 and v3", None), (None, None),
+    ("it is 0.5", 0.5), ("1,23 is not grouped", 23.0),
+])
+def test_a_replys_final_number(text, number):
+    assert final_number(text) == number
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("Let me think.\nAnswer: Paris.", "Paris"), ("The final answer is **Lisbon**", "Lisbon"),
+    ("Rome\n\n", "Rome"), ("first line\nsecond line.", "second line"), ("   ", None), (None, None),
+    ("answer: 3. Answer: 4", "4"), ("Answer:\n\n  Oslo\nbecause", "Oslo"), ("no marker answer", "no marker answer"),
+])
+def test_a_replys_final_answer(text, answer):
+    assert final_answer(text) == answer
+
+
+def test_a_task_scores_one_when_every_rule_holds():
+    task = parse_task({"id": "sum", "messages": [{"role": "user", "content": "17 + 25?"}],
+                       "check": {"number": 42, "max_words": 20}}, "line-1")
+    assert (task.number, task.tolerance, task.check.max_words, task.callable) == (42.0, 1e-6, 20, None)
+    assert local_score(task, "It is 42.") == 1.0
+    assert local_score(task, "It is 41.") == 0.0 and local_score(task, None) == 0.0
+    assert local_score(task, "42 " + "word " * 30) == 0.0  # the gate's rule holds too
+    close = parse_task({"messages": [{"role": "user", "content": "pi?"}],
+                        "check": {"number": 3.14159, "tolerance": 0.001}}, "line-2")
+    assert close.id == "line-2" and close.check is None
+    assert local_score(close, "about 3.1416") == 1.0 and local_score(close, "3.15") == 0.0
+    exact = parse_task({"messages": [{"role": "user", "content": "Capital of France?"}],
+                        "check": {"exact": "paris", "callable": "pkg.mod:check"}}, "line-3")
+    assert exact.callable == "pkg.mod:check"
+    assert local_score(exact, "Answer: Paris") == 1.0 and local_score(exact, "Paris, France") == 0.0
+    gate_only = parse_task({"messages": [{"role": "user", "content": "Hi"}], "check": {"contains": "hi"}}, "l")
+    assert gate_only.number is None and local_score(gate_only, "Hi there") == 1.0
+
+
+@pytest.mark.parametrize("check, problem", [
+    ({"tolerance": 0.1}, "tolerance goes with number"),
+    ({"number": 1, "tolerance": -1}, "tolerance must be a finite number >= 0"),
+    ({"number": "7"}, "number must be a finite number"),
+    ({"exact": " "}, "exact must be a non-blank string"),
+    ({"callable": "not a path"}, "callable must name a function"),
+    ({"callable": "os:system", "bogus": 1}, "unknown check rule"),
+    ({}, "check is empty"),
+])
+def test_a_bad_task_says_what_is_wrong(check, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_task({"messages": [{"role": "user", "content": "q"}], "check": check}, "line-1")
+
+
+def test_a_set_file_loads_with_the_gates_rules_and_names_the_line_of_a_mistake(tmp_path):
+    path = tmp_path / "set.jsonl"
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "2+2?"}], "check": {"number": 4}}\n\n'
+                    '{"id": "b", "messages": [{"role": "user", "content": "Hi"}], "check": {"contains_any": ["hi"]}}\n')
+    assert [t.id for t in load_tasks(path)] == ["a", "b"]
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "2+2?"}], "check": {"number": 4}}\n'
+                    '{"id": "a", "messages": [{"role": "user", "content": "3+3?"}], "check": {"number": NaN}}\n')
+    with pytest.raises(EvalSetError, match=r"set.jsonl:2: NaN is not a number JSON allows"):
+        load_tasks(path)
+
+
+def test_a_checkers_answer_is_a_bool_or_a_score_in_zero_to_one():
+    assert (checker_score(True), checker_score(False), checker_score(0.25), checker_score(1)) == (1.0, 0.0, 0.25, 1.0)
+    for bad in (1.5, -0.1, math.nan, "1", None):
+        with pytest.raises(ValueError, match="a checker returns"):
+            checker_score(bad)

@@ -51,7 +51,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from clawd.checks import is_int
 from clawd.safety.degeneration import words
@@ -115,7 +115,7 @@ class Check:
             if value is not None and not (isinstance(value, str) and value.strip() and len(value) <= MAX_TEXT):
                 errors.append(f"{name} must be a non-blank string of at most {MAX_TEXT} characters, not {value!r}")
         if not errors:
-            both = {_fold(s) for s in self.contains} & {_fold(s) for s in self.not_contains}
+            both = {fold(s) for s in self.contains} & {fold(s) for s in self.not_contains}
             if both:
                 errors.append(f"{sorted(both)} both in contains and not_contains: the check could never hold")
             if not self.rules():
@@ -165,14 +165,15 @@ def parse_check(raw: Any) -> Check:
 
 
 
-def _fold(text: str) -> str:
+def fold(text: str) -> str:
+    """The form replies and needles are compared in: NFKC, curly apostrophes as straight ones, case-folded."""
     return unicodedata.normalize("NFKC", text).translate(APOSTROPHES).casefold()
 
 
 @lru_cache(maxsize=4096)
 def _needle(needle: str) -> re.Pattern:
     """The pattern of one folded needle, with the boundary rule of the module's docstring."""
-    folded = _fold(needle).strip()
+    folded = fold(needle).strip()
     body = r"\s+".join(re.escape(part) for part in folded.split())
     first, last = folded[0], folded[-1]
     left = r"(?<!\d)(?<!\d[.,])" if first.isdigit() else r"(?<!\w)" if re.match(r"\w", first) else ""
@@ -182,7 +183,7 @@ def _needle(needle: str) -> re.Pattern:
 
 def appears(needle: str, text: str) -> bool:
     """Does `needle` appear in `text` (folded, on boundaries: see the module's docstring)?"""
-    return _needle(needle).search(_fold(text)) is not None
+    return _needle(needle).search(fold(text)) is not None
 
 
 def rule_verdict(check: Check, text: str | None) -> bool:
@@ -267,7 +268,7 @@ def parse_rubric(text: str | None) -> bool | None:
     asked for exactly YES or NO: a reply that does not start with one is not an answer)."""
     if not text:
         return None
-    m = _ANSWER.match(_THINK.sub("", _fold(text), count=1))
+    m = _ANSWER.match(_THINK.sub("", fold(text), count=1))
     return None if m is None else m.group(1) == "yes"
 
 
@@ -333,15 +334,22 @@ def _no_constant(name: str) -> Any:
 
 def load(path: str | Path) -> tuple[Prompt, ...]:
     """Every prompt of a set file, in file order; EvalSetError (file, line) for anything wrong."""
+    return items(path, parse_prompt, "an evaluation set")
+
+
+def items(path: str | Path, parse: Callable[[Any, str], Any], kind: str) -> tuple:
+    """Every line of a JSON Lines set read by `parse(object, default_id)` into an item with an `id`, in file
+    order: the size caps, UTF-8, strict JSON and unique ids of this module's docstring. EvalSetError (file,
+    line) for anything wrong; `kind` names the set in its messages ("an evaluation set")."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_BYTES + 1)  # never more than the cap, whatever stat says
     except OSError as exc:
-        raise EvalSetError(path, None, f"cannot read the evaluation set: {exc.strerror or exc}") from exc
+        raise EvalSetError(path, None, f"cannot read {kind}: {exc.strerror or exc}") from exc
     if len(data) > MAX_BYTES:
-        raise EvalSetError(path, None, f"over {MAX_BYTES} bytes: not an evaluation set")
-    prompts: list[Prompt] = []
+        raise EvalSetError(path, None, f"over {MAX_BYTES} bytes: not {kind}")
+    found: list = []
     first_line: dict[str, int] = {}
     for n, raw in enumerate(data.split(b"\n"), 1):
         try:
@@ -350,24 +358,24 @@ def load(path: str | Path) -> tuple[Prompt, ...]:
             raise EvalSetError(path, n, f"not UTF-8 ({exc.reason} at byte {exc.start})") from exc
         if not line.strip():
             continue
-        if len(prompts) == MAX_PROMPTS:
+        if len(found) == MAX_PROMPTS:
             raise EvalSetError(path, n, f"more than {MAX_PROMPTS} prompts")
         try:
             obj = json.loads(line, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
-            prompt = parse_prompt(obj, f"line-{n}")
+            item = parse(obj, f"line-{n}")
         except json.JSONDecodeError as exc:
             raise EvalSetError(path, n, f"bad JSON: {exc.msg} at column {exc.colno}") from exc
         except ValueError as exc:
             raise EvalSetError(path, n, str(exc)) from exc
         except RecursionError as exc:  # JSON nested deeper than the interpreter's stack: not a prompt
             raise EvalSetError(path, n, "JSON nested too deeply") from exc
-        if prompt.id in first_line:
-            raise EvalSetError(path, n, f"duplicate id {prompt.id!r} (first on line {first_line[prompt.id]})")
-        first_line[prompt.id] = n
-        prompts.append(prompt)
-    if not prompts:
-        raise EvalSetError(path, None, "no prompts: an evaluation set needs at least one")
-    return tuple(prompts)
+        if item.id in first_line:
+            raise EvalSetError(path, n, f"duplicate id {item.id!r} (first on line {first_line[item.id]})")
+        first_line[item.id] = n
+        found.append(item)
+    if not found:
+        raise EvalSetError(path, None, f"no prompts: {kind} needs at least one")
+    return tuple(found)
 
 
 def default_path() -> Path:
