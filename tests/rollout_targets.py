@@ -34,3 +34,37 @@ def not_json():
 
 
 NOT_CALLABLE = 3
+
+
+class HangingEnv:
+    """Its tool never returns: the daemon cuts the call and ends the episode."""
+    tools = [{"type": "function", "function": {"name": "wait", "parameters": {"type": "object", "properties": {}}}}]
+
+    def reset(self, seed):
+        return "Call the wait tool."
+
+    def step(self, action):
+        hang()
+
+
+class RaisingEnv:
+    """Its tool raises (a deployment's bug): the model is told, the episode goes on; an answer ends it."""
+    tools = [{"type": "function", "function": {"name": "explode", "parameters": {"type": "object", "properties": {}}}}]
+
+    def reset(self, seed):
+        return "Call the explode tool, then answer."
+
+    def step(self, action):
+        if "tool" in action:
+            raise RuntimeError("the tool broke")
+        return "ok", 0.5, True, {}
+
+
+class BadStepEnv:
+    tools = []
+
+    def reset(self, seed):
+        return "Say anything."
+
+    def step(self, action):
+        return "not a tuple of four"

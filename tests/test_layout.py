@@ -3,8 +3,8 @@
 
 - The floor (top-level modules other than the entry points: config, the currencies passed between
   stages, the state-dir layout, the tokenizer, the records) imports no stage.
-- The stages, in the order data flows: serving (live chat) and rollouts (prompt sets, environments) →
-  scoring → learning → safety → trainer → engine, and
+- The stages, in the order data flows: rollouts (prompt sets and environments: a synthetic user that reads
+  replies with serving's parsers) → serving → scoring → learning → safety → trainer → engine, and
   privacy below them all (a policy any of them may ask). A stage
   imports only the floor and the stages downstream of it (the one it hands data to and the services
   it calls); it never imports one upstream.
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "clawd"
 # upstream to downstream; privacy (PII, consent, file modes, retention) is the policy any stage may call
-STAGES = ["serving", "rollouts", "scoring", "learning", "safety", "trainer", "engine", "privacy"]
+STAGES = ["rollouts", "serving", "scoring", "learning", "safety", "trainer", "engine", "privacy"]
 ENTRY = {"clawd.cli", "clawd.daemon", "clawd.__main__"}
 FLOOR_PACKAGES = {"config"}  # a package of the floor: the configuration, one module per section of the file
 MAX_LINES = 500

@@ -197,3 +197,144 @@ def test_a_checkers_answer_is_a_bool_or_a_score_in_zero_to_one():
     for bad in (1.5, -0.1, math.nan, "1", None):
         with pytest.raises(ValueError, match="a checker returns"):
             checker_score(bad)
+
+
+# --- environments and the agent loop -----------------------------------------------------------------
+
+CALC = "clawd.rollouts.envs.calculator:Calculator"
+
+
+def test_the_calculator_answers_its_tools_and_says_what_is_wrong_as_an_observation():
+    from clawd.rollouts.envs.calculator import Calculator, convert, evaluate, question
+    assert question(3) == question(3) and evaluate("213 * 23") == 4899.0 and evaluate("2 ** 10 - 1") == 1023.0
+    assert convert(26.2, "mi", "km") == pytest.approx(42.16481, rel=1e-6) and convert(212, "F", "C") == 100.0
+    env = Calculator()
+    text, answer, tolerance = question(2)
+    assert env.reset(2).startswith(text) and (answer, tolerance) == (213 * 23, 0.0)
+    assert env.step({"tool": "calculate", "arguments": {"expression": "213*23"}}) == ("4899", 0.0, False, {})
+    for action, said in [({"tool": "calculate", "arguments": {"expression": "__import__('os')"}}, "is not allowed"),
+                         ({"tool": "calculate", "arguments": {"expression": "1/0"}}, "division by zero"),
+                         ({"tool": "calculate", "arguments": {"expression": "9**99"}}, "exponents above 64"),
+                         ({"tool": "convert", "arguments": {"value": 1, "from_unit": "mi", "to_unit": "kg"}},
+                          "cannot convert length"),
+                         ({"tool": "search", "arguments": {}}, "there is no tool named 'search'")]:
+        observation, reward, done, info = env.step(action)
+        assert said in observation and (reward, done, info) == (0.0, False, {"error": True}), observation
+    assert env.step({"answer": "The answer is 4,899."})[1:3] == (1.0, True)
+    env.reset(2)
+    assert env.step({"answer": "4898"})[1:3] == (0.0, True)
+
+
+class ScriptedEngine:
+    """An engine's /generate in SGLang 0.5.23's shape, answering each turn with the next scripted text."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.payloads = tokenizer, list(texts), []
+
+    async def __call__(self, payload):
+        self.payloads.append(payload)
+        ids = self.tokenizer.encode(self.texts.pop(0))
+        return {"text": "", "output_ids": ids, "meta_info": {
+            "output_token_logprobs": [[-0.25 - i / 100, t, None] for i, t in enumerate(ids)],
+            "finish_reason": {"type": "stop"}}}
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tiny_model):
+    from clawd.tokenizer import ChatTokenizer
+    return ChatTokenizer(tiny_model)
+
+
+async def test_an_episode_keeps_each_turns_exact_ids_and_ends_with_the_environments_reward(chat_tokenizer):
+    from clawd.rollouts.episode import run_episode
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "213*23"}}</tool_call>'
+    engine = ScriptedEngine(chat_tokenizer, [call, "The answer is 4899."])
+    worker = DeploymentWorker()
+    try:
+        episode = await run_episode(CALC, 2, worker, engine, chat_tokenizer)
+    finally:
+        await worker.close()
+    assert (episode.ended, episode.reward, episode.errors, len(episode.turns)) == ("done", 1.0, 0, 2)
+    first, second = episode.turns
+    assert [p["input_ids"] for p in engine.payloads] == [first.prompt_ids, second.prompt_ids]
+    assert first.output_ids == chat_tokenizer.encode(call) and first.text == call
+    assert first.logprobs == [-0.25 - i / 100 for i in range(len(first.output_ids))]
+    roles = [m["role"] for m in episode.transcript]
+    assert roles == ["user", "assistant", "tool", "assistant", "user"]
+    assert episode.transcript[2]["content"] == "4899" and episode.transcript[1]["tool_calls"][0]["function"] == \
+        {"name": "calculate", "arguments": '{"expression": "213*23"}'}
+    # the second prompt is the conversation rendered with the tool's answer in it
+    assert second.prompt_ids == chat_tokenizer.encode_chat(episode.transcript[:3], episode_tools())
+
+
+def episode_tools():
+    from clawd.rollouts.envs.calculator import CALCULATOR_TOOLS
+    return CALCULATOR_TOOLS
+
+
+async def test_malformed_calls_and_a_raising_tool_are_observations_and_the_turn_bound_holds(chat_tokenizer):
+    from clawd.rollouts.episode import EpisodeLimits, run_episode
+    bad_markup = "<tool_call>{not json</tool_call>"
+    bad_args = '<tool_call>{"name": "calculate", "arguments": "2+2"}</tool_call>'
+    loop = '<tool_call>{"name": "calculate", "arguments": {"expression": "1+1"}}</tool_call>'
+    worker = DeploymentWorker()
+    try:
+        engine = ScriptedEngine(chat_tokenizer, [bad_markup, bad_args, loop, loop])
+        episode = await run_episode(CALC, 5, worker, engine, chat_tokenizer, EpisodeLimits(max_turns=4))
+        assert (episode.ended, episode.reward, episode.errors, len(episode.turns)) == ("max_turns", 0.0, 2, 4)
+        said = [m["content"] for m in episode.transcript if m["role"] in ("tool", "user")][1:]
+        assert "could not be read" in said[0] and "must be a JSON object" in said[1] and said[2:] == ["2", "2"]
+        engine = ScriptedEngine(chat_tokenizer, ['<tool_call>{"name": "explode", "arguments": {}}</tool_call>',
+                                                 "done"])
+        episode = await run_episode("tests.rollout_targets:RaisingEnv", 0, worker, engine, chat_tokenizer)
+        assert (episode.ended, episode.reward, episode.errors) == ("done", 0.5, 1)
+        assert episode.transcript[2]["content"] == "error: RuntimeError: the tool broke"
+        engine = ScriptedEngine(chat_tokenizer, ["anything"] * 6)  # a step that breaks the protocol: an error
+        episode = await run_episode("tests.rollout_targets:BadStepEnv", 0, worker, engine, chat_tokenizer)
+        assert (episode.ended, episode.errors, len(episode.turns)) == ("max_turns", 6, 6)
+        assert "step must return (observation, reward, done, info)" in episode.transcript[2]["content"]
+    finally:
+        await worker.close()
+
+
+async def test_an_environment_that_hangs_is_cut_and_ends_its_episode(chat_tokenizer):
+    from clawd.rollouts.episode import EpisodeLimits, run_episode
+    worker = DeploymentWorker()
+    try:
+        engine = ScriptedEngine(chat_tokenizer, ['<tool_call>{"name": "wait", "arguments": {}}</tool_call>'])
+        started = time.monotonic()
+        episode = await run_episode("tests.rollout_targets:HangingEnv", 0, worker, engine, chat_tokenizer,
+                                    EpisodeLimits(env_timeout=0.5))
+        assert (episode.ended, episode.reward, len(episode.turns)) == ("env_failed", 0.0, 1)
+        assert time.monotonic() - started < 10 and worker.timeouts == 1
+        episode = await run_episode("no.such:Env", 0, worker, engine, chat_tokenizer)
+        assert episode.ended == "env_failed" and episode.turns == []
+    finally:
+        await worker.close()
+
+
+@pytest.mark.slow
+async def test_an_episode_on_the_real_cpu_engine_keeps_what_the_engine_consumed_and_produced(tiny_model,
+                                                                                             chat_tokenizer):
+    from clawd.engine.client import EngineClient
+    from clawd.engine.local.scheduler import Engine
+    from clawd.engine.local.server import parse_args
+    from clawd.rollouts.episode import EpisodeLimits, run_episode
+    from tests.local_engine import running
+
+    worker = DeploymentWorker()
+    async with running(Engine(parse_args(["--model", str(tiny_model), "--threads", "1", "--seed", "0"]))) as url:
+        client = EngineClient(url)
+        await client.start()
+        try:
+            episode = await run_episode(CALC, 11, worker, client.generate, chat_tokenizer,
+                                        EpisodeLimits(max_turns=3, max_new_tokens=12, temperature=1.0))
+        finally:
+            await client.close()
+            await worker.close()
+    assert episode.turns and episode.ended in ("done", "max_turns")
+    first = episode.turns[0]
+    assert first.prompt_ids == chat_tokenizer.encode_chat(episode.transcript[:1], episode_tools())
+    for turn in episode.turns:  # every turn as the engine produced it: ids, one log-prob each, the text they are
+        assert 0 < len(turn.output_ids) == len(turn.logprobs) <= 12 and all(lp <= 0 for lp in turn.logprobs)
+        assert turn.text == chat_tokenizer.decode(turn.output_ids)
