@@ -338,3 +338,21 @@ async def test_an_episode_on_the_real_cpu_engine_keeps_what_the_engine_consumed_
     for turn in episode.turns:  # every turn as the engine produced it: ids, one log-prob each, the text they are
         assert 0 < len(turn.output_ids) == len(turn.logprobs) <= 12 and all(lp <= 0 for lp in turn.logprobs)
         assert turn.text == chat_tokenizer.decode(turn.output_ids)
+
+
+def test_a_groups_members_become_samples_with_their_advantages_spread_over_their_turns():
+    from clawd.rollouts.groups import Member, group_samples
+    turn = lambda k: ([1, 2, 3], [10 + k, 20 + k], [-0.5, -0.25])  # noqa: E731
+    members = [Member((turn(0), turn(1)), 1.0), Member((turn(2),), 0.0), Member((), 0.0)]  # the last: no turn
+    samples = group_samples("g1", members, source="env", principal="@rollouts", policy_version=3,
+                            temperature=0.7, discount=0.5, created=1.0, scored=2.0)
+    # advantages 1 - 1/3 and -1/3 (the turnless member counts in the mean, as its reward does)
+    assert [(s.sample_id, s.turn_index, s.advantage, s.reward) for s in samples] == [
+        ("g1-0-0", 0, (1 - 1 / 3) * 0.5, 1.0), ("g1-0-1", 1, 1 - 1 / 3, 1.0), ("g1-1-0", 0, 0 - 1 / 3, 0.0)]
+    first = samples[0]
+    assert (first.tokens, first.response_length, first.loss_mask, first.rollout_logprobs) == \
+        ([1, 2, 3, 10, 20], 2, [1, 1], [-0.5, -0.25])
+    assert (first.source, first.principal, first.policy_version, first.temperature, first.has_hint, first.mode) == \
+        ("env", "@rollouts", 3, 0.7, False, "rl")
+    assert group_samples("g2", [Member((turn(0),), 1.0)] * 3, source="set", principal="@rollouts",
+                         policy_version=0, temperature=1.0) == []  # all solved: nothing to tell apart

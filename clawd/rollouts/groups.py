@@ -11,7 +11,10 @@ each turn gets it discounted by the turns that follow it (γ = 1: every turn the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
+
+from clawd.samples import Sample
 
 SCALES = ("mean", "std")
 STD_EPS = 1e-6  # keeps a group of near-equal rewards from dividing by almost zero
@@ -48,3 +51,34 @@ def turn_returns(reward: float, turns: int, discount: float = 1.0) -> list[float
     if not 0 < discount <= 1:
         raise ValueError("discount must be in (0, 1]")
     return [reward * discount ** (turns - 1 - t) for t in range(turns)]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One answer of a group: its model turns, (prompt_ids, output_ids, logprobs) each, and its reward."""
+    turns: tuple[tuple[list[int], list[int], list[float]], ...]
+    reward: float
+
+
+def group_samples(group_id: str, members: Sequence[Member], *, source: str, principal: str, policy_version: int,
+                  temperature: float, scale: str = "mean", discount: float = 1.0, created: float = 0.0,
+                  scored: float = 0.0) -> list[Sample]:
+    """The samples of one group (N answers to one prompt, or N episodes from one seed): each model turn a
+    sample whose advantage is its answer's group advantage, discounted over the turns after it. [] when the
+    group's rewards agree (dropped: the caller counts it). Ids: "<group_id>-<member>-<turn>"."""
+    advantages = group_advantages([m.reward for m in members], scale)
+    if advantages is None:
+        return []
+    out = []
+    for i, (member, advantage) in enumerate(zip(members, advantages)):
+        if not member.turns:
+            continue
+        for t, ((prompt, output, logprobs), a) in enumerate(zip(member.turns,
+                                                               turn_returns(advantage, len(member.turns), discount))):
+            out.append(Sample(sample_id=f"{group_id}-{i}-{t}", mode="rl", session_id=group_id, turn_index=t,
+                              principal=principal, tokens=[*prompt, *output], response_length=len(output),
+                              loss_mask=[1] * len(output), rollout_logprobs=list(logprobs), temperature=temperature,
+                              reward=member.reward, teacher_logprobs=None, has_hint=False,
+                              policy_version=policy_version, created=created, scored=scored, source=source,
+                              advantage=a))
+    return out
