@@ -17,6 +17,11 @@ def is_group_name(name: str) -> bool:
     return re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*\$?", name) is not None
 
 
+def is_import_path(value) -> bool:
+    """"package.module:name", as a deployment names its code for the worker (clawd.rollouts.worker)."""
+    return isinstance(value, str) and re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) is not None
+
+
 def below(section, floor: int, *names: str) -> dict[str, str]:
     return {n: f"must be at least {floor}" for n in names if getattr(section, n) < floor}
 

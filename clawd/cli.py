@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
                 evalset.load(cfg.gate.set or evalset.default_path())
             except evalset.EvalSetError as exc:
                 raise ConfigError(f"{args.config}: gate.set: {exc}") from None
+        if cfg.rollouts.enabled and cfg.rollouts.set:  # and the rollouts' prompt set
+            from clawd.rollouts import tasks
+            from clawd.safety.evalset import EvalSetError
+            try:
+                tasks.load(cfg.rollouts.set)
+            except EvalSetError as exc:
+                raise ConfigError(f"{args.config}: rollouts.set: {exc}") from None
     except ConfigError as exc:
         print(f"clawd: {exc}", file=sys.stderr)
         return EXIT_CONFIG

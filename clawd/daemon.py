@@ -38,6 +38,7 @@ from clawd.privacy import files
 from clawd.privacy.policy import Privacy
 from clawd.privacy.stage import PrivacyStage
 from clawd.records import RecordWriter
+from clawd.rollouts.stage import Rollouts
 from clawd.safety.monitors import Monitors
 from clawd.safety.stage import Safety
 from clawd.safety.versions import REJECTED, ROLLED_BACK, SERVING, Versions
@@ -116,6 +117,10 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             handover=scoring.handover, encoder=scoring.encoder, auth=auth, metrics=metrics,
             mount=lambda app: _mount_ops(cfg, app, metrics, dashboard, status), on_request=home.requests.tick,
             max_connections=home.max_connections, spawn=tasks.create_task))
+        # Rollouts: groups from a prompt set and environments, scored, into the store beside live turns.
+        if cfg.rollouts.enabled:
+            await stages.add(Rollouts(cfg, tokenizer=home.tokenizer, generate=engines.for_role["policy"].generate,
+                                      store=home.store, policy=home.policy, live=lambda: serving.admission.in_flight))
         # Ops reads the stages and owns none of them: clawctl's socket, SIGHUP's reload, READY.
         people = Holdings(cfg.state_dir, home.turn_records, home.judge_records, home.store, scoring.scorer,
                           serving.sessions, home.versions, home.monitors, scoring.handover)

@@ -68,3 +68,13 @@ class BadStepEnv:
 
     def step(self, action):
         return "not a tuple of four"
+
+
+def half_credit(reply, item_id, messages):
+    """A deployment's checker: half a point for a reply that mentions the item's id."""
+    return 0.5 if item_id in reply else 0.0
+
+
+def odd_length(reply, item_id, messages):
+    """A checker whose verdict varies from answer to answer: the tiny model's replies are noise."""
+    return len(reply) % 2 == 1

@@ -356,3 +356,98 @@ def test_a_groups_members_become_samples_with_their_advantages_spread_over_their
         ("env", "@rollouts", 3, 0.7, False, "rl")
     assert group_samples("g2", [Member((turn(0),), 1.0)] * 3, source="set", principal="@rollouts",
                          policy_version=0, temperature=1.0) == []  # all solved: nothing to tell apart
+
+
+# --- the rollout source --------------------------------------------------------------------------------
+
+class Store:
+    """What the source needs of the sample store: a put, and the waiting samples by principal."""
+
+    def __init__(self):
+        self.samples = []
+
+    async def put(self, sample):
+        self.samples.append(sample)
+
+    def waiting(self):
+        import collections
+        return dict(collections.Counter(s.principal for s in self.samples))
+
+
+def source_for(chat_tokenizer, engine, store, worker, tasks=(), environments=(), live=lambda: 0, **cfg):
+    from clawd.config.rollouts import RolloutsConfig
+    from clawd.rollouts.source import RolloutSource
+    config = RolloutsConfig(enabled=True, environments=tuple(environments), **cfg)
+    return RolloutSource(config, tasks=tuple(tasks), tokenizer=chat_tokenizer, generate=engine, put=store.put,
+                         waiting=store.waiting, live=live, version=lambda: 7, worker=worker)
+
+
+async def test_a_set_items_answers_are_scored_and_become_one_group(chat_tokenizer):
+    task = parse_task({"id": "sum", "messages": [{"role": "user", "content": "17 + 25?"}],
+                       "check": {"number": 42, "callable": f"{T}:half_credit"}}, "x")
+    engine = ScriptedEngine(chat_tokenizer, ["It is 42 (sum)", "41", "42", "42, sum"])
+    store, worker = Store(), DeploymentWorker()
+    try:
+        source = source_for(chat_tokenizer, engine, store, worker, [task], samples_per_prompt=4, temperature=0.5)
+        samples = await source.group("set", task)
+    finally:
+        await worker.close()
+    # scores: 42 and "sum" in it: 1 × 0.5; 41: 0; 42 without "sum": 1 × 0 (the checker's 0); 42 with it: 0.5
+    assert [s.reward for s in samples] == [0.5, 0.0, 0.0, 0.5]
+    assert [s.advantage for s in samples] == [0.25, -0.25, -0.25, 0.25]
+    assert {(s.source, s.principal, s.policy_version, s.temperature) for s in samples} == \
+        {("set", "@rollouts/set", 7, 0.5)}
+    assert [s.response_ids for s in samples] == [chat_tokenizer.encode(t) for t in
+                                                ["It is 42 (sum)", "41", "42", "42, sum"]]
+    assert samples[0].prompt_ids == chat_tokenizer.encode_chat(task.chat(), None)
+    assert source.stats.groups == 1 and source.stats.answers == 4 and source.stats.dropped_agree == 0
+
+
+async def test_a_group_whose_answers_agree_is_dropped_and_an_environment_group_spreads_over_turns(chat_tokenizer):
+    task = parse_task({"id": "t", "messages": [{"role": "user", "content": "2+2?"}], "check": {"number": 4}}, "x")
+    store, worker = Store(), DeploymentWorker()
+    try:
+        source = source_for(chat_tokenizer, ScriptedEngine(chat_tokenizer, ["4", "4"]), store, worker, [task],
+                            samples_per_prompt=2)
+        assert await source.group("set", task) == [] and source.stats.dropped_agree == 1
+        from clawd.rollouts.envs.calculator import question
+        text, answer, _ = question(0)  # the calculator's first training seed
+        call = '<tool_call>{"name": "calculate", "arguments": {"expression": "1+1"}}</tool_call>'
+        engine = ScriptedEngine(chat_tokenizer, [call, f"Answer: {answer:g}", "Answer: 0"])
+        source = source_for(chat_tokenizer, engine, store, worker, environments=[CALC], samples_per_prompt=2,
+                            concurrency=1, discount=0.5)
+        samples = await source.group("env", CALC)
+    finally:
+        await worker.close()
+    # member 0: a tool call, then the right answer (reward 1, two turns); member 1: wrong at once (0, one turn)
+    assert [(s.sample_id.rsplit("-", 2)[1:], s.reward, s.advantage) for s in samples] == [
+        (["0", "0"], 1.0, 0.25), (["0", "1"], 1.0, 0.5), (["1", "0"], 0.0, -0.5)]
+    assert {s.source for s in samples} == {"env"} and source.stats.solved == 1
+
+
+async def test_the_source_waits_for_live_requests_and_for_the_learner(chat_tokenizer):
+    task = parse_task({"id": "t", "messages": [{"role": "user", "content": "2+2?"}], "check": {"number": 4}}, "x")
+    live = [3]
+    store, worker = Store(), DeploymentWorker()
+    engine = ScriptedEngine(chat_tokenizer, ["4", "5"] * 20)
+    source = source_for(chat_tokenizer, engine, store, worker, [task], samples_per_prompt=2, live=lambda: live[0],
+                        live_headroom=1, backlog=4)
+    run = asyncio.create_task(source.run())
+    try:
+        await asyncio.sleep(0.5)
+        assert engine.payloads == [] and source.stats.waited_live >= 1  # 3 live requests in flight > 1
+        live[0] = 1
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if source.stats.waited_backlog:
+                break
+        assert len(store.samples) == 4 and source.stats.waited_backlog >= 1  # two groups, then the backlog is full
+        assert len(engine.payloads) == 4
+        source.running.clear()  # `clawctl rollouts pause`
+        store.samples.clear()
+        await asyncio.sleep(0.5)
+        assert len(engine.payloads) == 4
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        await worker.close()

@@ -20,6 +20,7 @@ from clawd.config.model import ModelConfig
 from clawd.config.monitors import MonitorsConfig
 from clawd.config.privacy import PrivacyConfig
 from clawd.config.records import RecordsConfig
+from clawd.config.rollouts import RolloutsConfig
 from clawd.config.sampling import SamplingConfig
 from clawd.config.scoring import ScoringConfig
 from clawd.config.server import ServerConfig
@@ -51,6 +52,8 @@ class Config:
     journal: JournalConfig = field(default_factory=JournalConfig)
     # [learner]: when a batch goes to the trainer, and the trainer calls' timeouts
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    # [rollouts]: active rollouts beside live chat, from a prompt set and environments
+    rollouts: RolloutsConfig = field(default_factory=RolloutsConfig)
     # [train]: the training step, optimizer, loss, trainer world and LoRA
     train: TrainConfig = field(default_factory=TrainConfig)
     # [gate]: the evaluation each new version passes before it serves everyone
@@ -107,6 +110,11 @@ class Config:
         if self.reference_engine_needed and self.engine.reference_url in self.engine.policy_urls:
             return {"engine.reference_url": f"{self.engine.reference_url} is a policy replica's URL (replicas take "
                                             f"url's port and the next ones)"}
+        if self.rollouts.enabled and self.scoring.mode == "opd":
+            return {"rollouts.enabled": "rollouts train the RL term (their group advantages): scoring.mode must be "
+                                        "\"rl\" or \"combine\", not \"opd\""}
+        if self.rollouts.enabled and not self.learner.enabled:
+            return {"rollouts.enabled": "rollouts only feed the learner: learner.enabled is false"}
         if not self.auth.keys and not self.server.loopback and not self.auth.allow_open:
             return {"auth.keys": f"none, and server.host {self.server.host} is not loopback: anyone who reaches it "
                                  "could chat and train the model (set auth.allow_open = true to mean it)"}

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from clawd.config.rollouts import SCALES
 from clawd.samples import Sample
 
-SCALES = ("mean", "std")
 STD_EPS = 1e-6  # keeps a group of near-equal rewards from dividing by almost zero
 
 

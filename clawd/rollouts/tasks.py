@@ -11,6 +11,8 @@ and a check may use the gate's rules (contains_any, regex, rubric, ...) and thes
   (clawd.rollouts.worker) as function(reply, item_id, messages) and returning a score: a bool, or a number
   in [0, 1]. It runs under `[rollouts] checker_timeout`; one that fails or times out scores the answer 0.
 
+The gate's `rubric` (a judge's yes/no) is refused here: rollouts do not ask the judge yet.
+
 A reply scores 1 when every local rule holds and 0 otherwise; with `callable`, the product of that and the
 checker's score.
 """
@@ -21,11 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clawd.checks import is_finite
+from clawd.checks import is_finite, is_import_path
 from clawd.safety import evalset
 
 ROLLOUT_RULES = ("number", "tolerance", "exact", "callable")
-_TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 # A number as people and models write it: a sign, thousands grouped by commas, a decimal part, an exponent.
 _NUMBER = re.compile(r"(?<![\w.])[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w])")
 _ANSWER_MARK = re.compile(r"(?i)answer\s*(?:is|:)\s*")  # "answer:", "Answer is", "final answer:"
@@ -101,6 +102,9 @@ def parse_task(raw: Any, default_id: str) -> Task:
     """A task from its JSON object; ValueError saying what is wrong."""
     if not isinstance(raw, dict) or not isinstance(raw.get("check"), dict):
         return _gate_only(evalset.parse_prompt(raw, default_id))  # the gate's parser says what is wrong
+    if "rubric" in raw["check"]:
+        raise ValueError("rubric: rollouts do not ask the judge yet; score with number, exact, the gate's text "
+                         "rules or a callable checker")
     ours = {k: v for k, v in raw["check"].items() if k in ROLLOUT_RULES}
     theirs = {k: v for k, v in raw["check"].items() if k not in ROLLOUT_RULES}
     if not ours:
@@ -116,7 +120,7 @@ def parse_task(raw: Any, default_id: str) -> Task:
     if exact is not None and not (isinstance(exact, str) and exact.strip() and len(exact) <= evalset.MAX_TEXT):
         raise ValueError(f"exact must be a non-blank string of at most {evalset.MAX_TEXT} characters")
     target = ours.get("callable")
-    if target is not None and not (isinstance(target, str) and _TARGET.fullmatch(target)):
+    if target is not None and not is_import_path(target):
         raise ValueError(f"callable must name a function as \"package.module:function\", not {target!r}")
     # The gate's parser checks the rest of the line; a check of our rules alone gives it a stand-in rule.
     prompt = evalset.parse_prompt({**raw, "check": theirs or {"min_words": 0}}, default_id)

@@ -1,0 +1,141 @@
+"""The rollout source: groups drawn from a prompt set and environments, scored, and put in the sample store
+beside live turns (docs/ARCHITECTURE.md §19).
+
+It takes turns over the set's items and the environments (an environment's seeds count up from 0; keep
+held-out seeds at or above EVAL_SEED_BASE), and for each draws N answers (episodes) concurrently, within
+`concurrency`. Live users come first: nothing starts while more than `live_headroom` live requests are in
+flight or while `backlog` rollout samples already wait for the learner. An answer to a set item is scored by
+the item's rules and, when it names one, the deployment's checker in the worker (a failure scores 0 and is
+counted); an episode by its environment. A group whose scores agree is dropped and counted; the others
+become samples (clawd.rollouts.groups.group_samples) whose principal is the source's pseudo-principal
+("@rollouts/set", "@rollouts/env"): the store's fairness counts it as one more user.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from clawd.config.rollouts import RolloutsConfig
+from clawd.rollouts.episode import EpisodeLimits, Generate, model_turn, run_episode
+from clawd.rollouts.groups import Member, group_samples
+from clawd.rollouts.tasks import Task, checker_score, local_score
+from clawd.rollouts.worker import CallFailed, DeploymentWorker
+from clawd.samples import Sample
+
+log = logging.getLogger("clawd.rollouts")
+
+EVAL_SEED_BASE = 1_000_000_000  # environment seeds from here on are never trained: held out for evaluation
+PRINCIPALS = {"set": "@rollouts/set", "env": "@rollouts/env"}  # one pseudo-principal per source kind
+_WAIT = 0.2  # seconds between looks at the live load and the backlog while waiting
+
+
+@dataclass
+class RolloutStats:
+    groups: int = 0            # groups drawn
+    dropped_agree: int = 0     # of those, dropped: every answer scored the same
+    samples: int = 0           # samples put in the store
+    answers: int = 0           # answers (episodes) scored
+    solved: int = 0            # of those, scored 1
+    checker_failures: int = 0  # set answers whose checker raised or timed out (scored 0)
+    env_failed: int = 0        # episodes whose environment timed out or died (left out of their group)
+    action_errors: int = 0     # malformed calls and raising tools, observed by the model
+    waited_live: int = 0       # times the source waited for live requests to drop to live_headroom
+    waited_backlog: int = 0    # times it waited for the learner to take its samples
+
+
+class RolloutSource:
+    def __init__(self, cfg: RolloutsConfig, *, tasks: tuple[Task, ...], tokenizer, generate: Generate,
+                 put: Callable[[Sample], Awaitable[None]], waiting: Callable[[], dict[str, int]],
+                 live: Callable[[], int], version: Callable[[], int], worker: DeploymentWorker,
+                 clock: Callable[[], float] = time.time):
+        """put: the store's (journaled) put; waiting: the store's waiting samples by principal; live: live
+        requests in flight; version: the policy version serving."""
+        self.cfg, self.tasks, self.tokenizer, self.generate = cfg, tasks, tokenizer, generate
+        self.put, self.waiting, self.live, self.version, self.worker, self.clock = (put, waiting, live, version,
+                                                                                     worker, clock)
+        self.limits = EpisodeLimits(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                                    max_context=cfg.max_context, env_timeout=cfg.checker_timeout,
+                                    temperature=cfg.temperature)
+        self.stats = RolloutStats()
+        self.running = asyncio.Event()  # cleared by `clawctl rollouts pause`
+        self.running.set()
+        self._slots = asyncio.Semaphore(cfg.concurrency)
+        self._items = itertools.cycle([("set", t) for t in tasks] + [("env", e) for e in cfg.environments])
+        self._seeds = {e: itertools.count() for e in cfg.environments}
+
+    async def run(self) -> None:
+        while True:
+            await self.running.wait()
+            if self._backlog() >= self.cfg.backlog:
+                self.stats.waited_backlog += 1
+                await asyncio.sleep(_WAIT)
+                continue
+            if self.live() > self.cfg.live_headroom:
+                self.stats.waited_live += 1
+                await asyncio.sleep(_WAIT)
+                continue
+            kind, item = next(self._items)
+            for sample in await self.group(kind, item):
+                await self.put(sample)
+                self.stats.samples += 1
+
+    def _backlog(self) -> int:
+        waiting = self.waiting()
+        return sum(waiting.get(p, 0) for p in PRINCIPALS.values())
+
+    async def group(self, kind: str, item) -> list[Sample]:
+        """One group of `item` (a Task, or an environment's "module:Class"): its samples ([] when dropped)."""
+        group_id, version, started = f"ro-{uuid.uuid4().hex[:16]}", self.version(), self.clock()
+        if kind == "set":
+            members = await asyncio.gather(*(self._answer(item, f"{group_id}-{i}")
+                                             for i in range(self.cfg.samples_per_prompt)))
+        else:
+            seed = next(self._seeds[item])
+            members = [m for m in await asyncio.gather(*(self._episode(item, seed, f"{group_id}-{i}")
+                                                          for i in range(self.cfg.samples_per_prompt)))
+                       if m is not None]
+        self.stats.groups += 1
+        self.stats.answers += len(members)
+        self.stats.solved += sum(m.reward == 1.0 for m in members)
+        samples = group_samples(group_id, members, source=kind, principal=PRINCIPALS[kind], policy_version=version,
+                                temperature=self.cfg.temperature, scale=self.cfg.scale, discount=self.cfg.discount,
+                                created=started, scored=self.clock()) if len(members) >= 2 else []
+        if not samples:
+            self.stats.dropped_agree += 1
+        return samples
+
+    async def _answer(self, task: Task, rid: str) -> Member:
+        async with self._slots:
+            turn = await model_turn(self.generate, self.tokenizer, self.tokenizer.encode_chat(task.chat(), None),
+                                    self.limits, rid)
+        if turn is None:
+            return Member((), 0.0)
+        score = local_score(task, turn.text)
+        if score and task.callable is not None:
+            try:
+                score *= checker_score(await self.worker.call(task.callable, turn.text, task.id, task.chat(),
+                                                              timeout=self.cfg.checker_timeout))
+            except (CallFailed, ValueError) as exc:
+                self.stats.checker_failures += 1
+                log.warning("checker %s on %s: %s (scored 0)", task.callable, task.id, exc)
+                score = 0.0
+        return Member(((turn.prompt_ids, turn.output_ids, turn.logprobs),), score)
+
+    async def _episode(self, environment: str, seed: int, rid: str) -> Member | None:
+        async with self._slots:
+            episode = await run_episode(environment, seed, self.worker, self.generate, self.tokenizer, self.limits,
+                                        rid=rid)
+        self.stats.action_errors += episode.errors
+        if episode.ended == "env_failed":  # says nothing of the model's answer: out of the group
+            self.stats.env_failed += 1
+            return None
+        return Member(tuple((t.prompt_ids, t.output_ids, t.logprobs) for t in episode.turns), episode.reward)
+
+    def snapshot(self) -> dict:
+        return {**dataclasses.asdict(self.stats), "running": self.running.is_set(), "backlog": self._backlog()}

@@ -1,0 +1,44 @@
+"""Active rollouts in a running daemon: groups drawn beside live chat on the real CPU engine (the tiny model),
+scored by a deployment checker in the worker, journaled with their source and trained by the real trainer."""
+import json
+import time
+
+import openai
+import pytest
+
+from .harness import Daemon
+
+
+@pytest.mark.slow
+def test_a_daemon_draws_rollout_groups_beside_live_chat_and_trains_them(tiny_model, tmp_path):
+    rollout_set = tmp_path / "set.jsonl"
+    rollout_set.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Say {i}."}],
+                                               "check": {"callable": "tests.rollout_targets:odd_length"}}) + "\n"
+                                   for i in range(3)))
+    daemon = Daemon(tmp_path, {
+        "model": {"path": str(tiny_model), "max_tokens_cap": 8}, "engine": {"launch": "local"},
+        "learner": {"enabled": True, "rollout_batch_size": 4, "min_batch_size": 1, "rollout_timeout": 1.0},
+        "rollouts": {"enabled": True, "set": str(rollout_set), "samples_per_prompt": 4, "max_new_tokens": 6,
+                     "concurrency": 2, "live_headroom": 4},
+        "train": {"checkpoint_every": 1000}})
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert reply.choices[0].message.content is not None  # live chat is served beside the rollouts
+        deadline, status = time.monotonic() + 120, {}
+        while time.monotonic() < deadline:
+            status = daemon.get("/debug/process")[1]
+            if status["rollouts"]["samples"] >= 4 and status["learner"]["samples_trained"] >= 4:
+                break
+            time.sleep(0.5)
+        rollouts = status["rollouts"]
+        # every sample trained is a rollout's: the one live turn waits for its user's next message to be judged
+        assert status["scoring"]["samples"] == 0 and status["learner"]["samples_trained"] >= 4, (rollouts, status)
+        assert status["learner"]["steps"] >= 1 and rollouts["groups"] >= 1 and rollouts["checker_failures"] == 0
+        assert rollouts["answers"] == 4 * rollouts["groups"] and rollouts["worker"]["pid"]
+    finally:
+        assert daemon.stop() == 0
+    journaled = [s for s in daemon.samples() if s.source == "set"]  # not yet trained (others were acknowledged)
+    assert all(s.principal == "@rollouts/set" and s.advantage is not None for s in journaled)
+    lines = "".join(daemon.lines)
+    assert "Traceback" not in lines
