@@ -118,15 +118,15 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             mount=lambda app: _mount_ops(cfg, app, metrics, dashboard, status), on_request=home.requests.tick,
             max_connections=home.max_connections, spawn=tasks.create_task))
         # Rollouts: groups from a prompt set and environments, scored, into the store beside live turns.
-        if cfg.rollouts.enabled:
-            await stages.add(Rollouts(cfg, tokenizer=home.tokenizer, generate=engines.for_role["policy"].generate,
-                                      store=home.store, policy=home.policy, live=lambda: serving.admission.in_flight))
+        rollouts = None if not cfg.rollouts.enabled else await stages.add(Rollouts(
+            cfg, tokenizer=home.tokenizer, generate=engines.for_role["policy"].generate, store=home.store,
+            policy=home.policy, live=lambda: serving.admission.in_flight))
         # Ops reads the stages and owns none of them: clawctl's socket, SIGHUP's reload, READY.
         people = Holdings(cfg.state_dir, home.turn_records, home.judge_records, home.store, scoring.scorer,
                           serving.sessions, home.versions, home.monitors, scoring.handover)
         await stages.add(Ops(cfg, status=status, pauses=home.pauses, versions=home.versions, people=people,
                              learning=learning, engines=engines, serving=serving, policy=home.policy, auth=auth,
-                             privacy=home.privacy, set_judge=scoring.set_judge))
+                             privacy=home.privacy, set_judge=scoring.set_judge, rollouts=rollouts))
 
         async with tasks:
             await stages.start(tasks)

@@ -28,6 +28,8 @@ FORMAT_VERSION = 1  # bumped when a field changes meaning; the journal stores it
 
 MODES = ("rl", "opd", "combine")
 SOURCES = ("live", "set", "env")
+# The principals of active rollouts ("@rollouts/set", "@rollouts/env"): no person, so never a key's or a user's.
+PSEUDO_PRINCIPAL = "@rollouts/"
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,16 @@ def test_every_option_is_in_the_default_file_under_a_comment():
     ("[train]\noptimizer = 3\n", "train.optimizer: must be a table"),
     ("[train]\nlr = 1e-4\n[train.optimizer]\nlr = 1e-3\n", "train.lr: given twice, also as train.optimizer.lr"),
     ("[train]\ntis_cap = 0.5\n", "train.loss.tis_cap: must be a finite number >= 1"),  # a flat key: its new name
+    ("[auth]\nkeys = [{name = \"@rollouts/set\", key = \"12345678\"}]\n", "auth.keys[0].name: must not start with"),
+    ("[rollouts]\nenabled = true\n", "rollouts.enabled: needs a set or at least one environment"),
+    ("[rollouts]\nenvironments = [\"calculator\"]\n", "rollouts.environments: each must name a class"),
+    ("[rollouts]\nsamples_per_prompt = 1\n", "rollouts.samples_per_prompt: must be an integer, at least 2"),
+    ("[rollouts]\ndiscount = 0.0\n", "rollouts.discount: must be a finite number in (0, 1]"),
+    ("[rollouts]\nscale = \"max\"\n", "rollouts.scale: must be one of"),
+    ("[scoring]\nmode = \"opd\"\n[rollouts]\nenabled = true\nenvironments = [\"a.b:C\"]\n",
+     "rollouts.enabled: rollouts train the RL term"),
+    ("[learner]\nenabled = false\n[rollouts]\nenabled = true\nenvironments = [\"a.b:C\"]\n",
+     "rollouts.enabled: rollouts only feed the learner"),
     ("[server\n", "not valid TOML"),
     ("server = 3\n", "server: must be a table"),
 ])

@@ -6,7 +6,18 @@ import time
 import openai
 import pytest
 
+from clawd.ops.ctl import main as ctl
+
 from .harness import Daemon
+
+
+def wait(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
 
 
 @pytest.mark.slow
@@ -20,7 +31,7 @@ def test_a_daemon_draws_rollout_groups_beside_live_chat_and_trains_them(tiny_mod
         "learner": {"enabled": True, "rollout_batch_size": 4, "min_batch_size": 1, "rollout_timeout": 1.0},
         "rollouts": {"enabled": True, "set": str(rollout_set), "samples_per_prompt": 4, "max_new_tokens": 6,
                      "concurrency": 2, "live_headroom": 4},
-        "train": {"checkpoint_every": 1000}})
+        "train": {"checkpoint_every": 1000}, "auth": {"trust_user_field": True}})
     try:
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
         reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
@@ -36,6 +47,22 @@ def test_a_daemon_draws_rollout_groups_beside_live_chat_and_trains_them(tiny_mod
         assert status["scoring"]["samples"] == 0 and status["learner"]["samples_trained"] >= 4, (rollouts, status)
         assert status["learner"]["steps"] >= 1 and rollouts["groups"] >= 1 and rollouts["checker_failures"] == 0
         assert rollouts["answers"] == 4 * rollouts["groups"] and rollouts["worker"]["pid"]
+
+        # clawctl: pause holds the source (no group starts), status says so, resume lets it go on
+        socket = str(daemon.state / "clawd.sock")
+        assert ctl(["--socket", socket, "rollouts", "pause"]) == 0
+        paused = daemon.get("/debug/process")[1]["rollouts"]
+        time.sleep(1.5)
+        held = daemon.get("/debug/process")[1]["rollouts"]
+        assert not held["running"] and held["groups"] <= paused["groups"] + 1  # one in progress may finish
+        assert ctl(["--socket", socket, "--json", "rollouts"]) == 0
+        assert ctl(["--socket", socket, "rollouts", "resume"]) == 0
+        assert wait(lambda: daemon.get("/debug/process")[1]["rollouts"]["groups"] > held["groups"], 60)
+        # the rollouts' principal is no person's: not forgotten, not posed as by a client
+        assert ctl(["--socket", socket, "forget", "@rollouts/set"]) == 1
+        with pytest.raises(openai.BadRequestError, match="reserved"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           user="@rollouts/set")
     finally:
         assert daemon.stop() == 0
     journaled = [s for s in daemon.samples() if s.source == "set"]  # not yet trained (others were acknowledged)

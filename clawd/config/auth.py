@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from clawd.samples import PSEUDO_PRINCIPAL
+
 
 @dataclass(frozen=True)
 class ApiKey:
@@ -18,6 +20,8 @@ class ApiKey:
         errors = {}
         if not self.name:
             errors["name"] = "must not be empty"
+        elif self.name.startswith(PSEUDO_PRINCIPAL):
+            errors["name"] = f"must not start with {PSEUDO_PRINCIPAL!r}: the active rollouts' principals"
         if len(self.key) < 8:
             errors["key"] = "must be at least 8 characters"
         return errors

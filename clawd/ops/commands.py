@@ -1,5 +1,5 @@
 """What `clawctl` can ask the running daemon over the admin socket (clawd.ops.admin): pause, resume,
-status, versions, rollback [VERSION], checkpoint, export / export-done / forget PRINCIPAL."""
+status, versions, rollback [VERSION], checkpoint, export / export-done / forget PRINCIPAL, rollouts ACTION."""
 from __future__ import annotations
 
 import logging
@@ -9,16 +9,19 @@ from clawd.ops.admin import BAD_ARGUMENT, AdminError, argument
 from clawd.ops.people import Holdings, remove_export
 from clawd.ops.status import Status, finite
 from clawd.pauses import OPERATOR, Pauses
+from clawd.rollouts.source import RolloutSource
 from clawd.safety.versions import Versions
+from clawd.samples import PSEUDO_PRINCIPAL
 from clawd.served import Policy
 
 log = logging.getLogger("clawd")
 
 
 def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, versions: Versions, policy: Policy,
-                   people: Holdings | None = None) -> dict:
+                   people: Holdings | None = None, rollouts: RolloutSource | None = None) -> dict:
     """What `clawctl` can ask: pause (learning; with serving=true, chat too), resume, status, versions,
-    rollback [version], checkpoint, and a person's data: export, export-done, forget."""
+    rollback [version], checkpoint, a person's data (export, export-done, forget), and the active rollouts
+    (pause, resume, status)."""
     async def pause_cmd(request: dict) -> dict:
         pauses.hold(OPERATOR, argument(request, "reason", str) or "", serving=argument(request, "serving", bool, False))
         return pauses.snapshot()
@@ -57,6 +60,8 @@ def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, vers
         name = argument(request, "principal", str)
         if not name:
             raise AdminError(BAD_ARGUMENT, "principal: an API key's name, or the principal of a keyless request")
+        if name.startswith(PSEUDO_PRINCIPAL):
+            raise AdminError(BAD_ARGUMENT, f"{name} is the active rollouts' principal: it holds no person's data")
         return name
 
     def asker(request: dict) -> str:
@@ -76,8 +81,19 @@ def admin_commands(pauses: Pauses, status: Status, learner: Learner | None, vers
     async def forget_cmd(request: dict) -> dict:
         return await people.forget(principal(request), asker(request))
 
+    async def rollouts_cmd(request: dict) -> dict:
+        if rollouts is None:
+            raise AdminError(BAD_ARGUMENT, "rollouts are off ([rollouts] enabled = false)")
+        action = argument(request, "action", str, "status")
+        if action not in ("pause", "resume", "status"):
+            raise AdminError(BAD_ARGUMENT, f"action: pause, resume or status, not {action!r}")
+        if action != "status":
+            (rollouts.running.clear if action == "pause" else rollouts.running.set)()
+            log.warning("rollouts %sd by clawctl", action)
+        return finite(rollouts.snapshot())
+
     commands = {"pause": pause_cmd, "resume": resume_cmd, "status": status_cmd, "versions": versions_cmd,
-                "rollback": rollback_cmd, "checkpoint": checkpoint_cmd}
+                "rollback": rollback_cmd, "checkpoint": checkpoint_cmd, "rollouts": rollouts_cmd}
     if people is not None:
         commands |= {"export": export_cmd, "export-done": export_done_cmd, "forget": forget_cmd}
     return commands

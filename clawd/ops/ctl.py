@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         request["last"] = args.last
     if args.cmd == "rollback" and args.version is not None:
         request["version"] = args.version
+    if args.cmd == "rollouts":
+        request["action"] = args.action
     if args.cmd == "pause":
         request["serving"] = args.serving
         if args.reason:
@@ -134,9 +136,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rolled back: v{result['restored']} serves again as v{result['serving']}")
     elif args.cmd == "checkpoint":
         print(f"checkpointed v{result['version']} (step {result['step']}): {result['path']}")
+    elif args.cmd == "rollouts":
+        print(format_rollouts(result))
     else:
         print(format_pause(result))
     return EXIT_OK
+
+
+def format_rollouts(r: dict) -> str:
+    """`clawctl rollouts`: one line of the active rollouts' counts."""
+    solved = f"{r['solved']}/{r['answers']} solved" if r["answers"] else "no answers yet"
+    return (f"rollouts {'running' if r['running'] else 'paused'}: {r['groups']} groups ({r['dropped_agree']} dropped: "
+            f"answers agreed), {r['samples']} samples, {solved}, {r['backlog']} waiting for the learner; "
+            f"checker failures {r['checker_failures']}, environments failed {r['env_failed']}, action errors "
+            f"{r['action_errors']}")
 
 
 def _collect_export(path: Path, result: dict, dest: Path, args) -> int:
@@ -204,7 +217,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="clawctl", description="Control a running clawd.")
     _common(parser, top=True)
     commands = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser,
-                                     metavar="{pause,resume,status,versions,rollback,checkpoint,export,forget,export-model}")
+                                     metavar="{pause,resume,status,versions,rollback,checkpoint,export,forget,"
+                                             "rollouts,export-model}")
     pause = commands.add_parser("pause", help="stop learning (serving continues)")
     pause.add_argument("--serving", action="store_true", help="also refuse new chat requests (503) until resume")
     pause.add_argument("--reason", help="why, shown by status")
@@ -224,11 +238,14 @@ def _parser() -> argparse.ArgumentParser:
     forget = commands.add_parser("forget", help="delete everything clawd holds about a principal and list the "
                                  "versions trained on their samples")
     forget.add_argument("principal", help="an API key's name (or the principal of keyless requests)")
+    rollouts = commands.add_parser("rollouts", help="the active rollouts beside live chat: pause or resume them, "
+                                   "or their counts")
+    rollouts.add_argument("action", choices=("pause", "resume", "status"), nargs="?", default="status")
     export = commands.add_parser("export-model", help="write a published version as a full Hugging Face model "
                                  "(LoRA: merged into the base)")
     export.add_argument("version", type=int, help="the version number, as status shows it")
     export.add_argument("dir", help="where to write it (must not exist)")
-    for sub in (pause, resume, status, versions, rollback, checkpoint, person, forget, export):
+    for sub in (pause, resume, status, versions, rollback, checkpoint, person, forget, rollouts, export):
         _common(sub, top=False)
     return parser
 

@@ -28,6 +28,7 @@ from clawd.ops.reload import ReloadTargets, reload
 from clawd.ops.status import Status
 from clawd.pauses import Pauses
 from clawd.privacy.policy import Privacy
+from clawd.rollouts.stage import Rollouts
 from clawd.safety.versions import Versions
 from clawd.served import Policy
 from clawd.serving.auth import Authenticator
@@ -55,10 +56,11 @@ class Vitals(Stage):
 class Ops(Stage):
     def __init__(self, cfg: Config, *, status: Status, pauses: Pauses, versions: Versions, people: Holdings,
                  learning: Learning | None, engines: Engines, serving: Serving, policy: Policy, auth: Authenticator,
-                 privacy: Privacy, set_judge: Callable[[JudgeConfig], None]):
+                 privacy: Privacy, set_judge: Callable[[JudgeConfig], None], rollouts: Rollouts | None = None):
         self.cfg, self.learning, self.engines, self.serving, self.policy = cfg, learning, engines, serving, policy
         self.admin = AdminServer(cfg.admin.socket_path(cfg.state_dir), admin_commands(
-            pauses, status, None if learning is None else learning.learner, versions, policy, people),
+            pauses, status, None if learning is None else learning.learner, versions, policy, people,
+            None if rollouts is None else rollouts.source),
             group=cfg.admin.group)
         self.on_reload = _reloader(cfg, ReloadTargets(
             set_log_level=lambda level: logging.getLogger().setLevel(level.upper()),

@@ -26,12 +26,12 @@ from clawd.rollouts.episode import EpisodeLimits, Generate, model_turn, run_epis
 from clawd.rollouts.groups import Member, group_samples
 from clawd.rollouts.tasks import Task, checker_score, local_score
 from clawd.rollouts.worker import CallFailed, DeploymentWorker
-from clawd.samples import Sample
+from clawd.samples import PSEUDO_PRINCIPAL, Sample
 
 log = logging.getLogger("clawd.rollouts")
 
 EVAL_SEED_BASE = 1_000_000_000  # environment seeds from here on are never trained: held out for evaluation
-PRINCIPALS = {"set": "@rollouts/set", "env": "@rollouts/env"}  # one pseudo-principal per source kind
+PRINCIPALS = {kind: f"{PSEUDO_PRINCIPAL}{kind}" for kind in ("set", "env")}  # one pseudo-principal per source
 _WAIT = 0.2  # seconds between looks at the live load and the backlog while waiting
 
 

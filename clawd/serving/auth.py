@@ -14,6 +14,7 @@ import hmac
 from aiohttp import web
 
 from clawd.config.schema import Config
+from clawd.samples import PSEUDO_PRINCIPAL
 from clawd.serving.errors import ApiError
 
 
@@ -72,5 +73,8 @@ class Authenticator:
         if key_name is not None:
             return key_name
         if self.trust_user_field and user:
+            if user.startswith(PSEUDO_PRINCIPAL):  # the active rollouts' own: a client cannot pose as them
+                raise ApiError(400, f"user: names starting with {PSEUDO_PRINCIPAL!r} are reserved", code="invalid_user",
+                               param="user")
             return user[:self.max_user_chars]
         return ANONYMOUS
