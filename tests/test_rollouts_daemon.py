@@ -2,6 +2,7 @@
 scored by a deployment checker in the worker, journaled with their source and trained by the real trainer."""
 import json
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -58,6 +59,11 @@ def test_a_daemon_draws_rollout_groups_beside_live_chat_and_trains_them(tiny_mod
         assert ctl(["--socket", socket, "--json", "rollouts"]) == 0
         assert ctl(["--socket", socket, "rollouts", "resume"]) == 0
         assert wait(lambda: daemon.get("/debug/process")[1]["rollouts"]["groups"] > held["groups"], 60)
+        with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        for name in ("clawd_rollouts_running 1.0", "clawd_rollout_groups_total",
+                     'clawd_rollout_failures_total{kind="checker"} 0.0', 'clawd_rollout_waits_total{for="live"}'):
+            assert name in metrics, name
         # the rollouts' principal is no person's: not forgotten, not posed as by a client
         assert ctl(["--socket", socket, "forget", "@rollouts/set"]) == 1
         with pytest.raises(openai.BadRequestError, match="reserved"):

@@ -229,6 +229,8 @@ class SnapshotCollector(Collector):
             yield from _safety(safety)
         if (privacy := snap.get("privacy")) is not None:
             yield from _privacy(privacy)
+        if (rollouts := snap.get("rollouts")) is not None:
+            yield from _rollouts(rollouts)
         if (adapters := snap.get("adapters")) is not None:  # LoRA mode
             yield gauge("clawd_adapters_retired", "Retired LoRA adapters still loaded on some replica, waiting for "
                         "their requests to end.", len(adapters["retired"]))
@@ -360,6 +362,27 @@ def _privacy(st: dict) -> Iterator[Metric]:
                        "part", ret["removed"])
         yield counter("clawd_retention_failures_total", "Retention sweep parts that failed (tried again).",
                       ret["failures"])
+
+
+def _rollouts(st: dict) -> Iterator[Metric]:
+    """The active rollouts beside live chat (docs/ARCHITECTURE.md §19)."""
+    yield gauge("clawd_rollouts_running", "1 while the active rollouts draw groups (clawctl rollouts pause: 0).",
+                st["running"])
+    yield counter("clawd_rollout_groups_total", "Rollout groups drawn (N answers to one prompt or seed).",
+                  st["groups"])
+    yield counter("clawd_rollout_groups_dropped_total", "Rollout groups dropped: every answer scored the same.",
+                  st["dropped_agree"])
+    yield counter("clawd_rollout_samples_total", "Rollout samples put in the store.", st["samples"])
+    yield counter("clawd_rollout_answers_total", "Rollout answers (episodes) scored.", st["answers"])
+    yield counter("clawd_rollout_solved_total", "Rollout answers (episodes) that scored 1.", st["solved"])
+    yield gauge("clawd_rollout_backlog", "Rollout samples waiting for the learner.", st["backlog"])
+    yield labelled(CounterMetricFamily, "clawd_rollout_failures", "Rollout failures: a deployment checker that "
+                   "raised or timed out, an environment that timed out or died, a malformed action or raising tool.",
+                   "kind", {"checker": st["checker_failures"], "environment": st["env_failed"],
+                            "action": st["action_errors"]})
+    yield labelled(CounterMetricFamily, "clawd_rollout_waits", "Times the rollouts waited: for live requests to "
+                   "drop to [rollouts] live_headroom, for the learner to take their samples.", "for",
+                   {"live": st["waited_live"], "learner": st["waited_backlog"]})
 
 
 def _learner(st: dict) -> Iterator[Metric]:
