@@ -451,3 +451,24 @@ async def test_the_source_waits_for_live_requests_and_for_the_learner(chat_token
         run.cancel()
         await asyncio.gather(run, return_exceptions=True)
         await worker.close()
+
+
+async def test_the_lookup_environment_teaches_recovery_from_a_key_written_the_wrong_way(chat_tokenizer):
+    from clawd.rollouts.envs.lookup import Lookup, table
+    from clawd.rollouts.episode import run_episode
+    env = Lookup()
+    task = env.reset(3)
+    key, value = f"{env.country}:{env.field}", table()[f"{env.country}:{env.field}"]
+    assert env.country.title() in task and table() == table()  # the same table every time
+    wrong = '<tool_call>{"name": "lookup", "arguments": {"key": "%s of %s"}}</tool_call>' % (env.field, env.country)
+    right = '<tool_call>{"name": "lookup", "arguments": {"key": "%s"}}</tool_call>' % key
+    engine = ScriptedEngine(chat_tokenizer, [wrong, right, f"The answer is {value}."])
+    worker = DeploymentWorker()
+    try:
+        episode = await run_episode("clawd.rollouts.envs.lookup:Lookup", 3, worker, engine, chat_tokenizer)
+    finally:
+        await worker.close()
+    assert (episode.ended, episode.reward, episode.errors, len(episode.turns)) == ("done", 1.0, 1, 3)
+    observations = [m["content"] for m in episode.transcript if m["role"] == "tool"]
+    assert "keys are written country:field" in observations[0] and observations[1] == value
+    assert env.step({"answer": "I do not know"})[1:3] == (0.0, True)
