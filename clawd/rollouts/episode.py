@@ -70,7 +70,7 @@ async def run_episode(environment: str, seed: int, worker: DeploymentWorker, gen
         episode.ended, episode.transcript = "env_failed", [{"role": "error", "content": str(exc)}]
         return episode
     tools = start["tools"] or None
-    messages: list[dict[str, Any]] = [{"role": "user", "content": start["observation"]}]
+    messages: list[dict[str, Any]] = start["messages"]
     try:
         while not episode.ended:
             if len(episode.turns) == limits.max_turns:

@@ -4,7 +4,8 @@ environment; the daemon never imports a deployment's environment (docs/ARCHITECT
 An environment is a class (named "module:Class" in the config, built with no arguments) with
 
     tools: list[dict]                          the OpenAI function tools the model is offered
-    reset(seed: int) -> str                    the first observation: the task, as the user says it
+    reset(seed: int) -> str | list[dict]       the task, as the user says it; or the conversation so far (a
+                                               worked example first, say), ending with the user's message
     step(action: dict) -> (observation: str, reward: float, done: bool, info: dict)
 
 where an action is {"tool": name, "arguments": {...}} for a tool call, or {"answer": text} for a reply without
@@ -26,18 +27,26 @@ _live: dict[str, Any] = {}
 
 
 def open_episode(environment: str, episode: str, seed: int) -> dict:
-    """A new episode of `environment` ("module:Class"): its first observation and its tools."""
+    """A new episode of `environment` ("module:Class"): its opening messages and its tools."""
     env = import_target(environment)()
-    observation = env.reset(seed)
+    opening = env.reset(seed)
+    messages = [{"role": "user", "content": opening}] if isinstance(opening, str) else opening
     tools = getattr(env, "tools", [])
-    if not isinstance(observation, str) or not observation.strip():
-        raise ValueError(f"{environment}.reset returned {observation!r:.80}, not the task's text")
+    if not (isinstance(messages, list) and messages and all(_message(m) for m in messages)
+            and messages[-1]["role"] == "user" and messages[-1]["content"].strip()):
+        raise ValueError(f"{environment}.reset returned {opening!r:.80}: the task's text, or chat messages ending "
+                         "with the user's")
     if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ValueError(f"{environment}.tools must be a list of OpenAI tool objects")
     while len(_live) >= MAX_LIVE:
         _live.pop(next(iter(_live)))
     _live[episode] = env
-    return {"observation": observation[:MAX_OBSERVATION_CHARS], "tools": tools}
+    return {"messages": [{**m, "content": m["content"][:MAX_OBSERVATION_CHARS]} for m in messages], "tools": tools}
+
+
+def _message(m) -> bool:
+    return (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
+            and isinstance(m.get("content"), str))
 
 
 def act(episode: str, action: dict) -> dict:
