@@ -75,3 +75,10 @@ def test_a_daemon_draws_rollout_groups_beside_live_chat_and_trains_them(tiny_mod
     assert all(s.principal == "@rollouts/set" and s.advantage is not None for s in journaled)
     lines = "".join(daemon.lines)
     assert "Traceback" not in lines
+    groups = [json.loads(line) for path in sorted((daemon.state / "records").glob("rollouts-*.jsonl"))
+              for line in path.read_text().splitlines()]
+    assert groups and all(g["source"] == "set" and g["item"] in ("q0", "q1", "q2") and len(g["answers"]) == 4
+                          for g in groups)
+    kept = [g for g in groups if g["kept"]]
+    assert kept and all(sum(a["advantage"] for a in g["answers"]) == pytest.approx(0, abs=1e-12) for g in kept)
+    assert all(a["reward"] == float(len(a["reply"]) % 2) for g in groups for a in g["answers"])  # odd_length

@@ -11,7 +11,7 @@ each turn gets it discounted by the turns that follow it (γ = 1: every turn the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from clawd.config.rollouts import SCALES
@@ -55,9 +55,11 @@ def turn_returns(reward: float, turns: int, discount: float = 1.0) -> list[float
 
 @dataclass(frozen=True)
 class Member:
-    """One answer of a group: its model turns, (prompt_ids, output_ids, logprobs) each, and its reward."""
+    """One answer of a group: its model turns, (prompt_ids, output_ids, logprobs) each, and its reward;
+    `said` is what the record keeps of it (its last reply, how its episode ended)."""
     turns: tuple[tuple[list[int], list[int], list[float]], ...]
     reward: float
+    said: dict = field(default_factory=dict, compare=False)
 
 
 def group_samples(group_id: str, members: Sequence[Member], *, source: str, principal: str, policy_version: int,

@@ -33,6 +33,7 @@ log = logging.getLogger("clawd.rollouts")
 EVAL_SEED_BASE = 1_000_000_000  # environment seeds from here on are never trained: held out for evaluation
 PRINCIPALS = {kind: f"{PSEUDO_PRINCIPAL}{kind}" for kind in ("set", "env")}  # one pseudo-principal per source
 _WAIT = 0.2  # seconds between looks at the live load and the backlog while waiting
+RECORD_CHARS = 2000  # of an answer's last reply, in the rollouts' record
 
 
 @dataclass
@@ -53,12 +54,14 @@ class RolloutSource:
     def __init__(self, cfg: RolloutsConfig, *, tasks: tuple[Task, ...], tokenizer, generate: Generate,
                  put: Callable[[Sample], Awaitable[None]], waiting: Callable[[], dict[str, int]],
                  live: Callable[[], int], version: Callable[[], int], worker: DeploymentWorker,
-                 clock: Callable[[], float] = time.time):
+                 record: Callable[[dict], object] | None = None, clock: Callable[[], float] = time.time):
         """put: the store's (journaled) put; waiting: the store's waiting samples by principal; live: live
-        requests in flight; version: the policy version serving."""
+        requests in flight; version: the policy version serving; record: where each group's record goes (the
+        rollouts' record file: what each answer said and scored)."""
         self.cfg, self.tasks, self.tokenizer, self.generate = cfg, tasks, tokenizer, generate
         self.put, self.waiting, self.live, self.version, self.worker, self.clock = (put, waiting, live, version,
                                                                                      worker, clock)
+        self.record = record
         self.limits = EpisodeLimits(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                     max_context=cfg.max_context, env_timeout=cfg.checker_timeout,
                                     temperature=cfg.temperature)
@@ -92,6 +95,7 @@ class RolloutSource:
     async def group(self, kind: str, item) -> list[Sample]:
         """One group of `item` (a Task, or an environment's "module:Class"): its samples ([] when dropped)."""
         group_id, version, started = f"ro-{uuid.uuid4().hex[:16]}", self.version(), self.clock()
+        seed = None
         if kind == "set":
             members = await asyncio.gather(*(self._answer(item, f"{group_id}-{i}")
                                              for i in range(self.cfg.samples_per_prompt)))
@@ -108,6 +112,13 @@ class RolloutSource:
                                 created=started, scored=self.clock()) if len(members) >= 2 else []
         if not samples:
             self.stats.dropped_agree += 1
+        if self.record is not None:
+            advantages = {int(s.sample_id.rsplit("-", 2)[1]): s.advantage for s in samples if s.turn_index == 0}
+            self.record({"time": started, "group": group_id, "source": kind, "version": version,
+                         "item": item.id if kind == "set" else item, "seed": seed, "kept": bool(samples),
+                         "samples": len(samples),
+                         "answers": [{"reward": m.reward, "advantage": advantages.get(i), "turns": len(m.turns),
+                                      **m.said} for i, m in enumerate(members)]})
         return samples
 
     async def _answer(self, task: Task, rid: str) -> Member:
@@ -115,7 +126,7 @@ class RolloutSource:
             turn = await model_turn(self.generate, self.tokenizer, self.tokenizer.encode_chat(task.chat(), None),
                                     self.limits, rid)
         if turn is None:
-            return Member((), 0.0)
+            return Member((), 0.0, {"ended": "no_output"})
         score = local_score(task, turn.text)
         if score and task.callable is not None:
             try:
@@ -125,7 +136,8 @@ class RolloutSource:
                 self.stats.checker_failures += 1
                 log.warning("checker %s on %s: %s (scored 0)", task.callable, task.id, exc)
                 score = 0.0
-        return Member(((turn.prompt_ids, turn.output_ids, turn.logprobs),), score)
+        return Member(((turn.prompt_ids, turn.output_ids, turn.logprobs),), score,
+                      {"reply": turn.text[:RECORD_CHARS], "finish": turn.finish})
 
     async def _episode(self, environment: str, seed: int, rid: str) -> Member | None:
         async with self._slots:
@@ -135,7 +147,10 @@ class RolloutSource:
         if episode.ended == "env_failed":  # says nothing of the model's answer: out of the group
             self.stats.env_failed += 1
             return None
-        return Member(tuple((t.prompt_ids, t.output_ids, t.logprobs) for t in episode.turns), episode.reward)
+        last = next((m.get("content") or "" for m in reversed(episode.transcript) if m.get("role") == "assistant"), "")
+        return Member(tuple((t.prompt_ids, t.output_ids, t.logprobs) for t in episode.turns), episode.reward,
+                      {"reply": last[:RECORD_CHARS], "ended": episode.ended, "errors": episode.errors,
+                       "tool_calls": sum(len(m.get("tool_calls", [])) for m in episode.transcript)})
 
     def snapshot(self) -> dict:
         return {**dataclasses.asdict(self.stats), "running": self.running.is_set(), "backlog": self._backlog()}
