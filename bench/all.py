@@ -39,10 +39,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 SCRIPTS = ("serve", "pipeline", "trainer", "swap", "publish", "lora", "learning", "opd_signal", "fuzz", "abuse",
-           "crash", "scale", "pii", "startup", "liveness")
+           "crash", "scale", "pii", "startup", "liveness", "rollouts")
 OUT_FLAG = {"serve": "--out", "pipeline": "--output", "trainer": "--out", "swap": "--json", "publish": "--json",
             "lora": "--out", "learning": "--out", "fuzz": "--out", "abuse": "--out", "crash": "--out", "scale": "--out",
-            "pii": "--out", "startup": "--out", "opd_signal": "--out", "liveness": "--out"}
+            "pii": "--out", "startup": "--out", "opd_signal": "--out", "liveness": "--out", "rollouts": "--out"}
 # scale.py's full form takes ~4 min on top of serve.py's similar figures; its quick form answers "does it scale".
 ARGS = {"scale": ["--quick"]}
 if str(HERE) not in sys.path:  # run as a script it is already there; imported (by a test) it is not
@@ -201,6 +201,17 @@ def liveness(r: dict) -> list[dict]:
     return rows
 
 
+def rollouts(r: dict) -> list[dict]:
+    met = r["met"]
+    rows = [_row("live p50 with rollouts / without", r["p50_ratio"], "{:.2f}", "<= 1.25",
+                 met["live p50 with rollouts <= 1.25x without"]),
+            _row("live p99 with rollouts / without", r["p99_ratio"], "{:.2f}", "<= 1.5",
+                 met["live p99 with rollouts <= 1.5x without"])]
+    if "solve" in r:
+        rows.append(_row("solve rate on held-out episodes (model as it is)", r["solve"]["rate"], "{:.0%}"))
+    return rows
+
+
 def opd_signal(r: dict) -> list[dict]:
     step = r["one_step"]
     return [_row("OPD teacher, right over wrong answer (nats)", r["gap"]["system_default"]["answer_right"]
@@ -215,7 +226,7 @@ def opd_signal(r: dict) -> list[dict]:
 EXTRACT = {"serve": serve, "pipeline": pipeline, "trainer": trainer, "swap": swap, "publish": publish, "lora": lora,
            "learning": learning,
            "opd_signal": opd_signal, "fuzz": fuzz, "abuse": abuse, "crash": crash, "scale": scale, "pii": pii,
-           "startup": startup, "liveness": liveness}
+           "startup": startup, "liveness": liveness, "rollouts": rollouts}
 
 
 # ---------------------------------------------------------------- provenance marks

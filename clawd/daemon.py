@@ -173,7 +173,7 @@ class Home:
 
         def on_sample(sample) -> None:
             samples.tick()
-            if monitors is not None:
+            if monitors is not None and sample.source == "live":  # the judge's votes: a rollout's score is not one
                 monitors.observe_judgement(sample.policy_version, sample.reward, sample.has_hint)
 
         # The durable end of learning opens first: its lock keeps a second clawd off this state directory,

@@ -472,3 +472,29 @@ async def test_the_lookup_environment_teaches_recovery_from_a_key_written_the_wr
     observations = [m["content"] for m in episode.transcript if m["role"] == "tool"]
     assert "keys are written country:field" in observations[0] and observations[1] == value
     assert env.step({"answer": "I do not know"})[1:3] == (0.0, True)
+
+
+async def test_each_model_turn_of_a_rollout_waits_for_live_requests(chat_tokenizer):
+    """Not only a group's start: an episode in progress holds its next turn while live users are served."""
+    live = [0]
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "1+1"}}</tool_call>'
+
+    class Busy(ScriptedEngine):
+        async def __call__(self, payload):
+            live[0] = 2  # a live request arrives while this turn generates
+            return await super().__call__(payload)
+
+    engine = Busy(chat_tokenizer, [call, "Answer: 2"])
+    store, worker = Store(), DeploymentWorker()
+    source = source_for(chat_tokenizer, engine, store, worker, environments=[CALC], samples_per_prompt=2,
+                        concurrency=1, live=lambda: live[0], live_headroom=1)
+    group = asyncio.create_task(source._episode(CALC, 0, "r"))
+    try:
+        await asyncio.sleep(1.0)
+        assert len(engine.payloads) == 1 and source.stats.waited_live >= 2  # the second turn waits
+        live[0] = 0
+        member = await asyncio.wait_for(group, 30)
+        assert len(engine.payloads) == 2 and len(member.turns) == 2
+    finally:
+        group.cancel()
+        await worker.close()

@@ -3,8 +3,9 @@ beside live turns (docs/ARCHITECTURE.md §19).
 
 It takes turns over the set's items and the environments (an environment's seeds count up from 0; keep
 held-out seeds at or above EVAL_SEED_BASE), and for each draws N answers (episodes) concurrently, within
-`concurrency`. Live users come first: nothing starts while more than `live_headroom` live requests are in
-flight or while `backlog` rollout samples already wait for the learner. An answer to a set item is scored by
+`concurrency`. Live users come first: no group starts, and no model turn of one in progress, while more than
+`live_headroom` live requests are in flight; no group starts while `backlog` rollout samples already wait for
+the learner. An answer to a set item is scored by
 the item's rules and, when it names one, the deployment's checker in the worker (a failure scores 0 and is
 counted); an episode by its environment. A group whose scores agree is dropped and counted; the others
 become samples (clawd.rollouts.groups.group_samples) whose principal is the source's pseudo-principal
@@ -88,6 +89,15 @@ class RolloutSource:
                 await self.put(sample)
                 self.stats.samples += 1
 
+    async def _generate(self, payload: dict) -> dict:
+        """The engine, after live users: every model turn of a rollout (not only a group's first) waits while
+        more than `live_headroom` live requests are in flight, so a live request meets at most `concurrency`
+        rollout turns already generating."""
+        while self.live() > self.cfg.live_headroom:
+            self.stats.waited_live += 1
+            await asyncio.sleep(_WAIT)
+        return await self.generate(payload)
+
     def _backlog(self) -> int:
         waiting = self.waiting()
         return sum(waiting.get(p, 0) for p in PRINCIPALS.values())
@@ -123,7 +133,7 @@ class RolloutSource:
 
     async def _answer(self, task: Task, rid: str) -> Member:
         async with self._slots:
-            turn = await model_turn(self.generate, self.tokenizer, self.tokenizer.encode_chat(task.chat(), None),
+            turn = await model_turn(self._generate, self.tokenizer, self.tokenizer.encode_chat(task.chat(), None),
                                     self.limits, rid)
         if turn is None:
             return Member((), 0.0, {"ended": "no_output"})
@@ -141,8 +151,8 @@ class RolloutSource:
 
     async def _episode(self, environment: str, seed: int, rid: str) -> Member | None:
         async with self._slots:
-            episode = await run_episode(environment, seed, self.worker, self.generate, self.tokenizer, self.limits,
-                                        rid=rid)
+            episode = await run_episode(environment, seed, self.worker, self._generate, self.tokenizer,
+                                        self.limits, rid=rid)
         self.stats.action_errors += episode.errors
         if episode.ended == "env_failed":  # says nothing of the model's answer: out of the group
             self.stats.env_failed += 1
