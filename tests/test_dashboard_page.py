@@ -56,6 +56,7 @@ def history() -> dict:
                                                   "detail": "one_word_share rose <img src=x onerror=alert(2)>"}]},
         "queue": {"waiting": 13, "batch": 8},
         "samples_per_minute": 6.5,
+        "rollouts": {"running": True, "groups": 12, "answers": 48, "solved": 9, "backlog": 4},
         "versions": [
             version(0, "retired", None, None, monitors(120, mean_words=41.5, reward_mean=0.12, kl=0.0, **base)),
             version(1, "retired", 0, gate(0.61, 0.58, -0.01, 0.07, True),
@@ -71,6 +72,7 @@ def history() -> dict:
             version(5, "candidate", 4),
         ],
         "steps": [{"step": s, "version": s // 4, "time": T0 + 150 * s, "samples": 8,
+                   "sources": {"live": 5, "set": 3} if s % 2 else {"live": 8},
                    "loss": None if s == 7 else 0.5 - 0.01 * s, "reward_mean": 0.1 + 0.01 * s,
                    "kl": 0.01 * s, "entropy": 2.0 - 0.01 * s} for s in range(1, 23)],
     }
@@ -294,6 +296,10 @@ async def test_chromium_draws_the_history_signed_in_from_the_url(tmp_path):
     assert len(dom.all("script")) == 1 and dom.all("img") == []  # outside markup stayed text
     assert "<img src=x onerror=alert(2)>" in dom.one(id="pause-reasons").text
     assert [r.attrs["data-step"] for r in dom.one("tbody").all("tr")] == [str(s) for s in range(22, 2, -1)]
+    rows = dom.one("tbody").all("tr")
+    assert [rows[0].all("td")[4].text, rows[1].all("td")[4].text] == ["live 8", "live 5 · set 3"]  # steps 22, 21
+    assert dom.one(id="rollouts").attrs["data-state"] == "running"
+    assert dom.one(id="rollouts").text == "running · 9/48 solved · 4 waiting"
 
     png = shot.read_bytes()
     assert browser.png_size(png) == (1280, 1600)
@@ -314,6 +320,10 @@ async def test_chromium_draws_no_version_and_one_version():
         assert dom.all("circle") == [] and dom.all("path", class_="series") == []
         assert "no versions yet" in dom.one("svg", data_series="gate_score").text
         assert dom.one("tbody").text == "no steps yet"
+        assert dom.one(id="rollouts").attrs["data-state"] == "running"
+        current["data"] = {**history(), "rollouts": None}
+        dom = browser.parse_dom(await browser.render(url))
+        assert dom.one(id="rollouts").text == "off" and dom.one(id="rollouts").attrs["data-state"] == "off"
 
         current["data"] = {**history(), "versions": [history()["versions"][1]]}
         dom = browser.parse_dom(await browser.render(url))

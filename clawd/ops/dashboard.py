@@ -11,6 +11,9 @@ clawd writes). The contract, every key always present:
                   "reasons": [{"reason": str, "detail": str, "since": float}]},   # clawd.pauses
      "queue": {"waiting": int, "batch": int}, # samples waiting to train; the rollout batch size
      "samples_per_minute": float,
+     "rollouts": null | {"running": bool,     # the active rollouts (null: off): drawing groups, or paused
+                         "groups": int, "answers": int, "solved": int,   # drawn, scored, scored 1
+                         "backlog": int},     # their samples waiting for the learner
      "versions": [                            # oldest first: the last versions of state/versions.jsonl
        {"version": int, "parent": int | null, "created": float,
         "status": "candidate" | "serving" | "retired" | "rejected" | "rolled_back",
@@ -30,6 +33,7 @@ clawd writes). The contract, every key always present:
         "alarms": [{"monitor": str, "action": str, "detail": str}]}],
      "steps": [                               # the last training steps (at most 50), oldest first
        {"step": int, "version": int | null, "time": float, "samples": int,
+        "sources": {"live" | "set" | "env": int},   # the step's samples by where they came from
         "loss": float | null, "reward_mean": float | null, "kl": float | null,
         "entropy": float | null}]}
 

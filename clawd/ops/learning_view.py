@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from clawd.config.monitors import DEFAULT_RULES
@@ -17,6 +17,7 @@ MONITOR_KEYS = tuple(DEFAULT_RULES)
 GATE_KEYS = ("score", "incumbent", "diff", "low", "high", "passed", "detail")
 VERSIONS_SHOWN = 200
 STEPS_KEPT = 50
+ROLLOUT_KEYS = ("running", "groups", "answers", "solved", "backlog")
 
 
 class StepLog:
@@ -29,7 +30,7 @@ class StepLog:
         m = trained.metrics
         self.steps.append({"step": (trained.state or {}).get("step"), "version": trained.version, "time": time.time(),
                            "samples": len(batch), "loss": m.get("loss"), "kl": m.get("loss_kl"),
-                           "entropy": m.get("entropy"),
+                           "entropy": m.get("entropy"), "sources": dict(Counter(s.source for s in batch)),
                            "reward_mean": statistics.fmean(s.reward for s in batch) if batch else None})
 
 
@@ -55,5 +56,6 @@ def learning_view(snapshot: dict, versions, monitors, steps: StepLog, samples_pe
                                      for r in paused["reasons"]]},
             "queue": {"waiting": snapshot["queue"]["waiting"], "batch": snapshot["queue"]["batch_size"]},
             "samples_per_minute": samples_per_minute,
+            "rollouts": None if (r := snapshot.get("rollouts")) is None else {k: r[k] for k in ROLLOUT_KEYS},
             "versions": [row(v) for v in versions.snapshot(VERSIONS_SHOWN)],
             "steps": list(steps.steps)}
