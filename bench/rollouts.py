@@ -1,9 +1,11 @@
 """Active rollouts beside live chat: what they cost live users, and a model's solve rate on an environment.
 
 Live first, measured side by side in one run: the same daemon settings and the same live load (`--requests`
-chat requests from `--users` simulated users, each waiting for its reply before the next, `--max-tokens`
-new tokens) against a daemon without rollouts and against one whose rollouts run the environment
-(`--env`, default the calculator) with `[rollouts] concurrency` 2 and `live_headroom` 0. Alternated rounds
+chat requests from `--users` simulated users, each reading a reply for about `--think` seconds before the
+next, `--max-tokens` new tokens) against a daemon without rollouts and against one whose rollouts run the
+environment (`--env`, default the calculator) with `[rollouts] concurrency` 2 and `live_headroom`
+`--headroom` (0). The users' reading time is the idle capacity the rollouts may take; a load with none
+leaves them none (they wait, and the bench says they did not run). Alternated rounds
 (`--rounds`), so a slow moment of the machine falls on both. Reported: each arm's live p50 and p99
 latency, their ratios (targets: p50 <= 1.25x, p99 <= 1.5x), and how much the rollouts did meanwhile
 (groups, answers). The learner is off in both arms: what is measured is the engine's share.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import random
 import statistics
 import sys
 import tempfile
@@ -48,14 +51,19 @@ def quantile(xs: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def live_load(url: str, users: int, requests: int, max_tokens: int) -> tuple[list[float], int]:
-    """(latencies of the successful requests in seconds, failures): `users` sessions, one request at a time."""
+async def live_load(url: str, users: int, requests: int, max_tokens: int,
+                    think: float) -> tuple[list[float], int]:
+    """(latencies of the successful requests in seconds, failures): `users` sessions, one request at a time,
+    each user reading its reply for `think` seconds (0.5-1.5x, seeded) before the next: the gaps that leave
+    the engine idle are the capacity the rollouts may use."""
     latencies, failures = [], 0
     per_user = requests // users
 
     async def user(u: int, http: aiohttp.ClientSession) -> None:
         nonlocal failures
+        rng = random.Random(u)
         for i in range(per_user):
+            await asyncio.sleep(think * rng.uniform(0.5, 1.5))
             body = {"model": "m", "max_tokens": max_tokens, "temperature": 0.7, "user": f"bench-{u}",
                     "messages": [{"role": "user", "content": f"Tell me one fact about the number {u * 100 + i}."}]}
             started = time.monotonic()
@@ -78,7 +86,8 @@ async def arm(model: Path, rollouts: bool, args: argparse.Namespace) -> dict:
                 "gate": {"enabled": False}, "monitors": {"enabled": False}}
     if rollouts:  # the learner is off: the source's backlog cap would stop it, so it is set out of reach
         sections["learner"] = {"enabled": True, "rollout_batch_size": 10**6, "min_batch_size": 10**6}
-        sections["rollouts"] = {"enabled": True, "environments": [args.env], "concurrency": 2, "live_headroom": 0,
+        sections["rollouts"] = {"enabled": True, "environments": [args.env], "concurrency": 2,
+                                "live_headroom": args.headroom,
                                 "max_new_tokens": args.max_tokens, "max_turns": 3, "backlog": 10**6}
     with tempfile.TemporaryDirectory(prefix="clawd-bench-rollouts-") as tmp:
         clawd = Clawd(Path(tmp), sections, threads=args.threads)
@@ -87,7 +96,7 @@ async def arm(model: Path, rollouts: bool, args: argparse.Namespace) -> dict:
             if rollouts:
                 await asyncio.sleep(args.warmup)  # the rollouts get going before the live load starts
             started = time.monotonic()
-            latencies, failures = await live_load(clawd.url, args.users, args.requests, args.max_tokens)
+            latencies, failures = await live_load(clawd.url, args.users, args.requests, args.max_tokens, args.think)
             seconds = time.monotonic() - started
             status = clawd.status()
         finally:
@@ -176,6 +185,8 @@ def main() -> int:
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--requests", type=int, default=48, help="live requests per arm and round")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--think", type=float, default=2.0, help="seconds a user reads a reply before its next request")
+    ap.add_argument("--headroom", type=int, default=0, help="[rollouts] live_headroom")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds the rollouts run before the live load")
     ap.add_argument("--threads", type=int, default=1, help="the CPU engine's torch threads")
