@@ -301,6 +301,10 @@ def test_two_cpu_replicas_publish_ten_times_keep_sessions_home_and_survive_a_kil
                                "learner": {"enabled": True, "rollout_batch_size": 1, "min_batch_size": 1},
                                "train": {"optimizer": {"lr": 1e-4}}})
     try:
+        # The daemon is ready with one replica up; the load must meet both (a loaded suite once finished its
+        # ten publishes before replica 1 had loaded: every session homed on replica 0).
+        for replica in (0, 1):
+            daemon.wait_for(rf"policy-{replica} engine ready", 120)
         requests, learner = load_until_published(daemon, users=4, publishes=publishes, timeout=150)
         status = daemon.get("/debug/process")[1]
         chat_lines = len(daemon.lines)

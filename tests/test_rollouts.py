@@ -498,3 +498,32 @@ async def test_each_model_turn_of_a_rollout_waits_for_live_requests(chat_tokeniz
     finally:
         group.cancel()
         await worker.close()
+
+
+async def test_a_group_that_fails_is_counted_and_the_source_goes_on(chat_tokenizer):
+    """An engine error (a replica restarting) fails its group, never the source's task: the daemon's task group
+    would end with it."""
+    from clawd.engine.client import EngineDisconnected
+    task = parse_task({"id": "t", "messages": [{"role": "user", "content": "2+2?"}], "check": {"number": 4}}, "x")
+
+    class Flaky(ScriptedEngine):
+        async def __call__(self, payload):
+            if len(self.payloads) < 2:
+                self.payloads.append(payload)
+                raise EngineDisconnected("engine connection lost")
+            return await super().__call__(payload)
+
+    engine = Flaky(chat_tokenizer, ["4", "5"] * 4)
+    store, worker = Store(), DeploymentWorker()
+    source = source_for(chat_tokenizer, engine, store, worker, [task], samples_per_prompt=2, backlog=2)
+    run = asyncio.create_task(source.run())
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if store.samples:
+                break
+        assert source.stats.failed_groups == 1 and len(store.samples) == 2 and not run.done()
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        await worker.close()

@@ -149,7 +149,7 @@ def format_rollouts(r: dict) -> str:
     return (f"rollouts {'running' if r['running'] else 'paused'}: {r['groups']} groups ({r['dropped_agree']} dropped: "
             f"answers agreed), {r['samples']} samples, {solved}, {r['backlog']} waiting for the learner; "
             f"checker failures {r['checker_failures']}, environments failed {r['env_failed']}, action errors "
-            f"{r['action_errors']}")
+            f"{r['action_errors']}, groups failed {r['failed_groups']}")
 
 
 def _collect_export(path: Path, result: dict, dest: Path, args) -> int:

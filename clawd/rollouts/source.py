@@ -35,6 +35,7 @@ EVAL_SEED_BASE = 1_000_000_000  # environment seeds from here on are never train
 PRINCIPALS = {kind: f"{PSEUDO_PRINCIPAL}{kind}" for kind in ("set", "env")}  # one pseudo-principal per source
 _WAIT = 0.2  # seconds between looks at the live load and the backlog while waiting
 RECORD_CHARS = 2000  # of an answer's last reply, in the rollouts' record
+_RETRY_MIN, _RETRY_MAX = 1.0, 30.0  # seconds after a failed group, doubling while groups keep failing
 
 
 @dataclass
@@ -49,6 +50,7 @@ class RolloutStats:
     action_errors: int = 0     # malformed calls and raising tools, observed by the model
     waited_live: int = 0       # times the source waited for live requests to drop to live_headroom
     waited_backlog: int = 0    # times it waited for the learner to take its samples
+    failed_groups: int = 0     # groups lost to an error (the engine's, a template's): logged, retried after a wait
 
 
 class RolloutSource:
@@ -70,6 +72,7 @@ class RolloutSource:
         self.running = asyncio.Event()  # cleared by `clawctl rollouts pause`
         self.running.set()
         self._slots = asyncio.Semaphore(cfg.concurrency)
+        self._retry = _RETRY_MIN
         self._items = itertools.cycle([("set", t) for t in tasks] + [("env", e) for e in cfg.environments])
         self._seeds = {e: itertools.count() for e in cfg.environments}
 
@@ -85,7 +88,17 @@ class RolloutSource:
                 await asyncio.sleep(_WAIT)
                 continue
             kind, item = next(self._items)
-            for sample in await self.group(kind, item):
+            try:
+                samples = await self.group(kind, item)
+            except Exception as exc:  # an engine restarting, a chat template that refuses a message: not ours
+                self.stats.failed_groups += 1
+                self._retry = min(self._retry * 2, _RETRY_MAX) if self.stats.failed_groups > 1 else _RETRY_MIN
+                log.error("rollout group of %s failed (%s: %s); the next in %.0fs", getattr(item, "id", item),
+                          type(exc).__name__, exc, self._retry)
+                await asyncio.sleep(self._retry)
+                continue
+            self._retry = _RETRY_MIN
+            for sample in samples:
                 await self.put(sample)
                 self.stats.samples += 1
 
@@ -103,17 +116,16 @@ class RolloutSource:
         return sum(waiting.get(p, 0) for p in PRINCIPALS.values())
 
     async def group(self, kind: str, item) -> list[Sample]:
-        """One group of `item` (a Task, or an environment's "module:Class"): its samples ([] when dropped)."""
+        """One group of `item` (a Task, or an environment's "module:Class"): its samples ([] when dropped). Its
+        N members run to their end even when one fails, which then fails the group."""
         group_id, version, started = f"ro-{uuid.uuid4().hex[:16]}", self.version(), self.clock()
         seed = None
         if kind == "set":
-            members = await asyncio.gather(*(self._answer(item, f"{group_id}-{i}")
-                                             for i in range(self.cfg.samples_per_prompt)))
+            members = await _all(self._answer(item, f"{group_id}-{i}") for i in range(self.cfg.samples_per_prompt))
         else:
             seed = next(self._seeds[item])
-            members = [m for m in await asyncio.gather(*(self._episode(item, seed, f"{group_id}-{i}")
-                                                          for i in range(self.cfg.samples_per_prompt)))
-                       if m is not None]
+            members = [m for m in await _all(self._episode(item, seed, f"{group_id}-{i}")
+                                             for i in range(self.cfg.samples_per_prompt)) if m is not None]
         self.stats.groups += 1
         self.stats.answers += len(members)
         self.stats.solved += sum(m.reward == 1.0 for m in members)
@@ -164,3 +176,12 @@ class RolloutSource:
 
     def snapshot(self) -> dict:
         return {**dataclasses.asdict(self.stats), "running": self.running.is_set(), "backlog": self._backlog()}
+
+
+async def _all(calls) -> list:
+    """Every call's result, each run to its end; the first failure raised once all are done (gather alone would
+    leave the others running)."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    if failed := next((r for r in results if isinstance(r, BaseException)), None):
+        raise failed
+    return results
