@@ -173,8 +173,8 @@ class Home:
 
         def on_sample(sample) -> None:
             samples.tick()
-            if monitors is not None and sample.source == "live":  # the judge's votes: a rollout's score is not one
-                monitors.observe_judgement(sample.policy_version, sample.reward, sample.has_hint)
+            if monitors is not None:
+                monitors.observe_sample(sample)
 
         # The durable end of learning opens first: its lock keeps a second clawd off this state directory,
         # and its replay brings back the samples not trained before the last stop.

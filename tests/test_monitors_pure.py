@@ -336,3 +336,17 @@ def test_a_forgotten_principals_texts_leave_every_tally_and_unrecorded_ones_are_
     assert list(tallies[2].texts) == [] and tallies[2].replies == 2  # counts stay: numbers, no words
     assert tallies[1].text_revision == revision + 1 and monitors.forget_principal("alice") == 0
     assert "Otters" not in json.dumps(monitors.snapshot())
+
+
+def test_a_rollouts_score_is_not_a_judge_verdict():
+    """reward_mean is the judge's mean over live turns: an active rollout's checker score (another scale, no
+    user) is left out, so starting or stopping rollouts moves no monitor."""
+    import dataclasses
+    from tests.trainer_handlers import make_sample
+    m = Monitors(MonitorsConfig())
+    live = dataclasses.replace(make_sample(0), reward=-1.0, policy_version=3)
+    rollout = dataclasses.replace(make_sample(1), source="env", reward=1.0, advantage=0.5, policy_version=3)
+    m.observe_sample(live)
+    m.observe_sample(rollout)
+    tally = m._tally(3)
+    assert (tally.judgements, tally.reward_sum) == (1, -1.0)

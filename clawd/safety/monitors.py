@@ -417,6 +417,13 @@ class Monitors:
     def observe_judgement(self, version: int, reward: float, has_hint: bool) -> None:
         self._tally(version).add_judgement(reward, has_hint)
 
+    def observe_sample(self, sample) -> None:
+        """A scored sample (clawd.samples.Sample): a live turn's judge verdict counts; an active rollout's
+        score does not (a checker's number on another scale, from no user: it would move reward_mean whenever
+        rollouts start or stop)."""
+        if sample.source == "live":
+            self.observe_judgement(sample.policy_version, sample.reward, sample.has_hint)
+
     def observe_step(self, version: int, metrics: Mapping[str, Any]) -> None:
         self._tally(version).add_step(metrics)
 
