@@ -15,7 +15,7 @@ from dataclasses import dataclass
 # sglang_args would contradict them or, for the keys, put a secret on the command line.
 CLAWD_FLAGS = frozenset({"--model-path", "--model", "--host", "--port", "--weight-version", "--dtype",
                          "--context-length", "--api-key", "--admin-api-key", "--incremental-streaming-output",
-                         # LoRA serving follows [train] lora_* (TrainConfig.lora_flags)
+                         # LoRA serving follows [train.lora] (LoraConfig.flags)
                          "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch",
                          "--lora-paths"})
 _SET = re.compile(r"\d+(,\d+)*")

@@ -344,8 +344,9 @@ def test_a_groups_members_become_samples_with_their_advantages_spread_over_their
     from clawd.rollouts.groups import Member, group_samples
     turn = lambda k: ([1, 2, 3], [10 + k, 20 + k], [-0.5, -0.25])  # noqa: E731
     members = [Member((turn(0), turn(1)), 1.0), Member((turn(2),), 0.0), Member((), 0.0)]  # the last: no turn
-    samples = group_samples("g1", members, source="env", principal="@rollouts", policy_version=3,
-                            temperature=0.7, discount=0.5, created=1.0, scored=2.0)
+    samples, advantages = group_samples("g1", members, source="env", principal="@rollouts", policy_version=3,
+                                        temperature=0.7, discount=0.5, created=1.0, scored=2.0)
+    assert advantages == [1 - 1 / 3, 0 - 1 / 3, 0 - 1 / 3]  # undiscounted: the members', as the record keeps them
     # advantages 1 - 1/3 and -1/3 (the turnless member counts in the mean, as its reward does)
     assert [(s.sample_id, s.turn_index, s.advantage, s.reward) for s in samples] == [
         ("g1-0-0", 0, (1 - 1 / 3) * 0.5, 1.0), ("g1-0-1", 1, 1 - 1 / 3, 1.0), ("g1-1-0", 0, 0 - 1 / 3, 0.0)]
@@ -355,7 +356,7 @@ def test_a_groups_members_become_samples_with_their_advantages_spread_over_their
     assert (first.source, first.principal, first.policy_version, first.temperature, first.has_hint, first.mode) == \
         ("env", "@rollouts", 3, 0.7, False, "rl")
     assert group_samples("g2", [Member((turn(0),), 1.0)] * 3, source="set", principal="@rollouts",
-                         policy_version=0, temperature=1.0) == []  # all solved: nothing to tell apart
+                         policy_version=0, temperature=1.0) == ([], None)  # all solved: nothing to tell apart
 
 
 # --- the rollout source --------------------------------------------------------------------------------
@@ -374,12 +375,12 @@ class Store:
         return dict(collections.Counter(s.principal for s in self.samples))
 
 
-def source_for(chat_tokenizer, engine, store, worker, tasks=(), environments=(), live=lambda: 0, **cfg):
+def source_for(chat_tokenizer, engine, store, worker, tasks=(), environments=(), live=lambda: 0, record=None, **cfg):
     from clawd.config.rollouts import RolloutsConfig
     from clawd.rollouts.source import RolloutSource
     config = RolloutsConfig(enabled=True, environments=tuple(environments), **cfg)
     return RolloutSource(config, tasks=tuple(tasks), tokenizer=chat_tokenizer, generate=engine, put=store.put,
-                         waiting=store.waiting, live=live, version=lambda: 7, worker=worker)
+                         waiting=store.waiting, live=live, version=lambda: 7, worker=worker, record=record)
 
 
 async def test_a_set_items_answers_are_scored_and_become_one_group(chat_tokenizer):
@@ -414,8 +415,9 @@ async def test_a_group_whose_answers_agree_is_dropped_and_an_environment_group_s
         text, answer, _ = question(0)  # the calculator's first training seed
         call = '<tool_call>{"name": "calculate", "arguments": {"expression": "1+1"}}</tool_call>'
         engine = ScriptedEngine(chat_tokenizer, [call, f"Answer: {answer:g}", "Answer: 0"])
+        records = []
         source = source_for(chat_tokenizer, engine, store, worker, environments=[CALC], samples_per_prompt=2,
-                            concurrency=1, discount=0.5)
+                            concurrency=1, discount=0.5, record=records.append)
         samples = await source.group("env", CALC)
     finally:
         await worker.close()
@@ -423,6 +425,12 @@ async def test_a_group_whose_answers_agree_is_dropped_and_an_environment_group_s
     assert [(s.sample_id.rsplit("-", 2)[1:], s.reward, s.advantage) for s in samples] == [
         (["0", "0"], 1.0, 0.25), (["0", "1"], 1.0, 0.5), (["1", "0"], 0.0, -0.5)]
     assert {s.source for s in samples} == {"env"} and source.stats.solved == 1
+    # the record keeps each member's own advantage, not its first turn's discounted share
+    [record] = records
+    assert [(a["reward"], a["advantage"], a["turns"], a["ended"]) for a in record["answers"]] == \
+        [(1.0, 0.5, 2, "done"), (0.0, -0.5, 1, "done")]
+    assert (record["source"], record["item"], record["seed"], record["kept"], record["samples"]) == \
+        ("env", CALC, 0, True, 3)
 
 
 async def test_the_source_waits_for_live_requests_and_for_the_learner(chat_tokenizer):

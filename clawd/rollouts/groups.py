@@ -64,13 +64,14 @@ class Member:
 
 def group_samples(group_id: str, members: Sequence[Member], *, source: str, principal: str, policy_version: int,
                   temperature: float, scale: str = "mean", discount: float = 1.0, created: float = 0.0,
-                  scored: float = 0.0) -> list[Sample]:
-    """The samples of one group (N answers to one prompt, or N episodes from one seed): each model turn a
-    sample whose advantage is its answer's group advantage, discounted over the turns after it. [] when the
-    group's rewards agree (dropped: the caller counts it). Ids: "<group_id>-<member>-<turn>"."""
+                  scored: float = 0.0) -> tuple[list[Sample], list[float] | None]:
+    """(the samples of one group, each member's advantage). A group is N answers to one prompt, or N episodes
+    from one seed; each model turn a sample whose advantage is its answer's, discounted over the turns after it.
+    ([], None) when the rewards agree or fewer than two answered (dropped: the caller counts it). Sample ids:
+    "<group_id>-<member>-<turn>"."""
     advantages = group_advantages([m.reward for m in members], scale)
     if advantages is None:
-        return []
+        return [], None
     out = []
     for i, (member, advantage) in enumerate(zip(members, advantages)):
         if not member.turns:
@@ -83,4 +84,4 @@ def group_samples(group_id: str, members: Sequence[Member], *, source: str, prin
                               reward=member.reward, teacher_logprobs=None, has_hint=False,
                               policy_version=policy_version, created=created, scored=scored, source=source,
                               advantage=a))
-    return out
+    return out, advantages

@@ -129,18 +129,18 @@ class RolloutSource:
         self.stats.groups += 1
         self.stats.answers += len(members)
         self.stats.solved += sum(m.reward == 1.0 for m in members)
-        samples = group_samples(group_id, members, source=kind, principal=PRINCIPALS[kind], policy_version=version,
-                                temperature=self.cfg.temperature, scale=self.cfg.scale, discount=self.cfg.discount,
-                                created=started, scored=self.clock()) if len(members) >= 2 else []
+        samples, advantages = group_samples(group_id, members, source=kind, principal=PRINCIPALS[kind],
+                                            policy_version=version, temperature=self.cfg.temperature,
+                                            scale=self.cfg.scale, discount=self.cfg.discount, created=started,
+                                            scored=self.clock())
         if not samples:
             self.stats.dropped_agree += 1
         if self.record is not None:
-            advantages = {int(s.sample_id.rsplit("-", 2)[1]): s.advantage for s in samples if s.turn_index == 0}
             self.record({"time": started, "group": group_id, "source": kind, "version": version,
                          "item": item.id if kind == "set" else item, "seed": seed, "kept": bool(samples),
                          "samples": len(samples),
-                         "answers": [{"reward": m.reward, "advantage": advantages.get(i), "turns": len(m.turns),
-                                      **m.said} for i, m in enumerate(members)]})
+                         "answers": [{"reward": m.reward, "advantage": None if advantages is None else advantages[i],
+                                      "turns": len(m.turns), **m.said} for i, m in enumerate(members)]})
         return samples
 
     async def _answer(self, task: Task, rid: str) -> Member:

@@ -1,9 +1,9 @@
 """The rollouts stage: the rollout source's task and its deployment worker (docs/ARCHITECTURE.md §19).
 
 Built after serving (it reads the live requests in flight) and drained before it: the source stops drawing,
-a group in progress is dropped (its answers were never put), the worker is killed and the record closed. Its edges: the policy
-engines (through the balanced client, with the policy's adapter in LoRA mode), the sample store, the policy
-serving, and serving's admission count.
+a group in progress is dropped (its answers were never put), the worker is killed, the record closed. Its
+edges: the policy engines (through the balanced client, with the policy's adapter in LoRA mode), the sample
+store, the policy serving, and serving's admission count.
 """
 from __future__ import annotations
 

@@ -100,15 +100,14 @@ def checker_score(value: Any) -> float:
 
 def parse_task(raw: Any, default_id: str) -> Task:
     """A task from its JSON object; ValueError saying what is wrong."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("check"), dict):
-        return _gate_only(evalset.parse_prompt(raw, default_id))  # the gate's parser says what is wrong
-    if "rubric" in raw["check"]:
+    pid, messages, check = evalset.prompt_parts(raw, default_id)
+    if not isinstance(check, dict) or not check:
+        return Task(pid, messages, evalset.parse_check(check))  # the gate's parser says what is wrong
+    if "rubric" in check:
         raise ValueError("rubric: rollouts do not ask the judge yet; score with number, exact, the gate's text "
                          "rules or a callable checker")
-    ours = {k: v for k, v in raw["check"].items() if k in ROLLOUT_RULES}
-    theirs = {k: v for k, v in raw["check"].items() if k not in ROLLOUT_RULES}
-    if not ours:
-        return _gate_only(evalset.parse_prompt(raw, default_id))
+    ours = {k: v for k, v in check.items() if k in ROLLOUT_RULES}
+    theirs = {k: v for k, v in check.items() if k not in ROLLOUT_RULES}
     if "tolerance" in ours and "number" not in ours:
         raise ValueError("tolerance goes with number")
     number, tolerance = ours.get("number"), ours.get("tolerance", 1e-6)
@@ -122,14 +121,8 @@ def parse_task(raw: Any, default_id: str) -> Task:
     target = ours.get("callable")
     if target is not None and not is_import_path(target):
         raise ValueError(f"callable must name a function as \"package.module:function\", not {target!r}")
-    # The gate's parser checks the rest of the line; a check of our rules alone gives it a stand-in rule.
-    prompt = evalset.parse_prompt({**raw, "check": theirs or {"min_words": 0}}, default_id)
-    return Task(prompt.id, prompt.messages, prompt.check if theirs else None, None if number is None
-                else float(number), float(tolerance), exact, target)
-
-
-def _gate_only(prompt: evalset.Prompt) -> Task:
-    return Task(prompt.id, prompt.messages, prompt.check)
+    return Task(pid, messages, evalset.parse_check(theirs) if theirs else None,
+                None if number is None else float(number), float(tolerance), exact, target)
 
 
 def load(path: str | Path) -> tuple[Task, ...]:

@@ -305,6 +305,13 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
 
 def parse_prompt(raw: Any, default_id: str) -> Prompt:
     """A prompt from its JSON object; ValueError saying what is wrong."""
+    pid, messages, check = prompt_parts(raw, default_id)
+    return Prompt(pid, messages, parse_check(check))
+
+
+def prompt_parts(raw: Any, default_id: str) -> tuple[str, tuple[dict[str, str], ...], Any]:
+    """A line's id and messages, checked, and its `check` as written (a set with rules of its own reads it:
+    clawd.rollouts.tasks); ValueError saying what is wrong."""
     if not isinstance(raw, dict):
         raise ValueError(f"a line must be a JSON object, not {type(raw).__name__}")
     if unknown := sorted(set(raw) - {"id", "messages", "check"}):
@@ -316,7 +323,7 @@ def parse_prompt(raw: Any, default_id: str) -> Prompt:
     if not (isinstance(pid, str) and _ID.fullmatch(pid)):
         raise ValueError(f"id must be 1 to 100 letters, digits or . _ : - (starting with a letter or digit), "
                          f"not {pid!r}")
-    return Prompt(pid, _messages(raw["messages"]), parse_check(raw["check"]))
+    return pid, _messages(raw["messages"]), raw["check"]
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 (docs/ARCHITECTURE.md §13). No torch: it only starts torchrun and relays messages.
 
 The daemon spawns one trainer child, as always (`clawd.trainer.child.main`), and talks to it over
-its socket pair. With `[train]` world_size > 1 that child does not train. It starts torch's own
+its socket pair. With more than one rank (`[train.world]`) that child does not train. It starts torch's own
 launcher, `python -m torch.distributed.run` (torchrun's elastic agent; across hosts a static
 rendezvous with this host as node 0 and its master, on one host `--standalone`), which starts the
 local ranks (`clawd.trainer.rank`); other hosts join the same rendezvous with the same torchrun
