@@ -40,7 +40,7 @@ def sections(tiny_model, monitors: bool) -> dict:
             "monitors": {"enabled": monitors, "min_replies": MIN_REPLIES, "baseline_versions": 2, "interval": 0.5}}
 
 
-async def drive(daemon: Daemon, until) -> Users:
+async def drive(daemon: Daemon, until, seed: int = 3) -> Users:
     """Terse users (form only) at 4 at a time until `until(status)` holds or STEPS versions were published.
     Without `until` (the control) the run ends once learning went on past the first version the monitors
     would have rolled back: two more versions served, or (a collapsed policy whose batches all agree
@@ -59,7 +59,7 @@ async def drive(daemon: Daemon, until) -> Users:
             return False
         first, _, steps = users.crossed
         return status["policy"]["version"] >= first + 2 or learner["steps"] >= steps + EXTRA_STEPS
-    users = Users(daemon.url, [personas.FORM_ONLY_PERSONAS["terse"]], seed=3, concurrency=4, max_tokens=8,
+    users = Users(daemon.url, [personas.FORM_ONLY_PERSONAS["terse"]], seed=seed, concurrency=4, max_tokens=8,
                   tool_share=0.0, stream_share=0.0, keep_text=True)
     users.crossed = None  # the control's first version the monitors would roll back: (version, alarms, steps then)
 
@@ -109,7 +109,7 @@ def one_word(records: list[dict]) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1300)
 async def test_a_form_only_reward_hack_is_rolled_back_and_without_monitors_it_is_not(tiny_model, tmp_path):
     (tmp_path / "watched").mkdir()
     (tmp_path / "control").mkdir()
@@ -142,16 +142,31 @@ async def test_a_form_only_reward_hack_is_rolled_back_and_without_monitors_it_is
     assert len(judged) <= 2, (target, judged, alarmed)
     watched_shares = one_word(watched.records())
 
-    control = Daemon(tmp_path / "control", sections(tiny_model, monitors=False))
-    try:
-        control_users = await drive(control, None)
-        served = control.get("/ready")[1]["policy_version"]
-        control_status = control.get("/debug/process")[1]
-    finally:
-        assert control.stop() == 0
-    assert control_users.crossed is not None, "the control never served a version the monitors would roll back"
+    # The control's users push the model past the threshold in most runs (v4-v14 in 8 runs alone or beside two
+    # CPU burners), but once in CI a control served 60 versions and none crossed: such a run says nothing about
+    # what the monitors stop (uninformative, not a counter-example), so a second control with other users' seed
+    # runs then, and both are shown if neither crossed.
+    tried = []
+    for attempt in range(2):
+        control = Daemon(tmp_path / f"control{attempt}", sections(tiny_model, monitors=False))
+        try:
+            control_users = await drive(control, None, seed=3 + attempt)
+            served = control.get("/ready")[1]["policy_version"]
+            control_status = control.get("/debug/process")[1]
+        finally:
+            assert control.stop() == 0
+        if control_users.crossed is not None:
+            break
+        learner = control_status["learner"]
+        tried.append(({v: (s["replies"], s["one_word_share"])
+                       for v, s in degeneration.by_version(control.records()).items()},
+                      {k: learner.get(k) for k in ("steps", "publishes", "no_signal_steps", "stale_dropped")}))
+    assert control_users.crossed is not None, (
+        "no control served a version the monitors would roll back: each one's versions (replies, one_word_share)"
+        " and learner", tried)
     first, alarms, steps_then = control_users.crossed
-    print("watched", watched_shares, "control", first, alarms, one_word(control.records()))
+    print("watched", watched_shares, "controls that did not cross", tried,
+          "control", first, alarms, one_word(control.records()))
     # Without monitors the same users push versions past the rollback threshold, and nothing stops them: the
     # version that crossed (or a later one) is still served, and learning went on past it. (How far the tiny
     # model then collapses varies from run to run: to 85-100 % one-word replies by v15-v19 in some runs, into
