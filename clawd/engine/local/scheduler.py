@@ -31,10 +31,11 @@ from clawd import faults
 from clawd.engine.local.adapters import Adapters
 from clawd.engine.local.compute import Compute, Progress
 from clawd.engine.local.model import Batch, WeightLoadError, copy_in, load_model
+from clawd.engine.local.responses import decode
 from clawd.engine.local.weight_sync import WeightSync
 from clawd.engine.local.sampling import next_token_row, pick_token, prompt_logprobs, prompt_rows
-from clawd.engine.local.sequences import Cursor, Group, Req
-from clawd.engine.local.wire import GenerateItem, RequestError, SamplingParams, fit_to_context
+from clawd.engine.local.sequences import Group, Req
+from clawd.engine.local.wire import GenerateItem, RequestError, fit_to_context
 
 log = logging.getLogger("clawd.engine.cpu")  # the engine's log namespace, as operators (and bench/swap.py) know it
 
@@ -411,84 +412,11 @@ class Engine:
         if p.stop:
             # A multi-byte character may take several tokens: look back far enough.
             window = 4 * max(map(len, p.stop)) + 4
-            tail = self.decode(out[-window:], p)
+            tail = decode(self.tokenizer, out[-window:], p)
             for s in p.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
         return None
-
-    # ---- output
-
-    def decode(self, ids: list[int], p: SamplingParams) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens,
-                                     spaces_between_special_tokens=p.spaces_between_special_tokens)
-
-    def text(self, req: Req, n: int, final: bool) -> str:
-        """The output text after n tokens: trimmed at the stop on the final chunk, and with an
-        incomplete UTF-8 character held back on the others."""
-        p, ids = req.params, req.output_ids[:n]
-        reason = req.finish if final else None
-        trim = reason is not None and reason.get("type") == "stop" and not p.no_stop_trim
-        if trim and isinstance(reason["matched"], int):
-            ids = ids[:-1]
-        text = self.decode(ids, p)
-        if trim and isinstance(reason["matched"], str):
-            at = text.find(reason["matched"])
-            text = text if at < 0 else text[:at]
-        if not final:
-            text = text.rstrip("\ufffd")
-        return text
-
-    def render(self, req: Req, n: int, final: bool, cursor: Cursor | None = None) -> dict:
-        """A /generate response object (or stream chunk) for `req` after n tokens.
-
-        With a cursor (incremental streaming) ids, text and output log-probs hold
-        only what is new since the cursor; input log-probs go in every chunk, as in SGLang.
-        """
-        it = req.item
-        since = cursor.n if cursor is not None else 0
-        text = self.text(req, n, final)
-        # SGLang omits the token counts of a request aborted before it left the waiting queue
-        waiting_abort = final and not req.started and req.finish.get("type") == "abort"
-        meta = {"id": req.rid, "finish_reason": req.finish if final else None}
-        if not waiting_abort:
-            meta["prompt_tokens"] = len(req.prompt)
-        meta["weight_version"] = self.weight_version
-        if not waiting_abort:
-            meta["num_retractions"] = req.num_retractions
-        if it.return_logprob:
-            with_text = it.return_text_in_logprobs
-            scored = req.prompt[it.logprob_start_len:] if it.logprob_start_len >= 0 else []
-            meta["input_token_logprobs"] = [self._entry(lp, tok, with_text)
-                                            for lp, tok in zip(req.input_logprobs or [], scored)]
-            meta["output_token_logprobs"] = [self._entry(lp, tok, with_text) for lp, tok in
-                                             zip(req.output_logprobs[since:n], req.output_ids[since:n])]
-            # A prefill-only request has one output row and no output token: SGLang keeps max(n, 1).
-            rows = slice(since, max(n, 1))
-            if it.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = self._rows(req.input_top, with_text)
-                meta["output_top_logprobs"] = self._rows(req.output_top[rows], with_text)
-            if it.logprob_ids:
-                meta["input_token_ids_logprobs"] = self._rows(req.input_chosen, with_text)
-                meta["output_token_ids_logprobs"] = self._rows(req.output_chosen[rows], with_text)
-        meta["completion_tokens"] = n
-        if not waiting_abort:
-            meta["cached_tokens"] = 0
-            meta["reasoning_tokens"] = 0
-        meta["weight_versions"] = [{**s, "end": min(s["end"], n)} for s in req.versions if s["start"] < n]
-        meta["e2e_latency"] = time.perf_counter() - req.t0
-        out_text = text
-        if cursor is not None:
-            out_text = text[len(cursor.text):] if text.startswith(cursor.text) else ""
-            cursor.n, cursor.text = n, text
-        return {"text": out_text, "output_ids": req.output_ids[since:n], "meta_info": meta}
-
-    def _entry(self, lp: float | None, tok: int, with_text: bool = False) -> list:
-        return [lp, tok, self.tokenizer.decode([tok]) if with_text else None]
-
-    def _rows(self, rows: list, with_text: bool) -> list:
-        """[log-prob, id] pairs per position -> SGLang's triples; a position without a row is null."""
-        return [[self._entry(lp, tok, with_text) for lp, tok in row] if row else None for row in rows]
 
     def shutdown(self) -> None:
         """Answer everything still waiting so handlers finish and the server can close."""

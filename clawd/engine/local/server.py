@@ -43,6 +43,7 @@ from clawd import startup
 from clawd.config.loading import ConfigError
 from clawd.engine.local import adapters, auth
 from clawd.engine.local import weight_sync
+from clawd.engine.local.responses import render
 from clawd.engine.local.scheduler import Engine
 from clawd.engine.local.sequences import Cursor, Group
 from clawd.engine.local.wire import BadBody, ContractError, RequestError, max_req_input_len, parse_generate
@@ -151,7 +152,7 @@ async def handle_generate(request: web.Request, engine: Engine, body: dict) -> w
                 return error  # the whole call fails, as SGLang's gather does; the rest is aborted
     finally:
         engine.abort_group(group)  # cancelled on client disconnect: stop computing for nobody
-    outs = [engine.render(r, len(r.output_ids), True) for r in group.reqs]
+    outs = [render(engine.tokenizer, engine.weight_version, r, len(r.output_ids), True) for r in group.reqs]
     return _json(outs if is_batch else outs[0])
 
 
@@ -164,7 +165,7 @@ async def _stream(request: web.Request, engine: Engine, group: Group, is_batch: 
         while remaining:
             i, n, final = await group.events.get()
             remaining -= final
-            chunk = engine.render(group.reqs[i], n, final, cursors[i])
+            chunk = render(engine.tokenizer, engine.weight_version, group.reqs[i], n, final, cursors[i])
             if is_batch:
                 chunk["index"] = i
             await resp.write(_sse(chunk))
