@@ -17,7 +17,8 @@ CLAWD_FLAGS = frozenset({"--model-path", "--model", "--host", "--port", "--weigh
                          "--context-length", "--api-key", "--admin-api-key", "--incremental-streaming-output",
                          # LoRA serving follows [train.lora] (LoraConfig.flags)
                          "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch",
-                         "--lora-paths"})
+                         "--lora-paths",
+                         "--enable-priority-scheduling"})  # follows [engine] priority_scheduling
 _SET = re.compile(r"\d+(,\d+)*")
 
 

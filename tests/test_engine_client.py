@@ -74,3 +74,20 @@ async def test_a_cumulative_stream_line_longer_than_aiohttp_reads_is_read_whole(
                             pass
         finally:
             await client.close()
+
+
+async def test_a_client_with_a_priority_names_it_on_every_generate_unless_the_call_names_its_own():
+    """The policy engines' client when they schedule by priority: live calls carry LIVE_PRIORITY, a rollout's
+    call keeps its own; a client without one sends none."""
+    async with FakeSGLang(tokens=2, incremental_streaming_output=True) as fake:
+        for priority in (0, None):
+            client = EngineClient(fake.url, incremental_stream=True, priority=priority)
+            await client.start()
+            try:
+                await client.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+                await client.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}, "priority": -100})
+                async for _ in client.stream({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}):
+                    pass
+            finally:
+                await client.close()
+        assert [r.get("priority", "none") for r in fake.requests] == [0, -100, 0, "none", -100, "none"]

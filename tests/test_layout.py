@@ -175,6 +175,7 @@ def test_no_one_letter_module_aliases():
 # Top-level names that two modules may both define, each with why it is not one thing defined twice.
 SAME_NAME_ALLOWED = {
     "log": "each module's own logger", "main": "each program's entry point",
+    "add_flags": "the CPU engine's flag groups (LoRA serving, priority scheduling), each beside what reads them",
     "run": "daemon.run and the simulations' runs: different programs", "parse_args": "each program's arguments",
     "ACTIONS": "fault actions vs the monitors' verdicts", "CHAT": "an aiohttp app key vs a persona's style",
     "FACTS": "the question bank vs a persona's facts (tools/sim)", "KINDS": "question kinds vs persona kinds",

@@ -182,3 +182,26 @@ def test_lora_refuses_data_parallel_replicas_and_modules_sglang_does_not_serve_a
         config_from_dict({"train": {"lora": {"rank": 8, "target_modules": ["q_proj", "attn"]}}})
     with pytest.raises(ConfigError, match="all: not a module"):  # the trainer needs the names
         config_from_dict({"train": {"lora": {"rank": 8, "target_modules": ["all"]}}})
+
+
+@pytest.mark.parametrize("rollouts, setting, flagged", [(True, "auto", True), (False, "auto", False),
+                                                        (False, "on", True), (True, "off", False)])
+def test_the_policy_engine_schedules_by_priority_while_rollouts_run(tmp_path, rollouts, setting, flagged):
+    """Active rollouts' calls yield to live ones at the engine: auto turns it on with them, on the policy
+    engine only; an operator's copy of the flag is refused (clawd sets it)."""
+    raw = _gpu_config(tmp_path)
+    raw["engine"]["priority_scheduling"] = setting
+    raw["learner"] = {"enabled": True}
+    if rollouts:
+        raw["rollouts"] = {"enabled": True, "environments": ["clawd.rollouts.envs.calculator:Calculator"]}
+    done = _plan(tmp_path, raw, "--plan", "--json")
+    assert done.returncode == 0, done.stderr
+    processes = {p["role"]: p for p in json.loads(done.stdout)["processes"]}
+    assert ("--enable-priority-scheduling" in processes["policy"]["argv"]) == flagged
+    assert "--enable-priority-scheduling" not in processes["reference"]["argv"]
+    local = {**raw, "engine": {"launch": "local", "priority_scheduling": setting}}
+    local_argv = json.loads(_plan(tmp_path, local, "--plan", "--json").stdout)["processes"][0]["argv"]
+    assert ("--enable-priority-scheduling" in local_argv) == flagged
+    raw["engine"]["sglang_args"] = ["--enable-priority-scheduling"]
+    refused = _plan(tmp_path, raw, "--check-config")
+    assert refused.returncode != 0 and "must not hold --enable-priority-scheduling" in refused.stderr

@@ -375,12 +375,14 @@ class Store:
         return dict(collections.Counter(s.principal for s in self.samples))
 
 
-def source_for(chat_tokenizer, engine, store, worker, tasks=(), environments=(), live=lambda: 0, record=None, **cfg):
+def source_for(chat_tokenizer, engine, store, worker, tasks=(), environments=(), live=lambda: 0, record=None,
+               priority=None, **cfg):
     from clawd.config.rollouts import RolloutsConfig
     from clawd.rollouts.source import RolloutSource
     config = RolloutsConfig(enabled=True, environments=tuple(environments), **cfg)
     return RolloutSource(config, tasks=tuple(tasks), tokenizer=chat_tokenizer, generate=engine, put=store.put,
-                         waiting=store.waiting, live=live, version=lambda: 7, worker=worker, record=record)
+                         waiting=store.waiting, live=live, version=lambda: 7, worker=worker, record=record,
+                         priority=priority)
 
 
 async def test_a_set_items_answers_are_scored_and_become_one_group(chat_tokenizer):
@@ -389,10 +391,12 @@ async def test_a_set_items_answers_are_scored_and_become_one_group(chat_tokenize
     engine = ScriptedEngine(chat_tokenizer, ["It is 42 (sum)", "41", "42", "42, sum"])
     store, worker = Store(), DeploymentWorker()
     try:
-        source = source_for(chat_tokenizer, engine, store, worker, [task], samples_per_prompt=4, temperature=0.5)
+        source = source_for(chat_tokenizer, engine, store, worker, [task], samples_per_prompt=4, temperature=0.5,
+                            priority=-100)
         samples = await source.group("set", task)
     finally:
         await worker.close()
+    assert [p["priority"] for p in engine.payloads] == [-100] * 4  # each call yields to live ones at the engine
     # scores: 42 and "sum" in it: 1 × 0.5; 41: 0; 42 without "sum": 1 × 0 (the checker's 0); 42 with it: 0.5
     assert [s.reward for s in samples] == [0.5, 0.0, 0.0, 0.5]
     assert [s.advantage for s in samples] == [0.25, -0.25, -0.25, 0.25]

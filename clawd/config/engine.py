@@ -44,6 +44,10 @@ class EngineConfig:
     weight_sync: typing.Literal["auto", "distributed", "disk"] = "auto"  # auto: distributed for SGLang clawd launches
     weight_sync_address: str = "127.0.0.1"  # where the engines reach trainer rank 0's rendezvous
     weight_sync_bucket_mb: int = 512     # the most one broadcast carries
+    # Engine-side priority: auto = on while [rollouts] run. On: clawd starts its engines with
+    # --enable-priority-scheduling and every policy call names a priority (LIVE_PRIORITY, ROLLOUT_PRIORITY), so
+    # rollout rows yield to live ones; launch "none" needs the flag on that engine (without it they are ignored).
+    priority_scheduling: typing.Literal["auto", "on", "off"] = "auto"
 
     @property
     def policy_urls(self) -> tuple[str, ...]:
@@ -115,4 +119,10 @@ def _replica_problems(eng: EngineConfig) -> dict[str, str]:
     return errors
 
 # Seconds a starting engine may take to answer, per launch kind, when startup_timeout is 0.
+# The priorities clawd's policy calls carry when scheduling by priority (SGLang's default order: larger first). Live
+# chat, its side turns and scoring run at LIVE; active rollouts at ROLLOUT, far more than SGLang's default preemption
+# threshold (10) below it, so a live request preempts a rollout's row and never waits behind one.
+LIVE_PRIORITY = 0
+ROLLOUT_PRIORITY = -100
+
 STARTUP_TIMEOUTS = {"local": 300.0, "sglang": 1800.0, "none": 300.0}

@@ -89,6 +89,13 @@ class Config:
         return self.learner.max_sample_tokens or self.train.micro_batch_tokens
 
     @property
+    def priority_scheduling(self) -> bool:
+        """Whether the policy engines schedule by priority: `[engine] priority_scheduling`, auto = while rollouts
+        run (with none, every call would carry the same priority)."""
+        setting = self.engine.priority_scheduling
+        return setting == "on" or (setting == "auto" and self.rollouts.enabled)
+
+    @property
     def reference_engine_needed(self) -> bool:
         """The frozen reference engine serves the judge and the teacher when they are set to it. Not in LoRA
         mode: there the reference is the policy engine's base model, asked without an adapter."""

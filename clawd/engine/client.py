@@ -1,8 +1,7 @@
 """HTTP client for SGLang's native API (and clawd's CPU engine, which speaks the same).
 
-Token in, token out: `/generate` with `input_ids` and `return_logprob`, the output ids and their log-probs
-read from `output_ids` and `meta_info.output_token_logprobs` (docs/ARCHITECTURE.md §3). Streams are read in
-either of SGLang's modes: cumulative (the default) or incremental.
+Token in, token out: `/generate` with `input_ids` and `return_logprob`, the ids and log-probs read from
+`output_ids` and `meta_info.output_token_logprobs` (docs/ARCHITECTURE.md §3); streams cumulative or incremental.
 
 No call waits forever. A streamed call must see its first body byte within `first_byte_timeout` of being
 sent (queueing and prefill included: SGLang sends a stream's headers at once, so headers prove nothing),
@@ -149,8 +148,9 @@ class _Call:
 class EngineClient:
     def __init__(self, url: str, *, api_key: str = "", admin_api_key: str = "", connect_timeout: float = 5.0,
                  request_timeout: float = 600.0, first_byte_timeout: float = 120.0, idle_timeout: float = 60.0,
-                 incremental_stream: bool = False):
+                 incremental_stream: bool = False, priority: int | None = None):
         self.url = url.rstrip("/")
+        self._priority = {} if priority is None else {"priority": priority}  # for a /generate that names none
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # SGLang started with --admin-api-key takes only that key on its control endpoints (pause, update,
         # continue, abort) and refuses the ordinary one there (docs/ARCHITECTURE.md §10).
@@ -301,7 +301,7 @@ class EngineClient:
         resp = None
         try:
             async with self._deadline(call, asyncio.get_running_loop().time() + limit, f"no answer in {limit:g}s"):
-                resp = await self._post("/generate", {**payload, "stream": False}, self._timeout)
+                resp = await self._post("/generate", {**self._priority, **payload, "stream": False}, self._timeout)
                 self._answered()
                 await self._check(resp)
                 async with resp:
@@ -334,7 +334,7 @@ class EngineClient:
         resp = None
         try:
             async with self._deadline(call, first_by, f"no first byte in {self._first_byte:g}s"):
-                resp = await self._post("/generate", {**payload, "stream": True}, self._timeout)
+                resp = await self._post("/generate", {**self._priority, **payload, "stream": True}, self._timeout)
                 if resp.status != 200:
                     self._answered()
                 await self._check(resp)

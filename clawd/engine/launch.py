@@ -42,7 +42,7 @@ def engine_launch(cfg, role: str, weights: str, weight_version: str, *, fd: int 
         if keys_file is not None:
             argv += ["--config", str(keys_file)]
         if role == "policy":
-            argv += cfg.train.lora.flags()
+            argv += policy_flags(cfg)
         return Launch(name, tuple(argv), child_env(cfg, None, base_env), None, (), eng.startup_seconds)
     if eng.launch != "sglang":
         raise ValueError(f'engine.launch = "{eng.launch}": clawd launches no engine')
@@ -57,9 +57,15 @@ def engine_launch(cfg, role: str, weights: str, weight_version: str, *, fd: int 
     if keys_file is not None:
         argv += ["--config", str(keys_file)]
     if role == "policy":  # LoRA mode: the base, with the trainer's adapters loaded beside it at run time
-        argv += cfg.train.lora.flags()
+        argv += policy_flags(cfg)
     argv += eng.sglang_args if role == "policy" else eng.reference_sglang_args
     return Launch(name, tuple(argv), child_env(cfg, gpus, base_env), port, device_set(gpus), eng.startup_seconds)
+
+
+def policy_flags(cfg) -> list[str]:
+    """The policy engines' own flags, the same for SGLang and the CPU engine: LoRA serving as [train.lora] says,
+    and priority scheduling while active rollouts run (Config.priority_scheduling)."""
+    return [*cfg.train.lora.flags(), *(["--enable-priority-scheduling"] if cfg.priority_scheduling else [])]
 
 
 def replica_name(cfg, role: str, replica: int) -> str:

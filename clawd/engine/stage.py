@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from clawd.config.engine import LIVE_PRIORITY
 from clawd.config.schema import Config
 from clawd.engine.client import EngineClient
 from clawd.engine.lora import AdapterUse
@@ -80,16 +81,18 @@ def staged(cfg: Config) -> bool:
 def _supervisors(cfg: Config, policy: Policy) -> list[EngineSupervisor]:
     """The policy replicas' supervisors (each after the one before on GPUs), then the reference engine's when
     the mode needs one."""
-    def client(url: str) -> EngineClient:
+    def client(url: str, priority: int | None = None) -> EngineClient:
         return EngineClient(url, api_key=cfg.engine.api_key, admin_api_key=cfg.engine.admin_api_key,
                             connect_timeout=cfg.engine.connect_timeout, request_timeout=cfg.engine.request_timeout,
                             first_byte_timeout=cfg.engine.first_byte_timeout, idle_timeout=cfg.engine.idle_timeout,
-                            incremental_stream=cfg.engine.streams_deltas)
+                            incremental_stream=cfg.engine.streams_deltas,
+                            priority=priority)
 
     engines: list[EngineSupervisor] = []
     for i, url in enumerate(cfg.engine.policy_urls):
         after = (engines[-1].ready,) if engines and staged(cfg) else ()
-        engines.append(EngineSupervisor(cfg, client(url), "policy", policy, after=after, index=i))
+        live = LIVE_PRIORITY if cfg.priority_scheduling else None  # only the policy engines schedule by it
+        engines.append(EngineSupervisor(cfg, client(url, live), "policy", policy, after=after, index=i))
     if cfg.reference_engine_needed:
         after = (engines[-1].ready,) if staged(cfg) else ()
         engines.append(EngineSupervisor(cfg, client(cfg.engine.reference_url), "reference", after=after))

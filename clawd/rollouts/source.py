@@ -57,14 +57,17 @@ class RolloutSource:
     def __init__(self, cfg: RolloutsConfig, *, tasks: tuple[Task, ...], tokenizer, generate: Generate,
                  put: Callable[[Sample], Awaitable[None]], waiting: Callable[[], dict[str, int]],
                  live: Callable[[], int], version: Callable[[], int], worker: DeploymentWorker,
-                 record: Callable[[dict], object] | None = None, clock: Callable[[], float] = time.time):
+                 record: Callable[[dict], object] | None = None, clock: Callable[[], float] = time.time,
+                 priority: int | None = None):
         """put: the store's (journaled) put; waiting: the store's waiting samples by principal; live: live
         requests in flight; version: the policy version serving; record: where each group's record goes (the
-        rollouts' record file: what each answer said and scored)."""
+        rollouts' record file: what each answer said and scored); priority: the one every rollout call names
+        (an engine scheduling by priority preempts its rows for live ones), None: none."""
         self.cfg, self.tasks, self.tokenizer, self.generate = cfg, tasks, tokenizer, generate
         self.put, self.waiting, self.live, self.version, self.worker, self.clock = (put, waiting, live, version,
                                                                                      worker, clock)
         self.record = record
+        self._priority = {} if priority is None else {"priority": priority}
         self.limits = EpisodeLimits(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                     max_context=cfg.max_context, env_timeout=cfg.checker_timeout,
                                     temperature=cfg.temperature)
@@ -105,11 +108,11 @@ class RolloutSource:
     async def _generate(self, payload: dict) -> dict:
         """The engine, after live users: every model turn of a rollout (not only a group's first) waits while
         more than `live_headroom` live requests are in flight, so a live request meets at most `concurrency`
-        rollout turns already generating."""
+        rollout turns already generating, and at the engine (priority scheduling) each of those yields to it."""
         while self.live() > self.cfg.live_headroom:
             self.stats.waited_live += 1
             await asyncio.sleep(_WAIT)
-        return await self.generate(payload)
+        return await self.generate({**payload, **self._priority})
 
     def _backlog(self) -> int:
         waiting = self.waiting()

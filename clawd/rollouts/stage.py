@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
+from clawd.config.engine import ROLLOUT_PRIORITY
 from clawd.config.schema import Config
 from clawd.learning.store import SampleStore
 from clawd.lifetime import Stage
@@ -32,7 +33,8 @@ class Rollouts(Stage):
                                     retention_days=cfg.records.retention_days)
         self.source = RolloutSource(cfg.rollouts, tasks=tasks, tokenizer=tokenizer, generate=generate,
                                     put=store.put, waiting=store.waiting_by_principal, live=live,
-                                    version=lambda: policy.version, worker=self.worker, record=self.records.write)
+                                    version=lambda: policy.version, worker=self.worker, record=self.records.write,
+                                    priority=ROLLOUT_PRIORITY if cfg.priority_scheduling else None)
         self._task: asyncio.Task | None = None
 
     async def start(self, tasks: asyncio.TaskGroup) -> None:

@@ -6,6 +6,7 @@ layers of a DynamicCache), kept apart from the scheduler that drives them
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,15 @@ class Batch:
             self.cache.batch_select_indices(index)
             self.mask, self.next_pos = self.mask[index], self.next_pos[index]
             self.rows = [self.rows[b] for b in keep]
+
+    def row(self, b: int) -> Batch:
+        """Row b as a batch of its own with its KV copied out, this batch unchanged: a row that yields keeps its
+        cache (clawd.engine.local.priority)."""
+        cache = copy.copy(self.cache)
+        cache.layers = [copy.copy(layer) for layer in self.cache.layers]  # selecting on a copy reassigns its tensors
+        index = torch.tensor([b], dtype=torch.long)
+        cache.batch_select_indices(index)
+        return Batch([self.rows[b]], cache, self.mask[index], self.next_pos[index])
 
     def can_extend(self) -> bool:
         # Only plain full-attention layers hold every position, so only they can be re-padded.

@@ -10,7 +10,9 @@ Weight updates are applied between batches: a pending update lets the running
 batch drain, and requests arriving meanwhile wait for the new weights. Pauses
 follow SGLang's three modes: abort, retract, in_place (docs/ARCHITECTURE.md §10).
 A request may name a LoRA adapter (adapters.py): rows of different adapters and
-base rows share a batch, up to --max-loras-per-batch kinds of rows.
+base rows share a batch, up to --max-loras-per-batch kinds of rows. With
+--enable-priority-scheduling the queue is taken by priority and a running row
+yields to a live request ranked well above it (priority.py).
 As in SGLang, `SGLANG_REQ_WAITING_TIMEOUT` (seconds; unset or <= 0: off) aborts,
 with status 503, a request left waiting for room in the batch that long.
 """
@@ -31,6 +33,7 @@ from clawd import faults
 from clawd.engine.local.adapters import Adapters
 from clawd.engine.local.compute import Compute, Progress
 from clawd.engine.local.model import Batch, WeightLoadError, copy_in, load_model
+from clawd.engine.local.priority import Priorities
 from clawd.engine.local.responses import decode
 from clawd.engine.local.weight_sync import WeightSync
 from clawd.engine.local.sampling import next_token_row, pick_token, prompt_logprobs, prompt_rows
@@ -69,6 +72,7 @@ class Engine:
         self.parked = asyncio.Event()  # the loop is waiting at a step boundary, not computing
         self._seeds = random.Random(args.seed)
         self.adapters = Adapters(args)  # LoRA: names, in-flight counts, the PEFT wrapper
+        self.priorities = Priorities.from_args(args)
         self.weight_sync = WeightSync()  # weight-update groups (clawd.engine.local.weight_sync)
         self.compute = Compute()
         self.progress = Progress()  # what /health_generate watches
@@ -140,6 +144,7 @@ class Engine:
         for i, (it, refused) in enumerate(checked):
             seed = it.params.sampling_seed
             req = Req(it, group, i, self._seeds.getrandbits(63) if seed is None else seed)
+            req.rank = self.priorities.rank(it.priority)
             group.reqs.append(req)
             self.adapters.acquire(it.lora)  # held until finish(): an unload waits for it
             if refused is not None:
@@ -242,6 +247,8 @@ class Engine:
         else:
             self.model = model
             self.model_path = self.model_path if isinstance(path, dict) else path
+            for req in self.waiting:  # preempted rows recompute their KV under the new weights, as SGLang's do
+                req.kv = None
             self.progress.watch(model)
             message = ("Succeeded to update parameter online." if isinstance(path, dict)
                        else "Succeeded to update model weights.")
@@ -283,12 +290,14 @@ class Engine:
                 await asyncio.sleep(0)
             if self.paused or self.updates or not self.waiting:
                 continue
-            members = self.adapters.take(self.waiting, self.args.max_batch_size, [])
+            members = self._intake(self.args.max_batch_size, [])
             try:
                 await self._run_batch(members)
             except Exception as exc:  # fail these requests, keep serving the next ones
                 log.exception("batch of %d failed", len(members))
                 for req in members:
+                    if req in self.waiting:  # one that yielded (priority) waits there
+                        self.waiting.remove(req)
                     if not req.done:
                         self.finish(req, {"type": "abort", "message": f"Internal error: {exc}",
                                           "status_code": 500, "err_type": "InternalServerError"})
@@ -312,7 +321,7 @@ class Engine:
 
         Requests that join are appended to `members`, so the caller can fail them all.
         """
-        batch = await self._prefill(members)
+        batch = await self._start(members)
         while batch.rows:
             await asyncio.sleep(0)  # serve aborts, health checks and arrivals between steps
             if self.paused == "in_place":
@@ -327,14 +336,16 @@ class Engine:
                     self.waiting.appendleft(req)
                 log.info("retracted %d requests", len(batch.rows))
                 return
+            if self.priorities.enabled and batch.rows:
+                self._yield_outranked(batch)
             room = self.args.max_batch_size - len(batch.rows)
             # Continuous batching, but never past a pending update: the batch drains first.
             if batch.rows and room > 0 and self.waiting and not self.paused and not self.updates \
                     and batch.can_extend():
-                newcomers = self.adapters.take(self.waiting, room, batch.rows)
+                newcomers = self._intake(room, batch.rows)
                 members.extend(newcomers)
                 if newcomers:
-                    batch.extend(await self._prefill(newcomers))
+                    batch.extend(await self._start(newcomers))
             self._expire_waiting()
             if not batch.rows:
                 return
@@ -343,6 +354,39 @@ class Engine:
             last = (await self._forward(batch.rows, tokens, batch.mask, batch.next_pos, batch.cache, 1))[:, -1]
             batch.next_pos = batch.next_pos + 1
             self._sample(batch.rows, last)
+
+    def _intake(self, room: int, running: list[Req]) -> list[Req]:
+        """Up to `room` waiting requests to start beside `running`: by priority when scheduling by it, and only
+        those no live request outranks."""
+        if self.priorities.enabled and self.waiting:
+            self.waiting = collections.deque(sorted(self.waiting, key=lambda r: -r.rank))  # stable: ties by arrival
+            best = max(r.rank for r in self.live.values())
+            room = min(room, self.priorities.eligible([r.rank for r in self.waiting], best))
+        return self.adapters.take(self.waiting, room, running)
+
+    def _yield_outranked(self, batch: Batch) -> None:
+        """Rows that a live request outranks leave the batch for the queue, each with its KV where the cache can be
+        re-padded (priority.py)."""
+        out = self.priorities.yielding([r.rank for r in batch.rows], max(r.rank for r in self.live.values()))
+        if not out:
+            return
+        keep_kv = batch.can_extend()
+        for b in reversed(out):  # ahead of their equals that arrived after them, in their order
+            req = batch.rows[b]
+            req.kv, req.num_retractions = batch.row(b) if keep_kv else None, req.num_retractions + 1
+            self.waiting.appendleft(req)
+        batch.select([b for b in range(len(batch.rows)) if b not in out])
+        log.debug("%d requests yielded to higher-priority ones", len(out))
+
+    async def _start(self, reqs: list[Req]) -> Batch:
+        """`reqs` as one batch: prefilled, or with the KV a preempted one kept."""
+        fresh = [r for r in reqs if r.kv is None]
+        batch = await self._prefill(fresh) if fresh else None
+        for req in reqs:
+            if req.kv is not None:
+                batch = req.kv if batch is None else (batch.extend(req.kv) or batch)
+                req.kv = None
+        return batch
 
     async def _prefill(self, rows: list[Req]) -> Batch:
         """Run the prompts (plus any output so far, after a retraction) and sample each first token.

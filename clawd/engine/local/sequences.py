@@ -50,6 +50,8 @@ class Req:
         self.started = False  # has been in a batch (an abort is then "Aborted", not "in waiting queue")
         self.abort_requested = False
         self.num_retractions = 0
+        self.rank: float = 0  # its priority's rank (priority.py): higher runs first, and preempts lower
+        self.kv = None  # a preempted request's own Batch (its KV kept) while it waits to rejoin; None: prefill it
 
     @property
     def done(self) -> bool:

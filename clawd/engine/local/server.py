@@ -41,7 +41,7 @@ from aiohttp import web
 
 from clawd import startup
 from clawd.config.loading import ConfigError
-from clawd.engine.local import adapters, auth
+from clawd.engine.local import adapters, auth, priority
 from clawd.engine.local import weight_sync
 from clawd.engine.local.responses import render
 from clawd.engine.local.scheduler import Engine
@@ -416,6 +416,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default=None, metavar="FILE.yaml",
                     help="flag values, as SGLang's --config; the only way to give api-key and admin-api-key")
     adapters.add_flags(ap)
+    priority.add_flags(ap)
     keys = dict.fromkeys(auth.KEY_OPTIONS)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)

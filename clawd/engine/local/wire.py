@@ -193,6 +193,7 @@ class GenerateItem:
     # As requested (None for [] or absent): SGLang checks the ids against the vocabulary even without
     # return_logprob, so they are kept here; `logprob_ids` is what the response reports on.
     token_ids_logprob: tuple[int, ...] | None = None
+    priority: int | None = None  # the request's (one for all its items); used with --enable-priority-scheduling
 
     @property
     def logprob_ids(self) -> tuple[int, ...] | None:
@@ -304,8 +305,11 @@ def parse_generate(body: dict, tokenize) -> tuple[list[GenerateItem], bool, bool
         raise ContractError("invalid type for `stream` / `return_text_in_logprobs`: expected a boolean")
     # An adapter's name (SGLang's field keeps its old name), one for all items or one per item.
     loras = _per_item(body, "lora_path", n, None, lambda v: v is None or isinstance(v, str), "a string")
+    priority = body.get("priority")  # SGLang's GenerateReqInput: Optional[int], one for the request
+    if priority is not None and not _is_int(priority):
+        raise ContractError("invalid type for `priority`: expected an integer")
     items = [GenerateItem(tuple(prompts[i]), params[i], rids[i], return_logprob[i], start[i], with_text, loras[i],
-                          max(top[i], 0) if return_logprob[i] else 0, token_ids[i])
+                          max(top[i], 0) if return_logprob[i] else 0, token_ids[i], priority)
              for i in range(n)]
     return items, is_batch, stream
 
