@@ -5,10 +5,13 @@ chat requests from `--users` simulated users, each reading a reply for about `--
 next, `--max-tokens` new tokens) against a daemon without rollouts and against one whose rollouts run the
 environment (`--env`, default the calculator) with `[rollouts] concurrency` 2 and `live_headroom`
 `--headroom` (0). The users' reading time is the idle capacity the rollouts may take; a load with none
-leaves them none (they wait, and the bench says they did not run). Alternated rounds
-(`--rounds`), so a slow moment of the machine falls on both. Reported: each arm's live p50 and p99
-latency, their ratios (targets: p50 <= 1.25x, p99 <= 1.5x), and how much the rollouts did meanwhile
-(groups, answers). The learner is off in both arms: what is measured is the engine's share.
+leaves them none (they wait, and the bench says they did not run). A third arm runs the same rollouts
+with the engine's priority scheduling off (`[engine] priority_scheduling = "off"`; the default turns it
+on while rollouts run): what the engine's preemption of rollout rows adds to the daemon's live-first gate.
+Alternated rounds (`--rounds`), so a slow moment of the machine falls on every arm. Reported: each arm's
+live p50 and p99 latency, their ratios to the arm without rollouts (targets, for the default: p50 <=
+1.25x, p99 <= 1.5x), and how much the rollouts did meanwhile (groups, answers). The learner is off in
+every arm: what is measured is the engine's share.
 
 The solve rate (`--solve N`): N episodes of the environment from held-out seeds (from
 clawd.rollouts.source.EVAL_SEED_BASE on, never trained) at `--temperature`, on the model as it is: the
@@ -79,7 +82,11 @@ async def live_load(url: str, users: int, requests: int, max_tokens: int,
     return latencies, failures
 
 
-async def arm(model: Path, rollouts: bool, args: argparse.Namespace) -> dict:
+ARMS = ("without", "with", "with, no priority")  # rollouts off; on (the default); on, the engine's priority off
+
+
+async def arm(model: Path, name: str, args: argparse.Namespace) -> dict:
+    rollouts = name != "without"
     sections = {"model": {"path": str(model), "max_tokens_cap": max(args.max_tokens, 64)},
                 "engine": {"launch": "local", "max_batch_size": 8}, "learner": {"enabled": False},
                 "scoring": {"mode": "rl"}, "judge": {"backend": "rules"},
@@ -89,6 +96,7 @@ async def arm(model: Path, rollouts: bool, args: argparse.Namespace) -> dict:
         sections["rollouts"] = {"enabled": True, "environments": [args.env], "concurrency": 2,
                                 "live_headroom": args.headroom,
                                 "max_new_tokens": args.max_tokens, "max_turns": 3, "backlog": 10**6}
+        sections["engine"]["priority_scheduling"] = "off" if name == "with, no priority" else "auto"
     with tempfile.TemporaryDirectory(prefix="clawd-bench-rollouts-") as tmp:
         clawd = Clawd(Path(tmp), sections, threads=args.threads)
         await clawd.start()
@@ -155,23 +163,24 @@ async def solve_rate(model: Path, args: argparse.Namespace) -> dict:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    arms: dict[str, list[dict]] = {"without": [], "with": []}
+    arms: dict[str, list[dict]] = {name: [] for name in ARMS}
     for _ in range(args.rounds):
-        for name in ("without", "with"):
-            arms[name].append(await arm(args.model, name == "with", args))
+        for name in ARMS:
+            arms[name].append(await arm(args.model, name, args))
             print(f"{name} rollouts: {arms[name][-1]}", flush=True)
     pooled = {name: {"p50_s": statistics.median([r["p50_s"] for r in runs]),
                      "p99_s": max(r["p99_s"] for r in runs), "failures": sum(r["failures"] for r in runs)}
               for name, runs in arms.items()}
-    p50 = pooled["with"]["p50_s"] / pooled["without"]["p50_s"]
-    p99 = pooled["with"]["p99_s"] / pooled["without"]["p99_s"]
+    ratios = {name: {q: round(pooled[name][f"{q}_s"] / pooled["without"][f"{q}_s"], 3) for q in ("p50", "p99")}
+              for name in ARMS[1:]}
+    p50, p99 = ratios["with"]["p50"], ratios["with"]["p99"]
     did = sum(r["rollouts"]["answers"] for r in arms["with"])
     met = {f"live p50 with rollouts <= {P50_TARGET}x without": p50 <= P50_TARGET,
            f"live p99 with rollouts <= {P99_TARGET}x without": p99 <= P99_TARGET,
-           "no live request failed": pooled["with"]["failures"] + pooled["without"]["failures"] == 0,
+           "no live request failed": sum(p["failures"] for p in pooled.values()) == 0,
            "the rollouts ran meanwhile": did > 0}
     out = {"settings": {k: str(v) for k, v in vars(args).items()}, "runs": arms, "pooled": pooled,
-           "p50_ratio": round(p50, 3), "p99_ratio": round(p99, 3), "met": met}
+           "p50_ratio": p50, "p99_ratio": p99, "ratios": ratios, "met": met}
     if args.solve:
         out["solve"] = await solve_rate(args.model, args)
     out["pass"] = all(met.values())
@@ -198,9 +207,11 @@ def main() -> int:
     if args.users < 1 or args.requests < args.users or args.rounds < 1:
         ap.error("--users >= 1, --requests >= --users, --rounds >= 1")
     res = {"provenance": provenance.stamp(), **asyncio.run(main_async(args))}
-    print(f"live p50 {res['pooled']['without']['p50_s'] * 1000:.0f} -> {res['pooled']['with']['p50_s'] * 1000:.0f} "
-          f"ms ({res['p50_ratio']}x), p99 {res['pooled']['without']['p99_s'] * 1000:.0f} -> "
-          f"{res['pooled']['with']['p99_s'] * 1000:.0f} ms ({res['p99_ratio']}x)")
+    base = res["pooled"]["without"]
+    for name in ARMS[1:]:
+        p, r = res["pooled"][name], res["ratios"][name]
+        print(f"{name} rollouts: live p50 {base['p50_s'] * 1000:.0f} -> {p['p50_s'] * 1000:.0f} ms ({r['p50']}x), "
+              f"p99 {base['p99_s'] * 1000:.0f} -> {p['p99_s'] * 1000:.0f} ms ({r['p99']}x)")
     if "solve" in res:
         s = res["solve"]
         print(f"solve rate: {s['solved']}/{s['episodes']} ({s['rate']:.0%}), {s['called_a_tool']} called a tool, "
