@@ -382,10 +382,12 @@ class Engine:
         """`reqs` as one batch: prefilled, or with the KV a preempted one kept."""
         fresh = [r for r in reqs if r.kv is None]
         batch = await self._prefill(fresh) if fresh else None
-        for req in reqs:
-            if req.kv is not None:
-                batch = req.kv if batch is None else (batch.extend(req.kv) or batch)
-                req.kv = None
+        for req in (r for r in reqs if r.kv is not None):
+            if batch is None:
+                batch = req.kv
+            else:
+                batch.extend(req.kv)
+            req.kv = None
         return batch
 
     async def _prefill(self, rows: list[Req]) -> Batch:
