@@ -16,6 +16,14 @@ from clawd.safety.evalset import EvalSetError
 T = "tests.rollout_targets"
 
 
+@pytest.fixture
+async def worker():
+    """A deployment worker, closed (its process killed) when the test ends."""
+    w = DeploymentWorker()
+    yield w
+    await w.close()
+
+
 # --- group advantages ---------------------------------------------------------------------------
 
 def test_a_groups_advantages_are_its_rewards_less_their_mean():
@@ -51,81 +59,61 @@ def test_an_episodes_reward_reaches_its_turns_discounted_by_the_turns_after_them
 
 # --- the deployment worker -----------------------------------------------------------------------
 
-async def test_calls_run_in_a_worker_process_and_their_answers_come_back_as_json():
-    worker = DeploymentWorker()
-    try:
-        assert await worker.call(f"{T}:add", 2, 3, timeout=30) == 5
-        assert await worker.call(f"{T}:echo", "x", [1, 2], {"k": [3]}, timeout=30) == ["x", [1, 2], {"k": [3]}]
-        child = await worker.call(f"{T}:pid", timeout=30)
-        assert child == worker.pid != os.getpid()
-    finally:
-        await worker.close()
+async def test_calls_run_in_a_worker_process_and_their_answers_come_back_as_json(worker):
+    assert await worker.call(f"{T}:add", 2, 3, timeout=30) == 5
+    assert await worker.call(f"{T}:echo", "x", [1, 2], {"k": [3]}, timeout=30) == ["x", [1, 2], {"k": [3]}]
+    child = await worker.call(f"{T}:pid", timeout=30)
+    assert child == worker.pid != os.getpid()
 
 
-async def test_a_call_past_its_limit_is_cut_and_the_next_call_gets_a_fresh_worker():
-    worker = DeploymentWorker()
-    try:
-        first = await worker.call(f"{T}:pid", timeout=30)
-        started = time.monotonic()
+async def test_a_call_past_its_limit_is_cut_and_the_next_call_gets_a_fresh_worker(worker):
+    first = await worker.call(f"{T}:pid", timeout=30)
+    started = time.monotonic()
+    with pytest.raises(CallFailed) as info:
+        await worker.call(f"{T}:hang", timeout=0.5)  # a busy loop: only SIGKILL ends it
+    assert info.value.kind == "timeout" and time.monotonic() - started < 5
+    assert worker.timeouts == 1 and worker.pid is None
+    second = await worker.call(f"{T}:pid", timeout=30)
+    assert second != first and worker.restarts == 1
+
+
+async def test_the_loop_runs_while_a_call_hangs(worker):
+    await worker.call(f"{T}:pid", timeout=30)
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    with pytest.raises(CallFailed):
+        await worker.call(f"{T}:hang", timeout=0.5)
+    ticker.cancel()
+    assert ticks >= 20  # 0.5 s of 10 ms ticks, allowing for a loaded machine
+
+
+async def test_an_exception_is_the_calls_answer_and_the_worker_lives_on(worker):
+    first = await worker.call(f"{T}:pid", timeout=30)
+    for target, args, kind, text in [(f"{T}:boom", ("no",), "raised", "ValueError: no"),
+                                     (f"{T}:not_json", (), "raised", "TypeError"),
+                                     (f"{T}:missing", (), "bad_target", "AttributeError"),
+                                     (f"{T}:NOT_CALLABLE", (), "bad_target", "not callable"),
+                                     ("no.such.module:f", (), "bad_target", "ModuleNotFoundError"),
+                                     ("add", (), "bad_target", "module:function")]:
         with pytest.raises(CallFailed) as info:
-            await worker.call(f"{T}:hang", timeout=0.5)  # a busy loop: only SIGKILL ends it
-        assert info.value.kind == "timeout" and time.monotonic() - started < 5
-        assert worker.timeouts == 1 and worker.pid is None
-        second = await worker.call(f"{T}:pid", timeout=30)
-        assert second != first and worker.restarts == 1
-    finally:
-        await worker.close()
+            await worker.call(target, *args, timeout=30)
+        assert info.value.kind == kind and text in info.value.message, (target, info.value)
+    assert await worker.call(f"{T}:pid", timeout=30) == first and worker.restarts == 0
 
 
-async def test_the_loop_runs_while_a_call_hangs():
-    worker = DeploymentWorker()
-    try:
-        await worker.call(f"{T}:pid", timeout=30)
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        with pytest.raises(CallFailed):
-            await worker.call(f"{T}:hang", timeout=0.5)
-        ticker.cancel()
-        assert ticks >= 20  # 0.5 s of 10 ms ticks, allowing for a loaded machine
-    finally:
-        await worker.close()
-
-
-async def test_an_exception_is_the_calls_answer_and_the_worker_lives_on():
-    worker = DeploymentWorker()
-    try:
-        first = await worker.call(f"{T}:pid", timeout=30)
-        for target, args, kind, text in [(f"{T}:boom", ("no",), "raised", "ValueError: no"),
-                                         (f"{T}:not_json", (), "raised", "TypeError"),
-                                         (f"{T}:missing", (), "bad_target", "AttributeError"),
-                                         (f"{T}:NOT_CALLABLE", (), "bad_target", "not callable"),
-                                         ("no.such.module:f", (), "bad_target", "ModuleNotFoundError"),
-                                         ("add", (), "bad_target", "module:function")]:
-            with pytest.raises(CallFailed) as info:
-                await worker.call(target, *args, timeout=30)
-            assert info.value.kind == kind and text in info.value.message, (target, info.value)
-        assert await worker.call(f"{T}:pid", timeout=30) == first and worker.restarts == 0
-    finally:
-        await worker.close()
-
-
-async def test_a_worker_that_dies_fails_its_call_and_is_replaced():
-    worker = DeploymentWorker()
-    try:
-        first = await worker.call(f"{T}:pid", timeout=30)
-        with pytest.raises(CallFailed) as info:
-            await worker.call(f"{T}:die", timeout=30)
-        assert info.value.kind == "died"
-        assert await worker.call(f"{T}:add", 1, 1, timeout=30) == 2 and worker.pid != first
-    finally:
-        await worker.close()
+async def test_a_worker_that_dies_fails_its_call_and_is_replaced(worker):
+    first = await worker.call(f"{T}:pid", timeout=30)
+    with pytest.raises(CallFailed) as info:
+        await worker.call(f"{T}:die", timeout=30)
+    assert info.value.kind == "died"
+    assert await worker.call(f"{T}:add", 1, 1, timeout=30) == 2 and worker.pid != first
 
 
 # --- prompt sets and their checkers ----------------------------------------------------------------
@@ -245,15 +233,11 @@ def chat_tokenizer(tiny_model):
     return ChatTokenizer(tiny_model)
 
 
-async def test_an_episode_keeps_each_turns_exact_ids_and_ends_with_the_environments_reward(chat_tokenizer):
+async def test_an_episode_keeps_each_turns_exact_ids_and_ends_with_the_environments_reward(chat_tokenizer, worker):
     from clawd.rollouts.episode import run_episode
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "213*23"}}</tool_call>'
     engine = ScriptedEngine(chat_tokenizer, [call, "The answer is 4899."])
-    worker = DeploymentWorker()
-    try:
-        episode = await run_episode(CALC, 2, worker, engine, chat_tokenizer)
-    finally:
-        await worker.close()
+    episode = await run_episode(CALC, 2, worker, engine, chat_tokenizer)
     assert (episode.ended, episode.reward, episode.errors, len(episode.turns)) == ("done", 1.0, 0, 2)
     first, second = episode.turns
     assert [p["input_ids"] for p in engine.payloads] == [first.prompt_ids, second.prompt_ids]
@@ -272,57 +256,48 @@ def episode_tools():
     return CALCULATOR_TOOLS
 
 
-async def test_malformed_calls_and_a_raising_tool_are_observations_and_the_turn_bound_holds(chat_tokenizer):
+async def test_malformed_calls_and_a_raising_tool_are_observations_and_the_turn_bound_holds(chat_tokenizer, worker):
     from clawd.rollouts.episode import EpisodeLimits, run_episode
     bad_markup = "<tool_call>{not json</tool_call>"
     bad_args = '<tool_call>{"name": "calculate", "arguments": "2+2"}</tool_call>'
     loop = '<tool_call>{"name": "calculate", "arguments": {"expression": "1+1"}}</tool_call>'
-    worker = DeploymentWorker()
-    try:
-        engine = ScriptedEngine(chat_tokenizer, [bad_markup, bad_args, loop, loop])
-        episode = await run_episode(CALC, 5, worker, engine, chat_tokenizer, EpisodeLimits(max_turns=4))
-        assert (episode.ended, episode.reward, episode.errors, len(episode.turns)) == ("max_turns", 0.0, 2, 4)
-        said = [m["content"] for m in episode.transcript if m["role"] in ("tool", "user")][1:]
-        assert "could not be read" in said[0] and "must be a JSON object" in said[1] and said[2:] == ["2", "2"]
-        engine = ScriptedEngine(chat_tokenizer, ['<tool_call>{"name": "explode", "arguments": {}}</tool_call>',
-                                                 "done"])
-        episode = await run_episode("tests.rollout_targets:RaisingEnv", 0, worker, engine, chat_tokenizer)
-        assert (episode.ended, episode.reward, episode.errors) == ("done", 0.5, 1)
-        assert episode.transcript[2]["content"] == "error: RuntimeError: the tool broke"
-        engine = ScriptedEngine(chat_tokenizer, ["anything"] * 6)  # a step that breaks the protocol: an error
-        episode = await run_episode("tests.rollout_targets:BadStepEnv", 0, worker, engine, chat_tokenizer)
-        assert (episode.ended, episode.errors, len(episode.turns)) == ("max_turns", 6, 6)
-        assert "step must return (observation, reward, done, info)" in episode.transcript[2]["content"]
-    finally:
-        await worker.close()
+    engine = ScriptedEngine(chat_tokenizer, [bad_markup, bad_args, loop, loop])
+    episode = await run_episode(CALC, 5, worker, engine, chat_tokenizer, EpisodeLimits(max_turns=4))
+    assert (episode.ended, episode.reward, episode.errors, len(episode.turns)) == ("max_turns", 0.0, 2, 4)
+    said = [m["content"] for m in episode.transcript if m["role"] in ("tool", "user")][1:]
+    assert "could not be read" in said[0] and "must be a JSON object" in said[1] and said[2:] == ["2", "2"]
+    engine = ScriptedEngine(chat_tokenizer, ['<tool_call>{"name": "explode", "arguments": {}}</tool_call>',
+                                             "done"])
+    episode = await run_episode("tests.rollout_targets:RaisingEnv", 0, worker, engine, chat_tokenizer)
+    assert (episode.ended, episode.reward, episode.errors) == ("done", 0.5, 1)
+    assert episode.transcript[2]["content"] == "error: RuntimeError: the tool broke"
+    engine = ScriptedEngine(chat_tokenizer, ["anything"] * 6)  # a step that breaks the protocol: an error
+    episode = await run_episode("tests.rollout_targets:BadStepEnv", 0, worker, engine, chat_tokenizer)
+    assert (episode.ended, episode.errors, len(episode.turns)) == ("max_turns", 6, 6)
+    assert "step must return (observation, reward, done, info)" in episode.transcript[2]["content"]
 
 
-async def test_an_environment_that_hangs_is_cut_and_ends_its_episode(chat_tokenizer):
+async def test_an_environment_that_hangs_is_cut_and_ends_its_episode(chat_tokenizer, worker):
     from clawd.rollouts.episode import EpisodeLimits, run_episode
-    worker = DeploymentWorker()
-    try:
-        engine = ScriptedEngine(chat_tokenizer, ['<tool_call>{"name": "wait", "arguments": {}}</tool_call>'])
-        started = time.monotonic()
-        episode = await run_episode("tests.rollout_targets:HangingEnv", 0, worker, engine, chat_tokenizer,
-                                    EpisodeLimits(env_timeout=0.5))
-        assert (episode.ended, episode.reward, len(episode.turns)) == ("env_failed", 0.0, 1)
-        assert time.monotonic() - started < 10 and worker.timeouts == 1
-        episode = await run_episode("no.such:Env", 0, worker, engine, chat_tokenizer)
-        assert episode.ended == "env_failed" and episode.turns == []
-    finally:
-        await worker.close()
+    engine = ScriptedEngine(chat_tokenizer, ['<tool_call>{"name": "wait", "arguments": {}}</tool_call>'])
+    started = time.monotonic()
+    episode = await run_episode("tests.rollout_targets:HangingEnv", 0, worker, engine, chat_tokenizer,
+                                EpisodeLimits(env_timeout=0.5))
+    assert (episode.ended, episode.reward, len(episode.turns)) == ("env_failed", 0.0, 1)
+    assert time.monotonic() - started < 10 and worker.timeouts == 1
+    episode = await run_episode("no.such:Env", 0, worker, engine, chat_tokenizer)
+    assert episode.ended == "env_failed" and episode.turns == []
 
 
 @pytest.mark.slow
 async def test_an_episode_on_the_real_cpu_engine_keeps_what_the_engine_consumed_and_produced(tiny_model,
-                                                                                             chat_tokenizer):
+                                                                                             chat_tokenizer, worker):
     from clawd.engine.client import EngineClient
     from clawd.engine.local.scheduler import Engine
     from clawd.engine.local.server import parse_args
     from clawd.rollouts.episode import EpisodeLimits, run_episode
     from tests.local_engine import running
 
-    worker = DeploymentWorker()
     async with running(Engine(parse_args(["--model", str(tiny_model), "--threads", "1", "--seed", "0"]))) as url:
         client = EngineClient(url)
         await client.start()
@@ -331,7 +306,6 @@ async def test_an_episode_on_the_real_cpu_engine_keeps_what_the_engine_consumed_
                                         EpisodeLimits(max_turns=3, max_new_tokens=12, temperature=1.0))
         finally:
             await client.close()
-            await worker.close()
     assert episode.turns and episode.ended in ("done", "max_turns")
     first = episode.turns[0]
     assert first.prompt_ids == chat_tokenizer.encode_chat(episode.transcript[:1], episode_tools())
@@ -385,17 +359,14 @@ def source_for(chat_tokenizer, engine, store, worker, tasks=(), environments=(),
                          priority=priority)
 
 
-async def test_a_set_items_answers_are_scored_and_become_one_group(chat_tokenizer):
+async def test_a_set_items_answers_are_scored_and_become_one_group(chat_tokenizer, worker):
     task = parse_task({"id": "sum", "messages": [{"role": "user", "content": "17 + 25?"}],
                        "check": {"number": 42, "callable": f"{T}:half_credit"}}, "x")
     engine = ScriptedEngine(chat_tokenizer, ["It is 42 (sum)", "41", "42", "42, sum"])
-    store, worker = Store(), DeploymentWorker()
-    try:
-        source = source_for(chat_tokenizer, engine, store, worker, [task], samples_per_prompt=4, temperature=0.5,
-                            priority=-100)
-        samples = await source.group("set", task)
-    finally:
-        await worker.close()
+    store = Store()
+    source = source_for(chat_tokenizer, engine, store, worker, [task], samples_per_prompt=4, temperature=0.5,
+                        priority=-100)
+    samples = await source.group("set", task)
     assert [p["priority"] for p in engine.payloads] == [-100] * 4  # each call yields to live ones at the engine
     # scores: 42 and "sum" in it: 1 × 0.5; 41: 0; 42 without "sum": 1 × 0 (the checker's 0); 42 with it: 0.5
     assert [s.reward for s in samples] == [0.5, 0.0, 0.0, 0.5]
@@ -408,23 +379,21 @@ async def test_a_set_items_answers_are_scored_and_become_one_group(chat_tokenize
     assert source.stats.groups == 1 and source.stats.answers == 4 and source.stats.dropped_agree == 0
 
 
-async def test_a_group_whose_answers_agree_is_dropped_and_an_environment_group_spreads_over_turns(chat_tokenizer):
+async def test_a_group_whose_answers_agree_is_dropped_and_an_environment_group_spreads_over_turns(chat_tokenizer,
+                                                                                                   worker):
     task = parse_task({"id": "t", "messages": [{"role": "user", "content": "2+2?"}], "check": {"number": 4}}, "x")
-    store, worker = Store(), DeploymentWorker()
-    try:
-        source = source_for(chat_tokenizer, ScriptedEngine(chat_tokenizer, ["4", "4"]), store, worker, [task],
-                            samples_per_prompt=2)
-        assert await source.group("set", task) == [] and source.stats.dropped_agree == 1
-        from clawd.rollouts.envs.calculator import question
-        text, answer, _ = question(0)  # the calculator's first training seed
-        call = '<tool_call>{"name": "calculate", "arguments": {"expression": "1+1"}}</tool_call>'
-        engine = ScriptedEngine(chat_tokenizer, [call, f"Answer: {answer:g}", "Answer: 0"])
-        records = []
-        source = source_for(chat_tokenizer, engine, store, worker, environments=[CALC], samples_per_prompt=2,
-                            concurrency=1, discount=0.5, record=records.append)
-        samples = await source.group("env", CALC)
-    finally:
-        await worker.close()
+    store = Store()
+    source = source_for(chat_tokenizer, ScriptedEngine(chat_tokenizer, ["4", "4"]), store, worker, [task],
+                        samples_per_prompt=2)
+    assert await source.group("set", task) == [] and source.stats.dropped_agree == 1
+    from clawd.rollouts.envs.calculator import question
+    text, answer, _ = question(0)  # the calculator's first training seed
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "1+1"}}</tool_call>'
+    engine = ScriptedEngine(chat_tokenizer, [call, f"Answer: {answer:g}", "Answer: 0"])
+    records = []
+    source = source_for(chat_tokenizer, engine, store, worker, environments=[CALC], samples_per_prompt=2,
+                        concurrency=1, discount=0.5, record=records.append)
+    samples = await source.group("env", CALC)
     # member 0: a tool call, then the right answer (reward 1, two turns); member 1: wrong at once (0, one turn)
     assert [(s.sample_id.rsplit("-", 2)[1:], s.reward, s.advantage) for s in samples] == [
         (["0", "0"], 1.0, 0.25), (["0", "1"], 1.0, 0.5), (["1", "0"], 0.0, -0.5)]
@@ -437,10 +406,10 @@ async def test_a_group_whose_answers_agree_is_dropped_and_an_environment_group_s
         ("env", CALC, 0, True, 3)
 
 
-async def test_the_source_waits_for_live_requests_and_for_the_learner(chat_tokenizer):
+async def test_the_source_waits_for_live_requests_and_for_the_learner(chat_tokenizer, worker):
     task = parse_task({"id": "t", "messages": [{"role": "user", "content": "2+2?"}], "check": {"number": 4}}, "x")
     live = [3]
-    store, worker = Store(), DeploymentWorker()
+    store = Store()
     engine = ScriptedEngine(chat_tokenizer, ["4", "5"] * 20)
     source = source_for(chat_tokenizer, engine, store, worker, [task], samples_per_prompt=2, live=lambda: live[0],
                         live_headroom=1, backlog=4)
@@ -462,10 +431,9 @@ async def test_the_source_waits_for_live_requests_and_for_the_learner(chat_token
     finally:
         run.cancel()
         await asyncio.gather(run, return_exceptions=True)
-        await worker.close()
 
 
-async def test_the_lookup_environment_teaches_recovery_from_a_key_written_the_wrong_way(chat_tokenizer):
+async def test_the_lookup_environment_teaches_recovery_from_a_key_written_the_wrong_way(chat_tokenizer, worker):
     from clawd.rollouts.envs.lookup import Lookup, table
     from clawd.rollouts.episode import run_episode
     env = Lookup()
@@ -475,18 +443,14 @@ async def test_the_lookup_environment_teaches_recovery_from_a_key_written_the_wr
     wrong = '<tool_call>{"name": "lookup", "arguments": {"key": "%s of %s"}}</tool_call>' % (env.field, env.country)
     right = '<tool_call>{"name": "lookup", "arguments": {"key": "%s"}}</tool_call>' % key
     engine = ScriptedEngine(chat_tokenizer, [wrong, right, f"The answer is {value}."])
-    worker = DeploymentWorker()
-    try:
-        episode = await run_episode("clawd.rollouts.envs.lookup:Lookup", 3, worker, engine, chat_tokenizer)
-    finally:
-        await worker.close()
+    episode = await run_episode("clawd.rollouts.envs.lookup:Lookup", 3, worker, engine, chat_tokenizer)
     assert (episode.ended, episode.reward, episode.errors, len(episode.turns)) == ("done", 1.0, 1, 3)
     observations = [m["content"] for m in episode.transcript if m["role"] == "tool"]
     assert "keys are written country:field" in observations[0] and observations[1] == value
     assert env.step({"answer": "I do not know"})[1:3] == (0.0, True)
 
 
-async def test_each_model_turn_of_a_rollout_waits_for_live_requests(chat_tokenizer):
+async def test_each_model_turn_of_a_rollout_waits_for_live_requests(chat_tokenizer, worker):
     """Not only a group's start: an episode in progress holds its next turn while live users are served."""
     live = [0]
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "1+1"}}</tool_call>'
@@ -497,7 +461,7 @@ async def test_each_model_turn_of_a_rollout_waits_for_live_requests(chat_tokeniz
             return await super().__call__(payload)
 
     engine = Busy(chat_tokenizer, [call, "Answer: 2"])
-    store, worker = Store(), DeploymentWorker()
+    store = Store()
     source = source_for(chat_tokenizer, engine, store, worker, environments=[CALC], samples_per_prompt=2,
                         concurrency=1, live=lambda: live[0], live_headroom=1)
     group = asyncio.create_task(source._episode(CALC, 0, "r"))
@@ -509,10 +473,9 @@ async def test_each_model_turn_of_a_rollout_waits_for_live_requests(chat_tokeniz
         assert len(engine.payloads) == 2 and len(member.turns) == 2
     finally:
         group.cancel()
-        await worker.close()
 
 
-async def test_a_group_that_fails_is_counted_and_the_source_goes_on(chat_tokenizer):
+async def test_a_group_that_fails_is_counted_and_the_source_goes_on(chat_tokenizer, worker):
     """An engine error (a replica restarting) fails its group, never the source's task: the daemon's task group
     would end with it."""
     from clawd.engine.client import EngineDisconnected
@@ -526,7 +489,7 @@ async def test_a_group_that_fails_is_counted_and_the_source_goes_on(chat_tokeniz
             return await super().__call__(payload)
 
     engine = Flaky(chat_tokenizer, ["4", "5"] * 4)
-    store, worker = Store(), DeploymentWorker()
+    store = Store()
     source = source_for(chat_tokenizer, engine, store, worker, [task], samples_per_prompt=2, backlog=2)
     run = asyncio.create_task(source.run())
     try:
@@ -538,4 +501,3 @@ async def test_a_group_that_fails_is_counted_and_the_source_goes_on(chat_tokeniz
     finally:
         run.cancel()
         await asyncio.gather(run, return_exceptions=True)
-        await worker.close()
