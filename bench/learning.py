@@ -43,6 +43,12 @@ interrupted SmolLM2 bench (about 25 minutes a run) loses one run, not hours. `--
 in lockstep keeps about one core busy (its engine, then its trainer, each on `--threads` 1), so two share 2 cores
 with little waiting. The figures are learning, not speed, so running side by side changes none of them.
 
+`--task compare`: no users and no judge; a verifiable task learnt from active rollouts alone (a generated
+prompt set, its own rules, group advantages; clawd/tools/sim/verifiable.py), arms rl and shuffled, 128 held-out
+questions before and after each run, the paired change of each arm and of rl beyond the control, and four
+held-out questions per arm with both answers. It passes when rl's solve rate rose and rose beyond the control's
+(both paired intervals above 0); writes bench/results/learning-compare.json. About 48 min for 2 seeds, --jobs 2.
+
 `--lora` trains LoRA adapters instead of the whole model (`[train.lora] rank`, 16 or `--lora-rank N`; the
 default alpha and target modules): the runs then take `--lr` as `[train.lora] lr` (default: ten times the profile's
 full fine-tune lr, the ratio at which SmolLM2's LoRA learnt in the demo), and the JSON records `lora_rank`.
@@ -74,6 +80,7 @@ from clawd.config.train import overlay  # noqa: E402
 from clawd.safety import degeneration, paired  # noqa: E402
 from clawd.tools.models import cached_tiny_model  # noqa: E402
 from clawd.tools.sim.launch import Clawd  # noqa: E402
+from clawd.tools.sim import verifiable  # noqa: E402
 from clawd.tools.sim.personas import persona  # noqa: E402
 from clawd.tools.sim.users import Users, rate  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
@@ -92,6 +99,10 @@ PROFILES = {
              "probes": 48, "concurrency": 4, "eval_every": 1, "arms": "rl,opd,combine,shuffled,zero"},
     # The style user (rewarded on one complete on-topic sentence alone) and the corrections user (the right
     # answer alone; its probes are its own questions reworded): what RL and OPD can each honestly teach.
+    # A verifiable task learnt from active rollouts alone (clawd/tools/sim/verifiable.py): no users, no personas.
+    "compare": {"personas": "", "eval_every": 10, "arms": "rl,shuffled",
+                **{k: verifiable.DEFAULTS[k] for k in ("max_tokens", "temperature", "lr", "batch", "steps", "probes",
+                                                       "concurrency")}},
     "smollm2": {"personas": "concise,corrector", "max_tokens": 48, "temperature": 0.7, "lr": 1e-5, "batch": 32,
                 "steps": 6, "probes": 64, "concurrency": 8, "eval_every": 6, "arms": "rl,opd,combine,shuffled"},
 }
@@ -105,6 +116,8 @@ def tiny_model() -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny, smollm2, or a model directory (with the smollm2 profile)")
+    ap.add_argument("--task", choices=verifiable.TASKS,
+                    help="learn a verifiable task from active rollouts instead of users (clawd/tools/sim/verifiable.py; SmolLM2)")
     ap.add_argument("--arms", help=f"comma-separated, of {', '.join(ARMS)} (default: the profile's)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N per mode (default 3)")
     for name, kind in (("steps", int), ("batch", int), ("lr", float), ("max_tokens", int), ("probes", int),
@@ -134,8 +147,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # (the demo's settings runs: 1e-4 learnt too little; the demo now runs 3e-4, which cost its guard
         # less), on the tiny model ten times the full rate
         args.lr = 3e-1 if args.model == "tiny" else 5e-4
-    args.out = args.out or str(RESULTS / ("learning-lora.json" if args.lora_rank else "learning.json"))
-    profile = PROFILES["tiny" if args.model == "tiny" else "smollm2"]
+    args.out = args.out or str(RESULTS / (f"learning-{args.task}.json" if args.task else
+                                          "learning-lora.json" if args.lora_rank else "learning.json"))
+    if args.task and args.model == "tiny":
+        args.model = "smollm2"  # the task is SmolLM2's: the random-weight model answers nothing
+    profile = PROFILES[args.task or ("tiny" if args.model == "tiny" else "smollm2")]
+    for key in ("group", "rollout_temperature", "train_items", "gate"):  # the task's rollouts, as the demo runs them
+        setattr(args, key, verifiable.DEFAULTS[key])
     for key, value in profile.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -222,7 +240,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 # What a saved run's figures depend on: a run is reused only under the same values of all of them.
-SETTINGS = ("model_dir", "personas", "steps", "batch", "lr", "lora_rank", "baseline", "teacher", "train_keys",
+SETTINGS = ("task", "model_dir", "personas", "steps", "batch", "lr", "lora_rank", "baseline", "teacher", "train_keys",
             "max_tokens", "temperature", "probes", "concurrency", "eval_every", "threads")
 
 
@@ -425,12 +443,16 @@ async def main_async(args: argparse.Namespace) -> int:
             return
         async with limit:
             t = time.monotonic()
-            run = await one_run(args, arm, seed, scratch / f"{arm}-{seed}")
+            if args.task:
+                run = await verifiable.one_run(args, ARMS[arm][1], seed, scratch / f"{arm}-{seed}")
+            else:
+                run = await one_run(args, arm, seed, scratch / f"{arm}-{seed}")
         run["provenance"] = provenance.stamp()
         save_run(saved, arm, seed, settings(args), run)
         done[arm, seed] = run
-        print(f"{arm:9s} seed {seed}: {curve(run)}  ({time.monotonic() - t:.0f} s, {run['sessions']} sessions, "
-              f"{len(run['errors'])} errors, exit {run['exit']})", flush=True)
+        print(f"{arm:9s} seed {seed}: {verifiable.curve(run) if args.task else curve(run)}  "
+              f"({time.monotonic() - t:.0f} s, {run.get('sessions', 0)} sessions, {len(run['errors'])} errors, "
+              f"exit {run['exit']})", flush=True)
 
     try:
         async with asyncio.TaskGroup() as runs:  # one run failing to measure cancels (and stops) the others
@@ -438,6 +460,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 runs.create_task(run_one(arm, seed))
     finally:
         shutil.rmtree(scratch)
+    if args.task:
+        return task_report(args, done, prov, started)
     results, failures = {}, []
     for arm in args.arm_list:
         for seed in range(1, args.seeds + 1):
@@ -474,6 +498,48 @@ async def main_async(args: argparse.Namespace) -> int:
                f"after / before > {TARGET_RATIO:g} in {', '.join(judged_arms(args)) or 'no arm'}; no change in "
                f"{CONTROL if CONTROL in args.arm_list else 'no control'}")
     print(f"overall: {'PASS' if out['pass'] else 'FAIL'} ({targets})")
+    return 0 if out["pass"] else 1
+
+
+def task_report(args: argparse.Namespace, done: dict[tuple[str, int], dict], prov: dict, started: float) -> int:
+    """The verifiable task's verdicts: each mode arm's held-out solve rate up, and beyond the shuffled control's."""
+    seeds = range(1, args.seeds + 1)
+    failures = [f"{arm} seed {seed}: exit {done[arm, seed]['exit']}" for arm in args.arm_list for seed in seeds
+                if done[arm, seed]["exit"] != 0]
+    results = {arm: verifiable.tally_arm({seed: done[arm, seed] for seed in seeds}) for arm in args.arm_list}
+    versus = {f"{arm} vs {CONTROL}": verifiable.versus({s: done[arm, s] for s in seeds}, {s: done[CONTROL, s] for s in seeds})
+              for arm in args.arm_list if arm not in CONTROLS and CONTROL in args.arm_list}
+    print(f"\n{args.task}: held-out solve rate, paired over (seed, item), {args.probes} items x {args.seeds} seeds\n")
+    for arm, r in results.items():
+        print(f"{arm:9s} {paired.describe('solved', r['solved'])}: {paired.verdict(r['solved'])}")
+        print(f"{'':9s} {paired.describe('one of the two numbers alone', r['form'])}; right when so "
+              f"{r['right_when_formed']['before']:.2f} -> {r['right_when_formed']['after']:.2f}; words "
+              f"{r['words']['before']:.1f} -> {r['words']['after']:.1f}")
+        for seed, b in r["by_seed"].items():
+            print(f"{'':9s} seed {seed}: {b['before']:.2f} -> {b['after']:.2f} ({b['steps']} steps, {b['trained']} samples; "
+                  f"rollouts {b['rollout_solved']}/{b['rollout_answers']} solved, {b['dropped_agree']} of "
+                  f"{b['groups']} groups agreed)")
+    for name, r in versus.items():
+        print(f"  {paired.describe(name, r)}: {paired.verdict(r)}")
+    _, held = verifiable.train_and_held_out(args.train_items, args.probes)
+    for arm in args.arm_list:
+        print(f"\n{arm}, seed 1: four held-out questions, before and after\n{verifiable.examples(done[arm, 1], held)}")
+    missed = [f"{name}: {paired.describe('change beyond the control', r)}" for name, r in versus.items()
+              if paired.verdict(r) != "up"]
+    missed += [f"{arm}: {paired.describe('solved', results[arm]['solved'])}" for arm in args.arm_list
+               if arm not in CONTROLS and paired.verdict(results[arm]["solved"]) != "up"]
+    out = {"provenance": prov, "task": args.task, "model": str(args.model_dir), "steps": args.steps, "batch": args.batch,
+           "lr": args.lr, "lora_rank": args.lora_rank, "group": args.group, "rollout_temperature": args.rollout_temperature,
+           "max_tokens": args.max_tokens, "temperature": args.temperature, "probes": args.probes, "seeds": args.seeds,
+           "jobs": args.jobs, "wall_s": round(time.monotonic() - started, 1), "arms": results, "versus_control": versus,
+           "runs": {f"{arm}-{seed}": run for (arm, seed), run in done.items()}, "failures": failures,
+           "missed": missed, "pass": not failures and not missed}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\n{time.monotonic() - started:.0f} s; wrote {args.out}")
+    for line in failures + missed:
+        print("FAILED:" if line in failures else "MISSED:", line, file=sys.stderr)
+    print(f"overall: {'PASS' if out['pass'] else 'FAIL'} (solved up in every mode arm, and beyond the {CONTROL} control)")
     return 0 if out["pass"] else 1
 
 

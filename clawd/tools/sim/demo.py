@@ -39,6 +39,8 @@ the answers collapsed ("The answer is a planet."): the documented example of a r
 `--full` (`make demo DEMO_ARGS=--full`): a full fine-tune at lr 1e-5 (--lr); `--lora-rank N` another rank.
 `--no-safety`: no gate, no monitors, no rollback checkpoints (learning as before them: the control).
 `--train KEY=VALUE` sets any [train] key (loss.kl_coef=0.3).
+`--task compare`: no users at all; a verifiable task learnt from active rollouts alone
+(clawd/tools/sim/verifiable.py), about 13 min.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ from typing import Any
 
 from clawd.config.train import overlay
 from clawd.safety import degeneration, paired
-from clawd.tools.sim import evaluation
+from clawd.tools.sim import evaluation, verifiable
 from clawd.tools.sim.launch import Clawd
 from clawd.tools.sim.personas import PERSONAS, persona
 from clawd.tools.sim.progress import Display, Judged, clock, fmt, pct
@@ -72,6 +74,8 @@ EVAL_BATCH = 32  # evaluation answers asked at once (and the engine's batch): on
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m clawd.tools.sim.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})")
+    ap.add_argument("--task", choices=verifiable.TASKS, help="learn a verifiable task from active rollouts alone, "
+                    "no users (clawd/tools/sim/verifiable.py; --seed, --threads and --out apply)")
     ap.add_argument("--minutes", type=float, default=19.0, help="time budget, start to plot (default 19)")
     ap.add_argument("--steps", type=int, default=0, help="stop the users after this many training steps (0: time only)")
     ap.add_argument("--concurrency", type=int, default=8, help="simulated users at once (default 8)")
@@ -458,6 +462,8 @@ def _one_line(text: str, limit: int = 160) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.task:
+            return asyncio.run(verifiable.demo(Path(args.model), Path(args.out), seed=args.seed, threads=args.threads))
         return asyncio.run(run(args))
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
