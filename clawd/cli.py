@@ -37,9 +37,12 @@ def main(argv: list[str] | None = None) -> int:
             from clawd.rollouts import tasks
             from clawd.safety.evalset import EvalSetError
             try:
-                tasks.load(cfg.rollouts.set)
+                items = tasks.load(cfg.rollouts.set)
             except EvalSetError as exc:
                 raise ConfigError(f"{args.config}: rollouts.set: {exc}") from None
+            if cfg.judge.backend == "rules" and (rubric := next((t for t in items if t.rubric), None)):
+                raise ConfigError(f"{args.config}: rollouts.set: {rubric.id} has a rubric, which needs a judge model: "
+                                  "judge.backend is \"rules\"")
     except ConfigError as exc:
         print(f"clawd: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -120,7 +120,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         # Rollouts: groups from a prompt set and environments, scored, into the store beside live turns.
         rollouts = None if not cfg.rollouts.enabled else await stages.add(Rollouts(
             cfg, tokenizer=home.tokenizer, generate=engines.for_role["policy"].generate, store=home.store,
-            policy=home.policy, live=lambda: serving.admission.in_flight))
+            policy=home.policy, live=lambda: serving.admission.in_flight, judge=scoring.judge))
         # Ops reads the stages and owns none of them: clawctl's socket, SIGHUP's reload, READY.
         people = Holdings(cfg.state_dir, home.turn_records, home.judge_records, home.store, scoring.scorer,
                           serving.sessions, home.versions, home.monitors, scoring.handover)

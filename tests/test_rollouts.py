@@ -1,6 +1,7 @@
 """Active rollouts (clawd/rollouts): group advantages (exact values), and the worker that runs a deployment's
 code under a time limit, on real processes."""
 import asyncio
+import json
 import math
 import os
 import time
@@ -350,13 +351,13 @@ class Store:
 
 
 def source_for(chat_tokenizer, engine, store, worker, tasks=(), environments=(), live=lambda: 0, record=None,
-               priority=None, **cfg):
+               priority=None, judge=None, **cfg):
     from clawd.config.rollouts import RolloutsConfig
     from clawd.rollouts.source import RolloutSource
     config = RolloutsConfig(enabled=True, environments=tuple(environments), **cfg)
     return RolloutSource(config, tasks=tuple(tasks), tokenizer=chat_tokenizer, generate=engine, put=store.put,
                          waiting=store.waiting, live=live, version=lambda: 7, worker=worker, record=record,
-                         priority=priority)
+                         priority=priority, judge=judge)
 
 
 async def test_a_set_items_answers_are_scored_and_become_one_group(chat_tokenizer, worker):
@@ -377,6 +378,52 @@ async def test_a_set_items_answers_are_scored_and_become_one_group(chat_tokenize
                                                 ["It is 42 (sum)", "41", "42", "42, sum"]]
     assert samples[0].prompt_ids == chat_tokenizer.encode_chat(task.chat(), None)
     assert source.stats.groups == 1 and source.stats.answers == 4 and source.stats.dropped_agree == 0
+
+
+class RubricJudge:
+    """The judge model's `complete`: YES when the quoted reply says "Blue", NO otherwise, and no answer at all
+    (JudgeFailed, as a judge past its retries) when it says "Grey"."""
+
+    def __init__(self):
+        self.asked = []
+
+    async def complete(self, messages):
+        from clawd.scoring.judges import JudgeFailed
+        text = "\n".join(m["content"] for m in messages)
+        self.asked.append(text)
+        if "Grey" in text:
+            raise JudgeFailed("timeout")
+        return "YES" if "Blue" in text else "NO"
+
+
+async def test_a_rubric_is_asked_of_the_judge_once_the_other_rules_hold(chat_tokenizer, worker):
+    task = parse_task({"id": "sky", "messages": [{"role": "user", "content": "The sky's colour, and 6 x 7?"}],
+                       "check": {"number": 42, "rubric": "Does the reply say the sky is blue?"}}, "x")
+    assert task.rubric == "Does the reply say the sky is blue?"
+    engine = ScriptedEngine(chat_tokenizer, ["Blue; 42", "Blue; 41", "Green; 42", "Grey; 42"])
+    judge = RubricJudge()
+    source = source_for(chat_tokenizer, engine, Store(), worker, [task], samples_per_prompt=4, judge=judge)
+    samples = await source.group("set", task)
+    # YES; the number wrong (the judge not asked); NO; the judge gave no answer (scored 0, counted)
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 0.0]
+    assert [s.advantage for s in samples] == [0.75, -0.25, -0.25, -0.25]
+    assert len(judge.asked) == 3 and not any("41" in a for a in judge.asked)
+    assert all("Does the reply say the sky is blue?" in a for a in judge.asked)
+    assert source.stats.judge_failures == 1
+
+
+def test_a_set_with_a_rubric_is_refused_with_the_config_when_no_judge_model_answers_it(tmp_path, capsys):
+    from clawd.cli import EXIT_CONFIG, main
+    from clawd.tools.tomlfile import to_toml
+    (tmp_path / "set.jsonl").write_text(json.dumps({"id": "sky", "messages": [{"role": "user", "content": "Sky?"}],
+                                                    "check": {"rubric": "Does it say blue?"}}) + "\n")
+    path = tmp_path / "clawd.toml"
+    for backend, expected in (("rules", EXIT_CONFIG), ("sglang", 0)):
+        path.write_text(to_toml({"state": {"dir": str(tmp_path / "state")}, "judge": {"backend": backend},
+                                 "scoring": {"mode": "rl"}, "learner": {"enabled": True},
+                                 "rollouts": {"enabled": True, "set": str(tmp_path / "set.jsonl")}}))
+        assert main(["--config", str(path), "--check-config"]) == expected, backend
+    assert "sky has a rubric, which needs a judge model" in capsys.readouterr().err
 
 
 async def test_a_group_whose_answers_agree_is_dropped_and_an_environment_group_spreads_over_turns(chat_tokenizer,

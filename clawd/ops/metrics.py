@@ -377,10 +377,10 @@ def _rollouts(st: dict) -> Iterator[Metric]:
     yield counter("clawd_rollout_solved_total", "Rollout answers (episodes) that scored 1.", st["solved"])
     yield gauge("clawd_rollout_backlog", "Rollout samples waiting for the learner.", st["backlog"])
     yield labelled(CounterMetricFamily, "clawd_rollout_failures", "Rollout failures: a deployment checker that "
-                   "raised or timed out, an environment that timed out or died, a malformed action or raising tool, "
-                   "a group lost to an error (the engine's, say).", "kind",
-                   {"checker": st["checker_failures"], "environment": st["env_failed"], "action": st["action_errors"],
-                    "group": st["failed_groups"]})
+                   "raised or timed out, a rubric the judge gave no answer to, an environment that timed out or died, "
+                   "a malformed action or raising tool, a group lost to an error (the engine's, say).", "kind",
+                   {"checker": st["checker_failures"], "judge": st["judge_failures"], "environment": st["env_failed"],
+                    "action": st["action_errors"], "group": st["failed_groups"]})
     yield labelled(CounterMetricFamily, "clawd_rollout_waits", "Times the rollouts waited: for live requests to "
                    "drop to [rollouts] live_headroom, for the learner to take their samples.", "for",
                    {"live": st["waited_live"], "learner": st["waited_backlog"]})

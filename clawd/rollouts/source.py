@@ -6,8 +6,9 @@ held-out seeds at or above EVAL_SEED_BASE), and for each draws N answers (episod
 `concurrency`. Live users come first: no group starts, and no model turn of one in progress, while more than
 `live_headroom` live requests are in flight; no group starts while `backlog` rollout samples already wait for
 the learner. An answer to a set item is scored by
-the item's rules and, when it names one, the deployment's checker in the worker (a failure scores 0 and is
-counted); an episode by its environment. A group whose scores agree is dropped and counted; the others
+the item's rules, its rubric by the judge model once the other rules hold, and, when it names one, the
+deployment's checker in the worker (a judge's or a checker's failure scores 0 and is counted); an episode by its
+environment. A group whose scores agree is dropped and counted; the others
 become samples (clawd.rollouts.groups.group_samples) whose principal is the source's pseudo-principal
 ("@rollouts/set", "@rollouts/env"): the store's fairness counts it as one more user.
 """
@@ -22,12 +23,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from clawd import quoting
 from clawd.config.rollouts import RolloutsConfig
 from clawd.rollouts.episode import EpisodeLimits, Generate, model_turn, run_episode
 from clawd.rollouts.groups import Member, group_samples
 from clawd.rollouts.tasks import Task, checker_score, local_score
 from clawd.rollouts.worker import CallFailed, DeploymentWorker
+from clawd.safety import evalset
 from clawd.samples import PSEUDO_PRINCIPAL, Sample
+from clawd.scoring.judges import JudgeFailed
+from clawd.scoring.scorer import Judge
 
 log = logging.getLogger("clawd.rollouts")
 
@@ -46,6 +51,7 @@ class RolloutStats:
     answers: int = 0           # answers (episodes) scored
     solved: int = 0            # of those, scored 1
     checker_failures: int = 0  # set answers whose checker raised or timed out (scored 0)
+    judge_failures: int = 0    # set answers whose rubric the judge gave no answer to (scored 0)
     env_failed: int = 0        # episodes whose environment timed out or died (left out of their group)
     action_errors: int = 0     # malformed calls and raising tools, observed by the model
     waited_live: int = 0       # times the source waited for live requests to drop to live_headroom
@@ -58,15 +64,17 @@ class RolloutSource:
                  put: Callable[[Sample], Awaitable[None]], waiting: Callable[[], dict[str, int]],
                  live: Callable[[], int], version: Callable[[], int], worker: DeploymentWorker,
                  record: Callable[[dict], object] | None = None, clock: Callable[[], float] = time.time,
-                 priority: int | None = None):
+                 priority: int | None = None, judge: Judge | None = None):
         """put: the store's (journaled) put; waiting: the store's waiting samples by principal; live: live
         requests in flight; version: the policy version serving; record: where each group's record goes (the
         rollouts' record file: what each answer said and scored); priority: the one every rollout call names
-        (an engine scheduling by priority preempts its rows for live ones), None: none."""
+        (an engine scheduling by priority preempts its rows for live ones), None: none; judge: the judge model
+        that answers the set's rubrics (None: the rules judge, which cannot; a set with a rubric is then refused
+        with the config)."""
         self.cfg, self.tasks, self.tokenizer, self.generate = cfg, tasks, tokenizer, generate
         self.put, self.waiting, self.live, self.version, self.worker, self.clock = (put, waiting, live, version,
                                                                                      worker, clock)
-        self.record = record
+        self.record, self.judge = record, judge
         self._priority = {} if priority is None else {"priority": priority}
         self.limits = EpisodeLimits(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                     max_context=cfg.max_context, env_timeout=cfg.checker_timeout,
@@ -152,7 +160,9 @@ class RolloutSource:
                                     self.limits, rid)
         if turn is None:
             return Member((), 0.0, {"ended": "no_output"})
-        score = local_score(task, turn.text)
+        score = local_score(task, turn.text, True if task.rubric else None)  # the rubric's YES assumed, for now
+        if score and task.rubric:
+            score = local_score(task, turn.text, await self._rubric(task, turn.text))
         if score and task.callable is not None:
             try:
                 score *= checker_score(await self.worker.call(task.callable, turn.text, task.id, task.chat(),
@@ -163,6 +173,18 @@ class RolloutSource:
                 score = 0.0
         return Member(((turn.prompt_ids, turn.output_ids, turn.logprobs),), score,
                       {"reply": turn.text[:RECORD_CHARS], "finish": turn.finish})
+
+    async def _rubric(self, task: Task, text: str) -> bool | None:
+        """The judge's answer to the item's rubric about this reply: True (YES), False, or None when it gave none."""
+        if self.judge is None:
+            raise RuntimeError(f"{task.id} has a rubric and no judge model answers it")  # the config refuses this
+        try:
+            return evalset.parse_rubric(await self.judge.complete(
+                evalset.rubric_messages(task.rubric, task.chat(), text, nonce=quoting.new_nonce())))
+        except JudgeFailed as exc:
+            self.stats.judge_failures += 1
+            log.warning("the judge on %s's rubric: %s (scored 0)", task.id, exc)
+            return None
 
     async def _episode(self, environment: str, seed: int, rid: str) -> Member | None:
         async with self._slots:

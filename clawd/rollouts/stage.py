@@ -3,7 +3,7 @@
 Built after serving (it reads the live requests in flight) and drained before it: the source stops drawing,
 a group in progress is dropped (its answers were never put), the worker is killed, the record closed. Its
 edges: the policy engines (through the balanced client, with the policy's adapter in LoRA mode), the sample
-store, the policy serving, and serving's admission count.
+store, the policy serving, serving's admission count, and the judge model (the set's rubrics).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from clawd.served import Policy
 
 class Rollouts(Stage):
     def __init__(self, cfg: Config, *, tokenizer, generate, store: SampleStore, policy: Policy,
-                 live: Callable[[], int]):
+                 live: Callable[[], int], judge=None):
         self.cfg = cfg
         tasks = rollout_tasks.load(cfg.rollouts.set) if cfg.rollouts.set else ()  # checked with the config
         self.worker = DeploymentWorker(name="clawd-rollouts")
@@ -34,7 +34,7 @@ class Rollouts(Stage):
         self.source = RolloutSource(cfg.rollouts, tasks=tasks, tokenizer=tokenizer, generate=generate,
                                     put=store.put, waiting=store.waiting_by_principal, live=live,
                                     version=lambda: policy.version, worker=self.worker, record=self.records.write,
-                                    priority=ROLLOUT_PRIORITY if cfg.priority_scheduling else None)
+                                    priority=ROLLOUT_PRIORITY if cfg.priority_scheduling else None, judge=judge)
         self._task: asyncio.Task | None = None
 
     async def start(self, tasks: asyncio.TaskGroup) -> None:

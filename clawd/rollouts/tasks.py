@@ -11,10 +11,12 @@ and a check may use the gate's rules (contains_any, regex, rubric, ...) and thes
   (clawd.rollouts.worker) as function(reply, item_id, messages) and returning a score: a bool, or a number
   in [0, 1]. It runs under `[rollouts] checker_timeout`; one that fails or times out scores the answer 0.
 
-The gate's `rubric` (a judge's yes/no) is refused here: rollouts do not ask the judge yet.
+The gate's `rubric` (a yes/no question about the reply) is asked of clawd's judge model (the source's
+`judge`), and only once every other rule holds: a reply the rules already fail costs no judge call. A set with
+a rubric needs a judge model (`[judge] backend` other than "rules"), checked with the config.
 
-A reply scores 1 when every local rule holds and 0 otherwise; with `callable`, the product of that and the
-checker's score.
+A reply scores 1 when every local rule holds (the rubric's answer YES, if it has one) and 0 otherwise; with
+`callable`, the product of that and the checker's score.
 """
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ class Task:
 
     def chat(self) -> list[dict[str, str]]:
         return [dict(m) for m in self.messages]
+
+    @property
+    def rubric(self) -> str | None:
+        return self.check.rubric if self.check is not None else None
 
 
 def final_number(text: str | None) -> float | None:
@@ -103,9 +109,6 @@ def parse_task(raw: Any, default_id: str) -> Task:
     pid, messages, check = evalset.prompt_parts(raw, default_id)
     if not isinstance(check, dict) or not check:
         return Task(pid, messages, evalset.parse_check(check))  # the gate's parser says what is wrong
-    if "rubric" in check:
-        raise ValueError("rubric: rollouts do not ask the judge yet; score with number, exact, the gate's text "
-                         "rules or a callable checker")
     ours = {k: v for k, v in check.items() if k in ROLLOUT_RULES}
     theirs = {k: v for k, v in check.items() if k not in ROLLOUT_RULES}
     if "tolerance" in ours and "number" not in ours:
