@@ -117,7 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny, smollm2, or a model directory (with the smollm2 profile)")
     ap.add_argument("--task", choices=verifiable.TASKS,
-                    help="learn a verifiable task from active rollouts instead of users (clawd/tools/sim/verifiable.py; SmolLM2)")
+                    help="learn a verifiable task from active rollouts instead of users "
+                         "(clawd/tools/sim/verifiable.py; SmolLM2)")
+    ap.add_argument("--gate", action="store_true", help="with --task: the promotion gate on (16 shipped prompts)")
     ap.add_argument("--arms", help=f"comma-separated, of {', '.join(ARMS)} (default: the profile's)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N per mode (default 3)")
     for name, kind in (("steps", int), ("batch", int), ("lr", float), ("max_tokens", int), ("probes", int),
@@ -152,8 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.task and args.model == "tiny":
         args.model = "smollm2"  # the task is SmolLM2's: the random-weight model answers nothing
     profile = PROFILES[args.task or ("tiny" if args.model == "tiny" else "smollm2")]
-    for key in ("group", "rollout_temperature", "train_items", "gate"):  # the task's rollouts, as the demo runs them
+    for key in ("group", "rollout_temperature", "train_items"):  # the task's rollouts, as the demo runs them
         setattr(args, key, verifiable.DEFAULTS[key])
+    args.gate = args.gate or verifiable.DEFAULTS["gate"]
     for key, value in profile.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -240,8 +243,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 # What a saved run's figures depend on: a run is reused only under the same values of all of them.
-SETTINGS = ("task", "model_dir", "personas", "steps", "batch", "lr", "lora_rank", "baseline", "teacher", "train_keys",
-            "max_tokens", "temperature", "probes", "concurrency", "eval_every", "threads")
+SETTINGS = ("task", "gate", "model_dir", "personas", "steps", "batch", "lr", "lora_rank", "baseline", "teacher",
+            "train_keys", "max_tokens", "temperature", "probes", "concurrency", "eval_every", "threads")
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -507,7 +510,8 @@ def task_report(args: argparse.Namespace, done: dict[tuple[str, int], dict], pro
     failures = [f"{arm} seed {seed}: exit {done[arm, seed]['exit']}" for arm in args.arm_list for seed in seeds
                 if done[arm, seed]["exit"] != 0]
     results = {arm: verifiable.tally_arm({seed: done[arm, seed] for seed in seeds}) for arm in args.arm_list}
-    versus = {f"{arm} vs {CONTROL}": verifiable.versus({s: done[arm, s] for s in seeds}, {s: done[CONTROL, s] for s in seeds})
+    versus = {f"{arm} vs {CONTROL}": verifiable.versus({s: done[arm, s] for s in seeds},
+                                                       {s: done[CONTROL, s] for s in seeds})
               for arm in args.arm_list if arm not in CONTROLS and CONTROL in args.arm_list}
     print(f"\n{args.task}: held-out solve rate, paired over (seed, item), {args.probes} items x {args.seeds} seeds\n")
     for arm, r in results.items():
@@ -516,9 +520,9 @@ def task_report(args: argparse.Namespace, done: dict[tuple[str, int], dict], pro
               f"{r['right_when_formed']['before']:.2f} -> {r['right_when_formed']['after']:.2f}; words "
               f"{r['words']['before']:.1f} -> {r['words']['after']:.1f}")
         for seed, b in r["by_seed"].items():
-            print(f"{'':9s} seed {seed}: {b['before']:.2f} -> {b['after']:.2f} ({b['steps']} steps, {b['trained']} samples; "
-                  f"rollouts {b['rollout_solved']}/{b['rollout_answers']} solved, {b['dropped_agree']} of "
-                  f"{b['groups']} groups agreed)")
+            print(f"{'':9s} seed {seed}: {b['before']:.2f} -> {b['after']:.2f} ({b['steps']} steps, "
+                  f"{b['trained']} samples; rollouts {b['rollout_solved']}/{b['rollout_answers']} solved, "
+                  f"{b['dropped_agree']} of {b['groups']} groups agreed)")
     for name, r in versus.items():
         print(f"  {paired.describe(name, r)}: {paired.verdict(r)}")
     _, held = verifiable.train_and_held_out(args.train_items, args.probes)
@@ -528,8 +532,10 @@ def task_report(args: argparse.Namespace, done: dict[tuple[str, int], dict], pro
               if paired.verdict(r) != "up"]
     missed += [f"{arm}: {paired.describe('solved', results[arm]['solved'])}" for arm in args.arm_list
                if arm not in CONTROLS and paired.verdict(results[arm]["solved"]) != "up"]
-    out = {"provenance": prov, "task": args.task, "model": str(args.model_dir), "steps": args.steps, "batch": args.batch,
-           "lr": args.lr, "lora_rank": args.lora_rank, "group": args.group, "rollout_temperature": args.rollout_temperature,
+    out = {"provenance": prov, "task": args.task, "gate": args.gate, "model": str(args.model_dir), "steps": args.steps,
+           "batch": args.batch,
+           "lr": args.lr, "lora_rank": args.lora_rank, "group": args.group,
+           "rollout_temperature": args.rollout_temperature,
            "max_tokens": args.max_tokens, "temperature": args.temperature, "probes": args.probes, "seeds": args.seeds,
            "jobs": args.jobs, "wall_s": round(time.monotonic() - started, 1), "arms": results, "versus_control": versus,
            "runs": {f"{arm}-{seed}": run for (arm, seed), run in done.items()}, "failures": failures,
@@ -539,7 +545,8 @@ def task_report(args: argparse.Namespace, done: dict[tuple[str, int], dict], pro
     print(f"\n{time.monotonic() - started:.0f} s; wrote {args.out}")
     for line in failures + missed:
         print("FAILED:" if line in failures else "MISSED:", line, file=sys.stderr)
-    print(f"overall: {'PASS' if out['pass'] else 'FAIL'} (solved up in every mode arm, and beyond the {CONTROL} control)")
+    print(f"overall: {'PASS' if out['pass'] else 'FAIL'} "
+          f"(solved up in every mode arm, and beyond the {CONTROL} control)")
     return 0 if out["pass"] else 1
 
 

@@ -1,9 +1,10 @@
 """A verifiable task learnt by active rollouts alone: no users, the rollout source's prompt set, group advantages.
 
 `make demo DEMO_ARGS="--task compare"` runs it once (`demo`, below); `bench/learning.py --task compare` runs it
-in arms over seeds and gives the verdicts (this module holds the task, one run and the summaries). One fresh clawd per (arm, seed): the CPU engine, the learner on, no chat traffic; the
-rollout source draws B prompts × N answers from a generated prompt set, scores each answer by its final number
-and trains on the group advantages (clawd/rollouts). Arms: `rl`, and the `shuffled` control (the batch's
+in arms over seeds and gives the verdicts (this module holds the task, one run and the summaries). One fresh
+clawd per (arm, seed): the CPU engine, the learner on, no chat traffic; the rollout source draws B prompts × N
+answers from a generated prompt set, scores each answer by the set's rules and trains on the group advantages
+(clawd/rollouts). Arms: `rl`, and the `shuffled` control (the batch's
 advantages permuted across its answers: the same loop with the reward cut off from the answers).
 
 The task, `compare`: "Which number is larger, 47 or 81? Reply with the number only." (larger or smaller, two
@@ -56,7 +57,8 @@ def compare_item(seed: int) -> dict:
     other = a + b - answer
     # The other number must not be written: "74 is larger than 86" ends on the answer, 86, and says the opposite.
     return {"id": f"compare-{seed}", "numbers": [a, b],
-            "messages": [{"role": "user", "content": f"Which number is {which}, {a} or {b}? Reply with the number only."}],
+            "messages": [{"role": "user",
+                          "content": f"Which number is {which}, {a} or {b}? Reply with the number only."}],
             "check": {"number": answer, "not_contains": [str(other)]}}
 
 
@@ -87,7 +89,8 @@ def score_reply(item: dict, text: str) -> dict:
             "form": len(named) == 1 and named <= set(item["numbers"])}
 
 
-async def ask_held_out(url: str, held: list[dict], *, temperature: float, max_tokens: int, concurrency: int) -> list[dict]:
+async def ask_held_out(url: str, held: list[dict], *, temperature: float, max_tokens: int,
+                       concurrency: int) -> list[dict]:
     """Each held-out item once, seed i for item i: [{id, text, version, solved, form}] in item order."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     limit = asyncio.Semaphore(concurrency)
@@ -118,9 +121,15 @@ def sections(args, control: str, seed: int, set_path: Path) -> dict:
         "engine": {"launch": "local", "cpu_threads": args.threads, "seed": seed, "connect_timeout": 30.0,
                    "max_batch_size": 8},
         "scoring": {"mode": "rl"}, "judge": {"backend": "rules"},
-        "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": args.batch, "control": control},
+        "learner": {"enabled": True, "rollout_batch_size": args.batch, "min_batch_size": args.batch,
+                    "control": control},
         "train": train,
-        "gate": {"enabled": args.gate}, "monitors": {"enabled": args.gate},
+        # With the gate: the demo's, on 16 of the shipped prompts (general questions, none of this task's), so a
+        # version that learnt the task at the cost of everything else is held back. No monitors: they read live
+        # replies, and there are none.
+        "gate": {"enabled": True, "prompts": 16, "samples_per_prompt": 1, "max_tokens": 32} if args.gate
+        else {"enabled": False},
+        "monitors": {"enabled": False},
         "rollouts": {"enabled": True, "set": str(set_path), "prompts_per_batch": 4,
                      "samples_per_prompt": args.group, "temperature": args.rollout_temperature,
                      "max_new_tokens": args.max_tokens, "max_turns": 1, "concurrency": 8,
