@@ -407,7 +407,7 @@ async def test_a_rubric_is_asked_of_the_judge_once_the_other_rules_hold(chat_tok
     # YES; the number wrong (the judge not asked); NO; the judge gave no answer (scored 0, counted)
     assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 0.0]
     assert [s.advantage for s in samples] == [0.75, -0.25, -0.25, -0.25]
-    assert len(judge.asked) == 3 and not any("41" in a for a in judge.asked)
+    assert len(judge.asked) == 3 and not any("Blue; 41" in a for a in judge.asked)  # (a nonce may hold "41")
     assert all("Does the reply say the sky is blue?" in a for a in judge.asked)
     assert source.stats.judge_failures == 1
 
