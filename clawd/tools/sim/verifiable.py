@@ -4,14 +4,15 @@
 in arms over seeds and gives the verdicts (this module holds the task, one run and the summaries). One fresh
 clawd per (arm, seed): the CPU engine, the learner on, no chat traffic; the rollout source draws B prompts × N
 answers from a generated prompt set, scores each answer by the set's rules and trains on the group advantages
-(clawd/rollouts). Arms: `rl`, and the `shuffled` control (the batch's
-advantages permuted across its answers: the same loop with the reward cut off from the answers).
+(clawd/rollouts). Arms: `rl`, and the `shuffled` control (the batch's advantages permuted across its answers:
+the same loop with the reward cut off from the answers).
 
 The task, `compare`: "Which number is larger, 47 or 81? Reply with the number only." (larger or smaller, two
-different two-digit numbers). SmolLM2-135M-Instruct answers it right about a quarter of the time at T 0.7: it
-chats, argues, or names the wrong one. A reply that names only one of the two numbers would be right half of the
-time by chance: the evaluation reports the share of answers that name exactly one of the two numbers (the form)
-beside the solve rate, and the solve rate among those (the comparison), so a gain in form alone shows as such.
+different two-digit numbers). SmolLM2-135M-Instruct answers 14 % of the held-out questions right at T 0.7 (by
+the rule above): it chats, argues, writes both numbers, or names the wrong one. A reply that names only one of
+the two numbers would be right half of the time by chance: the evaluation reports the share of answers that name
+exactly one of the two numbers (the form) beside the solve rate, and the solve rate among those (the comparison),
+so a gain in form alone shows as such.
 
 The held-out items are drawn from seeds at and above clawd.rollouts.source.EVAL_SEED_BASE and never share a
 question with the training set (checked); each is asked once, through clawd's public chat API with the official
