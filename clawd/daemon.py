@@ -46,6 +46,7 @@ from clawd.scoring.stage import Scoring
 from clawd.served import Policy
 from clawd.serving.auth import Authenticator
 from clawd.serving.connections import raise_open_file_limit
+from clawd.serving.feedback import FeedbackDesk
 from clawd.serving.stage import Serving
 from clawd.tokenizer import ChatTokenizer
 from clawd.weights import checkpointed_samples, is_adapter, restored_weights
@@ -110,20 +111,22 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
                                       compact_journal=home.journal.compact, serving=lambda: home.policy.version,
                                       pinned=home.pinned, scans=scoring.handover))
         # Serving: chat requests → the policy engines; each finished turn is handed over to scoring.
+        feedback = FeedbackDesk(scoring.scorer.ratings, home.feedback_records, home.privacy.feedback_record) \
+            if cfg.feedback.enabled else None  # users' ratings of replies, beside the judge
         dashboard = Dashboard(lambda: learning_view(status.snapshot(), home.versions, home.monitors, home.steps,
                                                     home.samples.per_minute()), auth)
         serving = await stages.add(Serving(
             cfg, tokenizer=home.tokenizer, engines=engines, policy=home.policy, pauses=home.pauses,
             handover=scoring.handover, encoder=scoring.encoder, auth=auth, metrics=metrics,
             mount=lambda app: _mount_ops(cfg, app, metrics, dashboard, status), on_request=home.requests.tick,
-            max_connections=home.max_connections, spawn=tasks.create_task))
+            max_connections=home.max_connections, spawn=tasks.create_task, feedback=feedback))
         # Rollouts: groups from a prompt set and environments, scored, into the store beside live turns.
         rollouts = None if not cfg.rollouts.enabled else await stages.add(Rollouts(
             cfg, tokenizer=home.tokenizer, generate=engines.for_role["policy"].generate, store=home.store,
             policy=home.policy, live=lambda: serving.admission.in_flight, judge=scoring.judge))
         # Ops reads the stages and owns none of them: clawctl's socket, SIGHUP's reload, READY.
         people = Holdings(cfg.state_dir, home.turn_records, home.judge_records, home.store, scoring.scorer,
-                          serving.sessions, home.versions, home.monitors, scoring.handover)
+                          serving.sessions, home.versions, home.monitors, scoring.handover, home.feedback_records)
         await stages.add(Ops(cfg, status=status, pauses=home.pauses, versions=home.versions, people=people,
                              learning=learning, engines=engines, serving=serving, policy=home.policy, auth=auth,
                              privacy=home.privacy, set_judge=scoring.set_judge, rollouts=rollouts))
@@ -153,6 +156,7 @@ class Home:
     disk: DiskBudget
     turn_records: RecordWriter
     judge_records: RecordWriter
+    feedback_records: RecordWriter
     privacy: Privacy
     monitors: Monitors | None
     steps: StepLog
@@ -187,7 +191,7 @@ class Home:
         disk = DiskBudget(state_dir, cfg.state.min_free_bytes, pauses)  # a low disk pauses learning, not serving
         disk.poll()
         records = [RecordWriter(state_dir / "records", kind=kind, retention_days=cfg.records.retention_days,
-                                on_error=disk.failed) for kind in ("turns", "judge")]
+                                on_error=disk.failed) for kind in ("turns", "judge", "feedback")]
         for writer in records:
             exits.callback(writer.close)
         return cls(cfg, share_weights, max_connections, ChatTokenizer(cfg.model_path), versions,
@@ -195,8 +199,8 @@ class Home:
                    Privacy(cfg.privacy, cfg.auth.keys), monitors, StepLog(), Rate(), Rate(), samples)
 
     @property
-    def records(self) -> tuple[RecordWriter, RecordWriter]:
-        return self.turn_records, self.judge_records
+    def records(self) -> tuple[RecordWriter, RecordWriter, RecordWriter]:
+        return self.turn_records, self.judge_records, self.feedback_records
 
     def status(self) -> dict:
         return shared(self.cfg, self.policy, self.pauses, self.store, self.disk, self.records, self.requests,

@@ -443,7 +443,7 @@ header = st.one_of(
     st.tuples(st.text(TCHAR, min_size=1, max_size=16).map(str.encode), header_value),
 ).filter(lambda h: h[0].lower() not in FRAMING)
 methods = st.sampled_from([b"POST"] * 6 + [b"GET", b"PUT", b"DELETE", b"PATCH", b"OPTIONS", b"HEAD"])
-known_paths = st.sampled_from([CHAT] * 8 + [b"/v1/models", b"/health", b"/ready", b"/v1/chat/completions/",
+known_paths = st.sampled_from([CHAT] * 8 + [b"/v1/feedback"] * 2 + [b"/v1/models", b"/health", b"/ready", b"/v1/chat/completions/",
                                             b"/V1/CHAT/COMPLETIONS", b"/v1/chat/completions?stream=true", b"/"])
 odd_paths = st.text("abcxyz019-._~%/?=&", max_size=24).map(lambda p: b"/" + p.encode())
 targets = weighted((8, st.tuples(methods, known_paths)), (2, st.tuples(methods, odd_paths)),

@@ -39,9 +39,10 @@ def gate(score, incumbent, low, high, passed, detail="") -> dict:
             "detail": detail}
 
 
-def version(n, status, parent, gate_=None, mons=None, alarms=()) -> dict:
+def version(n, status, parent, gate_=None, mons=None, alarms=(), agreement=None) -> dict:
     return {"version": n, "parent": parent, "created": T0 + 600 * n, "status": status, "steps": 4 * n,
-            "samples": 32 * n, "gate": gate_, "monitors": mons or monitors(0), "alarms": list(alarms)}
+            "samples": 32 * n, "gate": gate_, "monitors": mons or monitors(0), "alarms": list(alarms),
+            "judge_agreement": agreement}
 
 
 def history() -> dict:
@@ -57,16 +58,19 @@ def history() -> dict:
         "queue": {"waiting": 13, "batch": 8},
         "samples_per_minute": 6.5,
         "rollouts": {"running": True, "groups": 12, "answers": 48, "solved": 9, "backlog": 4},
+        "feedback": {"ratings": 61, "judged": 40, "agreement": 0.625, "low": 0.47, "high": 0.76,
+                     "alarms": [{"scope": "principal", "key": f"carol {SCRIPT}", "agreement": 0.2, "judged": 25}]},
         "versions": [
             version(0, "retired", None, None, monitors(120, mean_words=41.5, reward_mean=0.12, kl=0.0, **base)),
             version(1, "retired", 0, gate(0.61, 0.58, -0.01, 0.07, True),
-                    monitors(96, mean_words=38.25, reward_mean=0.2, kl=0.05, **base)),
+                    monitors(96, mean_words=38.25, reward_mean=0.2, kl=0.05, **base), agreement=0.8),
             version(2, "rejected", 1, gate(0.42, 0.61, -0.27, -0.11, False, "worse than v1 by 0.19")),
             version(3, "rolled_back", 1, gate(0.64, 0.61, -0.02, 0.08, True),
                     monitors(40, mean_words=3.1, reward_mean=0.31, kl=0.4,
                              **(base | {"one_word_share": 0.45, "distinct_2": 0.3})),
                     alarms=[{"monitor": "one_word_share", "action": "rollback", "detail": f"0.45 vs 0.02 {SCRIPT}"},
-                            {"monitor": "mean_words", "action": "alarm", "detail": "3.1 words vs 39.9"}]),
+                            {"monitor": "mean_words", "action": "alarm", "detail": "3.1 words vs 39.9"}],
+                    agreement=0.45),
             version(4, "serving", 1, gate(0.66, 0.61, 0.01, 0.09, True),
                     monitors(30, mean_words=37.0, reward_mean=0.28, **base)),
             version(5, "candidate", 4),
@@ -80,6 +84,7 @@ def history() -> dict:
 
 SERIES = {"gate_score": lambda v: v["gate"] and v["gate"]["score"],
           "gate_diff": lambda v: v["gate"] and v["gate"]["diff"],
+          "judge_agreement": lambda v: v["judge_agreement"],
           **{name: (lambda v, name=name: v["monitors"][name]) for name in MONITORS}}
 
 
@@ -291,8 +296,11 @@ async def test_chromium_draws_the_history_signed_in_from_the_url(tmp_path):
     assert [(li.attrs["data-version"], li.attrs["data-status"]) for li in dom.one(id="versions").all("li")] == [
         (str(v["version"]), v["status"]) for v in versions]
     alarms = dom.one(id="alarms").all("li")
-    assert [a.attrs["data-monitor"] for a in alarms] == ["one_word_share", "mean_words"]
-    assert SCRIPT in alarms[0].text
+    assert [a.attrs["data-monitor"] for a in alarms] == ["judge_agreement", "one_word_share", "mean_words"]
+    assert alarms[0].attrs["data-scope"] == "principal" and SCRIPT in alarms[0].text and SCRIPT in alarms[1].text
+    assert points(dom.one("svg", data_series="judge_agreement")) == [(1, 0.8), (3, 0.45)]
+    assert dom.one(id="judge-agreement").text == "63% of 40 agree (47–76%)"
+    assert dom.one(id="judge-agreement").attrs["data-state"] == "alarm"
     assert len(dom.all("script")) == 1 and dom.all("img") == []  # outside markup stayed text
     assert "<img src=x onerror=alert(2)>" in dom.one(id="pause-reasons").text
     assert [r.attrs["data-step"] for r in dom.one("tbody").all("tr")] == [str(s) for s in range(22, 2, -1)]
@@ -324,6 +332,10 @@ async def test_chromium_draws_no_version_and_one_version():
         current["data"] = {**history(), "rollouts": None}
         dom = browser.parse_dom(await browser.render(url))
         assert dom.one(id="rollouts").text == "off" and dom.one(id="rollouts").attrs["data-state"] == "off"
+        current["data"] = {**history(), "feedback": None}
+        dom = browser.parse_dom(await browser.render(url))
+        assert dom.one(id="judge-agreement").text == "off"
+        assert dom.one(id="judge-agreement").attrs["data-state"] == "off"
 
         current["data"] = {**history(), "versions": [history()["versions"][1]]}
         dom = browser.parse_dom(await browser.render(url))

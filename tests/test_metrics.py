@@ -250,6 +250,7 @@ REQUIRED = [  # the metrics operators rely on (docs/OPERATING.md: metrics)
     "clawd_hints_offered_total", "clawd_hints_accepted_total", "clawd_queue_depth", "clawd_train_steps_total",
     "clawd_train_loss", "clawd_policy_version", "clawd_samples_stale_dropped_total",
     "clawd_publish_duration_seconds", "clawd_engine_restarts_total", "clawd_trainer_restarts_total",
+    "clawd_feedback_ratings_total", "clawd_judge_rating_pairs_total",
 ]
 THANKS = "Thanks, that's perfect."
 

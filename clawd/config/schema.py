@@ -11,6 +11,7 @@ from clawd import devices
 from clawd.config.admin import AdminConfig
 from clawd.config.auth import AuthConfig
 from clawd.config.engine import EngineConfig
+from clawd.config.feedback import FeedbackConfig
 from clawd.config.gate import GateConfig
 from clawd.config.journal import JournalConfig
 from clawd.config.judge import JudgeConfig
@@ -48,6 +49,8 @@ class Config:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     # [judge]: the model that scores turns, and the teacher's engine
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    # [feedback]: users' explicit ratings of replies, beside the judge
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     # [journal]: how the sample journal reaches the disk
     journal: JournalConfig = field(default_factory=JournalConfig)
     # [learner]: when a batch goes to the trainer, and the trainer calls' timeouts

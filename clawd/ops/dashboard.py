@@ -14,6 +14,11 @@ clawd writes). The contract, every key always present:
      "rollouts": null | {"running": bool,     # the active rollouts (null: off): drawing groups, or paused
                          "groups": int, "answers": int, "solved": int,   # drawn, scored, scored 1
                          "backlog": int},     # their samples waiting for the learner
+     "feedback": null | {"ratings": int,     # users' ratings of replies received (null: feedback off)
+                         "judged": int,       # rated turns the judge also scored +1 or -1
+                         "agreement": float | null, "low": float | null, "high": float | null,  # 95 % interval
+                         "alarms": [{"scope": "all" | "version" | "principal", "key": str,
+                                     "agreement": float, "judged": int}]},
      "versions": [                            # oldest first: the last versions of state/versions.jsonl
        {"version": int, "parent": int | null, "created": float,
         "status": "candidate" | "serving" | "retired" | "rejected" | "rolled_back",
@@ -30,6 +35,7 @@ clawd writes). The contract, every key always present:
                      "refusal_share": float | null, "tool_error_share": float | null,
                      "reward_mean": float | null, "hint_share": float | null,
                      "kl": float | null, "entropy": float | null},
+        "judge_agreement": float | null,      # the judge's ±1 verdicts its users' ratings confirmed
         "alarms": [{"monitor": str, "action": str, "detail": str}]}],
      "steps": [                               # the last training steps (at most 50), oldest first
        {"step": int, "version": int | null, "time": float, "samples": int,

@@ -38,6 +38,9 @@ def learning_view(snapshot: dict, versions, monitors, steps: StepLog, samples_pe
     """The dashboard's dict: `snapshot` is the status snapshot (clawd.ops.status), `versions` the history
     (clawd.safety.versions.Versions), `monitors` the live tallies (clawd.safety.monitors.Monitors) or None."""
     live = monitors.snapshot() if monitors is not None else {}
+    feedback = snapshot.get("feedback")
+    calibration = feedback["calibration"] if feedback and feedback["enabled"] else None
+    agreement = {} if calibration is None else {int(v): s["agreement"] for v, s in calibration["versions"].items()}
 
     def row(v: dict) -> dict:
         kept = v["monitors"] or {}
@@ -46,6 +49,7 @@ def learning_view(snapshot: dict, versions, monitors, steps: StepLog, samples_pe
                 "steps": len(v["steps"]), "samples": v["samples"],
                 "gate": None if v["gate"] is None else {k: v["gate"].get(k) for k in GATE_KEYS},
                 "monitors": {"replies": summary.get("replies") or 0, **{k: summary.get(k) for k in MONITOR_KEYS}},
+                "judge_agreement": agreement.get(v["version"]),
                 "alarms": [{"monitor": a["monitor"], "action": a["action"], "detail": a["detail"]}
                            for a in kept.get("alarms", [])]}
 
@@ -57,5 +61,16 @@ def learning_view(snapshot: dict, versions, monitors, steps: StepLog, samples_pe
             "queue": {"waiting": snapshot["queue"]["waiting"], "batch": snapshot["queue"]["batch_size"]},
             "samples_per_minute": samples_per_minute,
             "rollouts": None if (r := snapshot.get("rollouts")) is None else {k: r[k] for k in ROLLOUT_KEYS},
+            "feedback": None if calibration is None else _feedback(feedback, calibration),
             "versions": [row(v) for v in versions.snapshot(VERSIONS_SHOWN)],
             "steps": list(steps.steps)}
+
+
+def _feedback(feedback: dict, calibration: dict) -> dict[str, Any]:
+    """Users' ratings and the judge's agreement with them, overall, and the calibration alarms standing."""
+    overall = calibration["all"]
+    low, high = overall["interval"] or (None, None)
+    return {"ratings": sum(feedback["received"].values()), "judged": overall["judged"],
+            "agreement": overall["agreement"], "low": low, "high": high,
+            "alarms": [{"scope": a["scope"], "key": str(a["key"]), "agreement": a["agreement"], "judged": a["judged"]}
+                       for a in calibration["alarms"]]}

@@ -208,6 +208,8 @@ class SnapshotCollector(Collector):
         yield counter("clawd_turns_not_learned_total", "Finished turns not scored because learning was paused.",
                       snap["scoring"]["not_learned_while_paused"])
         yield from _scoring(snap["mode"], snap["scoring"])
+        if (feedback := snap.get("feedback")) is not None:
+            yield from _feedback(feedback)
         yield from _queue(snap["queue"], snap["journal"])
         if snap["learner"] is not None:
             yield from _learner(snap["learner"])
@@ -293,6 +295,35 @@ def _scoring(mode: str, st: dict) -> Iterator[Metric]:
     yield counter("clawd_hints_accepted_total", "Turns whose hint was accepted.", st["hints_accepted"])
     yield counter("clawd_reference_failed_total", "Samples kept without the reference's log-probs (left out of "
                   "the KL term).", st.get("reference_failed", 0))
+
+
+def _feedback(st: dict) -> Iterator[Metric]:
+    """Users' ratings of replies, and the judge's agreement with them (no principal label: names stay out)."""
+    yield labelled(CounterMetricFamily, "clawd_feedback_ratings", "Ratings of replies by what became of them "
+                   "(pending: counted for training; late: its turn already scored; not_trainable).", "status",
+                   st["received"])
+    yield counter("clawd_feedback_unknown_total", "Ratings naming no reply of their principal's that is remembered "
+                  "(answered 404).", st["unknown"])
+    yield counter("clawd_feedback_trained_total", "Ratings a turn's sample was decided on.", st["trained"])
+    yield counter("clawd_feedback_alone_total", "Of those, turns the judge could not score (the rating alone).",
+                  st["alone"])
+    yield counter("clawd_feedback_unused_total", "Pending ratings whose turn was never scored.", st["unused"])
+    cal = st["calibration"]
+    pairs = CounterMetricFamily("clawd_judge_rating_pairs", "Rated turns the judge also scored, by the judge's "
+                                "verdict (none: no valid vote) and the rating.", labels=["judge", "rating"])
+    for judge, row in cal["all"]["counts"].items():
+        for rating, n in row.items():
+            pairs.add_metric([judge, rating], n)
+    yield pairs
+    agreement = GaugeMetricFamily("clawd_judge_agreement", "Share of the judge's +1/-1 verdicts the users' "
+                                  "ratings confirmed, overall (version=\"all\") and per policy version.",
+                                  labels=["version"])
+    for version, summary in [("all", cal["all"]), *cal["versions"].items()]:
+        if summary["agreement"] is not None:
+            agreement.add_metric([version], summary["agreement"])
+    yield agreement
+    yield gauge("clawd_judge_calibration_alarms", "Scopes (all, a version, a principal) whose agreement interval "
+                "lies wholly below [feedback] alarm_below.", len(cal["alarms"]))
 
 
 def _queue(queue: dict, j: dict) -> Iterator[Metric]:

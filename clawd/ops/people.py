@@ -1,8 +1,9 @@
 """Everything clawd holds about one person: `clawctl export PRINCIPAL DIR` and `clawctl forget PRINCIPAL`.
 
-A principal's data lives in these places: the turn and judge records, the samples waiting in the store
-(and in the journal under it), the turns being scored, the live sessions (turns waiting for their next
-message), the batches of rejected versions kept for inspection (state/rejected/), the damaged journal
+A principal's data lives in these places: the turn, judge and feedback records (their ratings of replies), the
+replies they may still rate and the ratings waiting for their turns (the scorer's registry), the samples waiting
+in the store (and in the journal under it), the turns being scored, the live sessions (turns waiting for their
+next message), the batches of rejected versions kept for inspection (state/rejected/), the damaged journal
 spans set aside at replay (journal/quarantine/) that name them, exports of them still staged
 (state/exports/), temporary files a crash left mid-rewrite, and the reply texts the behaviour monitors
 keep in memory. `export` copies their part of it into a staging directory under the state directory (the
@@ -57,6 +58,7 @@ class Holdings:
     versions: Versions
     monitors: Monitors | None = None  # the behaviour monitors' kept reply texts
     handover: TurnHandover | None = None  # finished turns waiting for their PII scan
+    feedback_records: RecordWriter | None = None  # their ratings of replies
 
     async def export(self, principal: str, asked_by: str) -> dict[str, Any]:
         """Write everything about `principal` under state_dir/exports/; returns the manifest (with its path)."""
@@ -69,6 +71,8 @@ class Holdings:
         files = {
             "turns.jsonl": await _read(self.turn_records.select(principal)),
             "judge.jsonl": await _read(self.judge_records.select(principal)),
+            "feedback.jsonl": await _read(self.feedback_records.select(principal)) if self.feedback_records else [],
+            "ratings_waiting.jsonl": [_line(dataclasses.asdict(r)) for r in self.scorer.ratings.pending_of(principal)],
             "samples.jsonl": [s.to_json().decode() + "\n" for s in self.store.of(principal)],
             "scoring.jsonl": [_line(f.to_record()) for f in self.scorer.pending_of(principal)],
             "sessions.jsonl": [_line(FinishedTurn(t, None, None, t.created).to_record())
@@ -115,6 +119,8 @@ class Holdings:
             "quarantined_spans": samples["quarantined"],
             "turn_records": await self.turn_records.remove(principal),
             "judge_records": await self.judge_records.remove(principal),
+            "feedback_records": await self.feedback_records.remove(principal) if self.feedback_records else 0,
+            "replies_rated_or_rateable": self.scorer.ratings.forget(principal),  # ids, ratings waiting, calibration
             "rejected_samples": self._drop_rejected(principal),
             "exports": self._drop_exports(principal),
             "temporary_files": temporaries,

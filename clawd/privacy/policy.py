@@ -141,6 +141,15 @@ class Privacy:
             out["hint"] = self.detector.redact(out["hint"], self.detector.detect(out["hint"]))
         return out
 
+    def feedback_record(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """A feedback record (a user's rating of a reply) with PII replaced in its text; None for a key with
+        record = false."""
+        if not self.records(record.get("principal", "")):
+            return None
+        if not self.cfg.redact_records or self.detector is None or not isinstance(record.get("text"), str):
+            return record
+        return record | {"text": self.detector.redact(record["text"], self.detector.detect(record["text"]))}
+
     # --- scanning ------------------------------------------------------------------------------
 
     def scan(self, *message_lists: list[dict[str, Any]]) -> dict[str, int]:

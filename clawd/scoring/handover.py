@@ -131,6 +131,7 @@ class TurnHandover:
             self.monitors.observe_turn(finished.turn.policy_version, finished.to_record(), keep_text=record is not None)
         if self.pauses.learning:
             self.pauses.turns_not_learned += 1
+            self.scorer.ratings.passed_over(finished.turn.request_id)  # a rating of it is recorded, not trained
             return
         self.scorer.submit(finished)
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Coroutine, Protocol
 
 from clawd import quoting
 from clawd.scoring import judging, rules
+from clawd.scoring.feedback import Rating, Ratings, with_rating
 from clawd.config.schema import Config
 from clawd.learning.journal import JournalError
 from clawd.encoding import Encoder, encode_quoted
@@ -36,6 +37,12 @@ SCORING_BACKLOG = "scoring_backlog"  # beyond scoring.max_pending turns or max_p
 TEACHER_FAILED = "teacher_failed"    # the hint was accepted but the teacher could not score the response
 JOURNAL_FAILED = "journal_failed"    # the sample could not be written: nothing was acknowledged
 SCORING_CANCELLED = "scoring_cancelled"  # still being judged when shutdown's drain time ran out
+
+
+def _calibration_alarm(alarm: dict) -> None:
+    log.warning("judge calibration: the users' ratings confirm %.0f%% of the judge's verdicts in %s %s (95%% "
+                "interval %s, %d verdicts rated): the judge may not read these users", 100 * alarm["agreement"],
+                alarm["scope"], alarm["key"], alarm["interval"], alarm["judged"])
 
 
 class Judge(Protocol):
@@ -92,6 +99,10 @@ class Scorer:
         self.record_view = record_view
         # Sessions that already gave a sample (rl's at-least-one rule); bounded, oldest forgotten.
         self._served_sessions: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # Users' explicit ratings of replies, waiting for their turns, and the judge's calibration against them.
+        fb = cfg.feedback
+        self.ratings = Ratings(policy=fb.ratings, max_replies=fb.max_replies, min_pairs=fb.min_pairs,
+                               alarm_below=fb.alarm_below, on_alarm=_calibration_alarm)
         if self.mode != "rl" and teacher is None:
             raise ValueError(f"mode {self.mode} needs a teacher")
 
@@ -102,12 +113,15 @@ class Scorer:
         reason = turn.excluded or (finished.reason if finished.next_state is None else None)
         if finished.next_state is None and reason is None:
             reason = judging.NO_NEXT_STATE
+        if reason is not None and turn.excluded is None and self.ratings.waiting(turn.request_id):
+            reason = None  # nothing followed it for a judge to read, but its user rated it: that can train it
         size = turn_bytes(turn) if reason is None else 0
         # Over budget the turn is excluded, not cut: the judge and teacher prompts need its messages whole.
         if reason is None and (self.stats.pending >= self.max_pending
                                or self.stats.pending_bytes + size > self.max_pending_bytes):
             reason = SCORING_BACKLOG
         if reason is not None:
+            self.ratings.passed_over(turn.request_id, turn.excluded)
             self._exclude(finished, reason)
             return
         self.stats.pending += 1
@@ -174,13 +188,14 @@ class Scorer:
         started = time.monotonic()
         turn = finished.turn
         try:
-            outcome, raw = await self._judge(finished)
+            outcome, raw, rating = await self._judge(finished)
         except asyncio.CancelledError:  # shutdown ran out of time: say so in the records
             self._exclude(finished, SCORING_CANCELLED)
             raise
         decision, scores, overlaps = outcome.decision, None, None
         if decision.emit and decision.has_hint:
-            scores, decision, outcome, overlaps = await self._teacher(finished, outcome)
+            scores, decision, outcome, overlaps = await self._teacher(finished, outcome,
+                                                                      user_hint=rating is not None and rating.text)
         reference = await self._reference(turn) if decision.emit and self.reference is not None else None
         sample_id = None
         if decision.emit:
@@ -212,6 +227,8 @@ class Scorer:
                       latency=round(time.monotonic() - started, 4))
         if overlaps is not None:  # the candidate hints' overlaps, in candidate_hints' order
             record["hint_overlaps"] = overlaps
+        if rating is not None:  # the user's own rating decided it (the text's hint, if any, is `hint`)
+            record["rating"] = rating.rating
         self._record(record)
 
     def _record(self, record: dict) -> None:
@@ -220,17 +237,20 @@ class Scorer:
             return
         self.records.write(record, time.time())
 
-    async def _judge(self, finished: FinishedTurn) -> tuple[judging.Outcome, list[str | None]]:
+    async def _judge(self, finished: FinishedTurn) -> tuple[judging.Outcome, list[str | None], Rating | None]:
+        """The judge's votes and hint, then the user's rating if one came (it is taken once the judge has
+        answered, so one that arrives meanwhile counts), and the decision on both."""
         turn, next_state = finished.turn, finished.next_state
         wants_rl, wants_hint = self.mode in ("rl", "combine"), self.mode in ("opd", "combine")
-        if self.judge is None:
+        if next_state is None:  # only a rating brought it here: the judge has nothing to read
+            votes, hint_votes, hint, raw = (), (), None, []
+        elif self.judge is None:
             vote, rules_hint = rules.rules_vote(turn, next_state)
             votes = (vote,) if wants_rl else ()
             # As a hint judge would vote: +1 "the next state holds a hint", -1 "it does not".
             hint_votes = ((1 if rules_hint else -1, rules_hint),) if wants_hint else ()
-            rl_vote = vote if wants_rl else None
             hint = rules_hint if wants_hint else None  # already length-checked by rules_vote
-            raw: list[str | None] = []
+            raw = []
         else:
             if self.judge_view is not None:  # an external judge sees PII replaced ([privacy] redact_judge)
                 turn, next_state = self.judge_view(turn, next_state)
@@ -243,21 +263,26 @@ class Scorer:
             rl_raw, hint_raw = raw[:len(rl_calls)], raw[len(rl_calls):]
             votes = tuple(judging.parse_vote(t) if t is not None else None for t in rl_raw)
             hint_votes = tuple(judging.parse_hint_vote(t) if t is not None else (None, None) for t in hint_raw)
-            rl_vote = judging.majority(votes) if wants_rl else None
             hint = judging.select_hint(hint_votes) if wants_hint else None
         for v in votes:
             key = {1: "+1", 0: "0", -1: "-1"}.get(v, "failed")
             self.stats.votes[key] = self.stats.votes.get(key, 0) + 1
         self.stats.hints_offered += sum(1 for v, h in hint_votes if v == 1 and h)
         self.stats.hints_accepted += hint is not None
+        judged = wants_rl and next_state is not None
+        rating = self.ratings.take(turn.request_id)
+        rl_vote, hint = with_rating(self.ratings.policy, votes, hint, rating)
+        rl_vote, hint = (rl_vote if wants_rl else None), (hint if wants_hint else None)
+        self.ratings.scored(turn.request_id, judged=judged, judge=judging.majority(votes) if judged else None,
+                            rating=rating)
         at_least_one = (self.at_least_one and self.mode == "rl"
                         and (turn.principal, turn.session_id) not in self._served_sessions)
         decision = judging.decide(self.mode, rl_vote=rl_vote, hint=hint, has_next_state=True,
-                            at_least_one_applies=at_least_one)
+                                  at_least_one_applies=at_least_one)
         outcome = judging.Outcome(session_id=turn.session_id, turn_index=turn.turn_index, mode=self.mode,
-                            judge="rules" if self.judge is None else "model", votes=votes,
-                            score=rl_vote, hint_votes=hint_votes, hint=hint, decision=decision)
-        return outcome, raw
+                                  judge="rules" if self.judge is None else "model", votes=votes,
+                                  score=rl_vote, hint_votes=hint_votes, hint=hint, decision=decision)
+        return outcome, raw, rating
 
     async def _ask(self, messages: list[dict[str, Any]]) -> str | None:
         """One judge call; a failure is a missing vote (the client counted it)."""
@@ -277,7 +302,7 @@ class Scorer:
             log.warning("session %s turn %d: reference log-probs failed: %s", turn.session_id, turn.turn_index, exc)
             return None
 
-    async def _teacher(self, finished: FinishedTurn, outcome: judging.Outcome) \
+    async def _teacher(self, finished: FinishedTurn, outcome: judging.Outcome, *, user_hint: bool = False) \
             -> tuple[TeacherScores | None, judging.Decision, judging.Outcome, list[int | None] | None]:
         """The teacher's scores of the reply under the hint, the decision, the outcome (its hint the one chosen)
         and the candidates' overlaps. With the reply's top-k ids (top-K distillation) the teacher scores those
@@ -285,7 +310,10 @@ class Scorer:
         top-k overlaps the student's most is kept (the upstream project's "sequence optimal" choice)."""
         turn = finished.turn
         tops, response = turn.response_top_ids, list(turn.response_ids)
+        # A rating's text may be the hint (user_hint): then it is the one, whatever the judge offered.
         candidates = judging.candidate_hints(outcome.hint_votes) if tops and self.judge is not None else []
+        if user_hint and outcome.hint not in candidates:
+            candidates = []
         try:
             if len(candidates) < 2:
                 # the hint cannot forge control tokens

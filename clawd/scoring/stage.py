@@ -75,6 +75,10 @@ class Scoring(Stage):
                             "kinds": dict(sc.kinds), "excluded": dict(sc.excluded), "hints_offered": sc.hints_offered,
                             "hints_accepted": sc.hints_accepted, "reference_failed": sc.reference_failed,
                             "not_learned_while_paused": self.pauses.turns_not_learned},
+                "feedback": {"enabled": self.cfg.feedback.enabled, "ratings": self.scorer.ratings.policy,
+                             "replies_remembered": len(self.scorer.ratings),
+                             **dataclasses.asdict(self.scorer.ratings.stats),
+                             "calibration": self.scorer.ratings.calibration.snapshot()},
                 "encoder": dataclasses.asdict(self.encoder.stats)}
 
 

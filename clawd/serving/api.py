@@ -27,6 +27,7 @@ from clawd.serving.auth import Authenticator
 from clawd.serving.connections import Connections
 from clawd.serving import origins
 from clawd.serving.errors import ApiError
+from clawd.serving.feedback import FeedbackDesk, parse_feedback
 
 log = logging.getLogger("clawd.api")
 
@@ -114,12 +115,13 @@ SERVING_PAUSED = web.AppKey("serving_paused", Callable[[], bool])  # the operato
 ON_REQUEST = web.AppKey("on_request", Callable[[], None])          # a chat request admitted (the status rate)
 STARTED = web.AppKey("started", float)
 CONNECTIONS = web.AppKey("connections", Connections)  # the listener's connections (TrackedSite serves them)
+FEEDBACK = web.AppKey("feedback", FeedbackDesk)        # users' ratings of replies (absent: no such route)
 
 
 def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = None,
              admission: AdmissionGate | None = None, engines: Sequence[EngineSupervisor] = (),
              serving_paused: Callable[[], bool] = lambda: False, on_request: Callable[[], None] = lambda: None,
-             outer_middlewares: Sequence[Middleware] = ()) -> web.Application:
+             outer_middlewares: Sequence[Middleware] = (), feedback: FeedbackDesk | None = None) -> web.Application:
     """The chat API. `outer_middlewares` wrap the error middleware (metrics: it counts the final status,
     the error middleware's answers and 404s included); other routes (/metrics) are the caller's to add.
     app[CONNECTIONS] tracks the connections of a `TrackedSite` serving this app; its middleware is the
@@ -146,6 +148,9 @@ def make_app(cfg: Config, chat: ChatService, *, auth: Authenticator | None = Non
                     cfg.server.host, cfg.server.port)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    if feedback is not None:
+        app[FEEDBACK] = feedback
+        app.router.add_post("/v1/feedback", rate_reply)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     return app
@@ -162,24 +167,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if app[SERVING_PAUSED]():
         raise ApiError(503, "clawd is paused by its operator (clawctl resume)", code="paused", retry_after=30)
     # The whole body before a slot: a client that stalls mid-upload must not hold one of the slots.
-    try:
-        body = await _body(request, gate, cfg.server.body_timeout)
-    except TimeoutError:
-        resp = ApiError(408, f"The request body did not arrive within {cfg.server.body_timeout:g}s",
-                        code="request_timeout").response()
-        resp.force_close()  # the rest of that body is not worth waiting for
-        return resp
-    except _Draining:
-        resp = ApiError(503, "clawd is shutting down", code="shutting_down", retry_after=5).response()
-        resp.force_close()
-        return resp
-    except web.RequestPayloadError:  # a body its Content-Encoding does not decode
-        resp = ApiError(400, "The request body could not be decoded; check its Content-Encoding",
-                        code="invalid_body").response()
-        # Closed once the 400 is written (the protocol's own force_close would drop it unsent). aiohttp's
-        # lingering read of the broken rest meets the decode error again: the quiet log counts it.
-        resp.force_close()
-        return resp
+    body = await _body_or_answer(request, gate, cfg.server.body_timeout)
+    if isinstance(body, web.Response):
+        return body
     app[ON_REQUEST]()
     if gate.in_flight >= cfg.server.max_concurrent_requests:
         raise ApiError(429, f"More than {cfg.server.max_concurrent_requests} requests in flight; retry shortly",
@@ -198,6 +188,41 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     finally:
         # A whole (non-streamed) reply is written by aiohttp after this returns: after the release, too.
         slot.release()
+
+
+async def rate_reply(request: web.Request) -> web.Response:
+    """A user's rating of a reply (clawd.serving.feedback). No request slot: nothing reaches an engine."""
+    app = request.app
+    cfg, gate = app[CONFIG], app[ADMISSION]
+    key_name = app[AUTH].principal(request)
+    if problem := origins.not_json(request.headers):
+        raise problem
+    if not gate.accepting:
+        raise ApiError(503, "clawd is shutting down", code="shutting_down", retry_after=5)
+    body = await _body_or_answer(request, gate, cfg.server.body_timeout)
+    if isinstance(body, web.Response):
+        return body
+    req = parse_feedback(body, cfg.feedback.max_text_chars)
+    answer = app[FEEDBACK].rate(app[AUTH].principal_for(key_name, req.user), req, time.time())
+    return web.json_response(answer, dumps=json.dumps)
+
+
+async def _body_or_answer(request: web.Request, gate: AdmissionGate, timeout: float) -> bytes | web.Response:
+    """The whole request body, or the answer to a body that did not come whole (its connection closed once the
+    answer is written: the rest of that body is not worth waiting for)."""
+    try:
+        return await _body(request, gate, timeout)
+    except TimeoutError:
+        resp = ApiError(408, f"The request body did not arrive within {timeout:g}s", code="request_timeout").response()
+    except _Draining:
+        resp = ApiError(503, "clawd is shutting down", code="shutting_down", retry_after=5).response()
+    except web.RequestPayloadError:  # a body its Content-Encoding does not decode
+        # Closed once the 400 is written (the protocol's own force_close would drop it unsent). aiohttp's
+        # lingering read of the broken rest meets the decode error again: the quiet log counts it.
+        resp = ApiError(400, "The request body could not be decoded; check its Content-Encoding",
+                        code="invalid_body").response()
+    resp.force_close()
+    return resp
 
 
 class _Draining(Exception):

@@ -33,6 +33,7 @@ from clawd.engine.client import Chunk, EngineError, EngineUnavailable, top_ids
 from clawd.engine.lora import AdapterUse
 from clawd.engine.replicas import Attempt, Replicas
 from clawd.serving.errors import ApiError, bad_request
+from clawd.scoring.feedback import Ratings
 from clawd.serving.capture import Capture, captured_turn
 from clawd.serving.payload import engine_sampling
 from clawd.serving.reply import ReplyBuilder
@@ -105,9 +106,10 @@ class ChatService:
     def __init__(self, cfg: Config, tokenizer: ChatTokenizer, replicas: Replicas, sessions: SessionTable,
                  on_finished: Callable[[FinishedTurn], None], policy: Policy,
                  spawn: Callable[[Any], Any], adapters: AdapterUse | None = None, encoder: Encoder | None = None,
-                 on_first_token: Callable[[float], None] | None = None):
+                 on_first_token: Callable[[float], None] | None = None, ratings: Ratings | None = None):
         """encoder: the worker long prompts are encoded in (None: in the daemon, yielding between pieces);
-        on_first_token: called with the seconds from `complete` to a streamed reply's first token (metrics)."""
+        on_first_token: called with the seconds from `complete` to a streamed reply's first token (metrics);
+        ratings: where each main turn served is registered, for its user's ratings (None: feedback is off)."""
         self.cfg = cfg
         # Top-K distillation asks the engine for each reply token's top-k ids (0: not asked).
         self.top_k = cfg.train.loss.opd_top_k if cfg.scoring.mode != "rl" else 0
@@ -127,6 +129,7 @@ class ChatService:
         self.model_name = cfg.server.served_model_name or cfg.model_path.name
         self._locks = _SessionLocks()
         self.on_first_token = on_first_token
+        self.ratings = ratings
 
     # ---- request → engine payload -------------------------------------------------
 
@@ -344,6 +347,9 @@ class ChatService:
         if turn.excluded == LOGPROB_MISMATCH:
             log.error("rid %s: engine log-prob ids disagree with output ids; turn excluded", rid)
         self.stats.main_turns += 1
+        if self.ratings is not None:
+            self.ratings.served(turn.request_id, principal=turn.principal, version=turn.policy_version,
+                                session_id=turn.session_id, turn_index=turn.turn_index, excluded=turn.excluded)
         if turn.excluded:
             self.stats.excluded[turn.excluded] = self.stats.excluded.get(turn.excluded, 0) + 1
         self._finish(self.sessions.complete(cap.admission, turn, cap.req.session_done, now))

@@ -75,7 +75,9 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_chat_request(body: bytes, headers: Mapping[str, str], limits: Limits) -> ChatRequest:
+def json_object(body: bytes) -> dict:
+    """A request body as a JSON object, or a 400: not JSON, not an object, nested too deep, or holding a lone
+    surrogate (`_check_structure`)."""
     try:
         # Decoded strictly here: json.loads(bytes) would let UTF-8-encoded surrogates through.
         text = body.decode(json.detect_encoding(body))
@@ -87,7 +89,11 @@ def parse_chat_request(body: bytes, headers: Mapping[str, str], limits: Limits) 
     if not isinstance(data, dict):
         raise bad_request("Request body must be a JSON object", code="invalid_json")
     _check_structure(text, data)
+    return data
 
+
+def parse_chat_request(body: bytes, headers: Mapping[str, str], limits: Limits) -> ChatRequest:
+    data = json_object(body)
     messages = data.get("messages")
     if messages is None:
         raise bad_request("'messages' is a required property", "messages", "missing_required_parameter")

@@ -28,6 +28,7 @@ from clawd.serving.api import CONNECTIONS, AdmissionGate, make_app
 from clawd.serving.auth import Authenticator
 from clawd.serving.completion import ChatService
 from clawd.serving.connections import TrackedSite
+from clawd.serving.feedback import FeedbackDesk
 from clawd.serving.sessions import SessionTable
 from clawd.tokenizer import ChatTokenizer
 from clawd.turns import SHUTDOWN
@@ -39,19 +40,21 @@ class Serving(Stage):
     def __init__(self, cfg: Config, *, tokenizer: ChatTokenizer, engines: Engines, policy: Policy, pauses: Pauses,
                  handover: TurnHandover, encoder: Encoder, auth: Authenticator, metrics,
                  mount: Callable[[web.Application], None], on_request: Callable[[], None], max_connections: int,
-                 spawn: Callable[..., asyncio.Task]):
+                 spawn: Callable[..., asyncio.Task], feedback: FeedbackDesk | None = None):
         """metrics: clawd.ops.metrics.Metrics (its middleware, first-token and connection instruments and access
-        logger); mount: adds ops' routes (/metrics, the learning view, /debug) to the app."""
+        logger); mount: adds ops' routes (/metrics, the learning view, /debug) to the app; feedback: where users'
+        ratings of replies go (None: no /v1/feedback)."""
         self.cfg, self.handover = cfg, handover
         self.sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
                                      max_turns=cfg.sessions.session_max_turns, max_sessions=cfg.sessions.max_sessions,
                                      new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
         self.chat = ChatService(cfg, tokenizer, engines.replicas, self.sessions, handover, policy, spawn=spawn,
-                                adapters=engines.adapters, encoder=encoder, on_first_token=metrics.observe_first_token)
+                                adapters=engines.adapters, encoder=encoder, on_first_token=metrics.observe_first_token,
+                                ratings=feedback and feedback.ratings)
         self.admission = AdmissionGate()
         self.app = make_app(cfg, self.chat, auth=auth, admission=self.admission, engines=engines.supervisors,
                             serving_paused=lambda: pauses.serving, on_request=on_request,
-                            outer_middlewares=[metrics.middleware])
+                            outer_middlewares=[metrics.middleware], feedback=feedback)
         mount(self.app)
         connections = self.app[CONNECTIONS]  # deadlines for headers and bodies, the connection cap
         connections.cap = max_connections
