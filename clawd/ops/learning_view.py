@@ -61,12 +61,12 @@ def learning_view(snapshot: dict, versions, monitors, steps: StepLog, samples_pe
             "queue": {"waiting": snapshot["queue"]["waiting"], "batch": snapshot["queue"]["batch_size"]},
             "samples_per_minute": samples_per_minute,
             "rollouts": None if (r := snapshot.get("rollouts")) is None else {k: r[k] for k in ROLLOUT_KEYS},
-            "feedback": None if calibration is None else _feedback(feedback, calibration),
+            "feedback": None if calibration is None else _ratings_view(feedback, calibration),
             "versions": [row(v) for v in versions.snapshot(VERSIONS_SHOWN)],
             "steps": list(steps.steps)}
 
 
-def _feedback(feedback: dict, calibration: dict) -> dict[str, Any]:
+def _ratings_view(feedback: dict, calibration: dict) -> dict[str, Any]:
     """Users' ratings and the judge's agreement with them, overall, and the calibration alarms standing."""
     overall = calibration["all"]
     low, high = overall["interval"] or (None, None)
