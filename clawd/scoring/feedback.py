@@ -51,7 +51,7 @@ class Rating:
     received: float
 
 
-@dataclass
+@dataclass(slots=True)  # one per remembered reply: max_replies of them
 class _Reply:
     """One registered main turn: whose, under which version, and what became of it."""
     principal: str
