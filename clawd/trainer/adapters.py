@@ -23,6 +23,9 @@ from clawd.trainer.checkpoints import copy_model_files
 from clawd.weights import atomic_dir
 
 
+DEFAULT = "default"  # PEFT's name for a model's first adapter: the one a single lineage trains
+
+
 def wrap(model, rank: int, alpha: float, targets: tuple[str, ...]):
     """`model` with LoRA adapters on `targets` (a `peft.PeftModel`; the base's parameters frozen). The
     adapters start as PEFT initialises them: A random (from torch's RNG), B zero, so step 0 is the base."""
@@ -44,6 +47,35 @@ def peft_quietly():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         yield
+
+
+def beside(scorer, name: str, source: str, lora: bool, world):
+    """`scorer` (a loaded model and its head) with adapter `name` added beside `source` (`add_copy`): one process
+    training several adapters on one base (clawd.trainer.lineages)."""
+    if world is not None or not lora:
+        raise ValueError("adapters beside one another: LoRA in one trainer process only")
+    add_copy(scorer.model, name, source)
+    return scorer
+
+
+def add_copy(model, name: str, source: str) -> None:
+    """A new adapter `name` beside `source` on the PeftModel, with `source`'s configuration and a copy of its
+    weights as they are now (a principal's adapter starts as the shared one). An existing one is left as is."""
+    if name in model.peft_config:
+        return
+    if not name.isidentifier() or name == DEFAULT:  # module attribute names, and no second default
+        raise ValueError(f"adapter name {name!r}: a Python identifier other than {DEFAULT!r}")
+    with peft_quietly():
+        model.add_adapter(name, model.peft_config[source])
+    params = dict(model.named_parameters())
+    copied = 0
+    for key, param in params.items():
+        if f".{source}." in key:
+            with torch.no_grad():
+                params[key.replace(f".{source}.", f".{name}.")].copy_(param)
+            copied += 1
+    if not copied:
+        raise ValueError(f"adapter {source!r} has no weights to copy")
 
 
 def disabled(model):
@@ -70,9 +102,10 @@ def adapter_bytes(model, dtype: str) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad) * getattr(torch, dtype).itemsize
 
 
-def publish(model, dest: Path, dtype: str = "float32", world=None) -> Path:
-    """The adapters as a PEFT adapter directory at dest, in dtype (what the engines serve the base in),
-    written atomically. In a world every rank calls it and every rank gets its outcome."""
+def publish(model, dest: Path, dtype: str = "float32", world=None, adapter: str = DEFAULT) -> Path:
+    """The adapter (the one training: `adapter`) as a PEFT adapter directory at dest, in dtype (what the engines
+    serve the base in), its tensors under PEFT's names, whatever the adapter is called; written atomically. In a
+    world every rank calls it and every rank gets its outcome."""
     state = trainable_state(model, getattr(torch, dtype), world)
 
     def write() -> Path:
@@ -80,7 +113,11 @@ def publish(model, dest: Path, dtype: str = "float32", world=None) -> Path:
 
         def files(tmp: Path) -> None:
             faults.point("trainer.publish.write")
-            model.save_pretrained(tmp, state_dict=state)
+            model.save_pretrained(tmp, state_dict=state, selected_adapters=[adapter])
+            if adapter != DEFAULT:  # PEFT writes an adapter not named "default" into a subdirectory of its name
+                for path in (tmp / adapter).iterdir():
+                    path.rename(tmp / path.name)
+                (tmp / adapter).rmdir()
             faults.point("trainer.publish.mid")
             (tmp / "README.md").unlink(missing_ok=True)  # PEFT's model card: nothing an engine reads
 

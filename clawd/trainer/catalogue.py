@@ -68,13 +68,19 @@ class LeaveGroup:
 
 
 @dataclass(frozen=True)
+class ForgetLineage:
+    key: str               # a principal's lineage (clawd.trainer.lineages): its adapter and directory deleted
+
+
+@dataclass(frozen=True)
 class Ping:
     n: int | None = None
 
 
 REQUESTS: dict[str, type] = {"train": Train, "publish": PublishWeights, "written": WaitWritten,
                              "checkpoint": Checkpoint, "restore": Restore, "join_group": JoinGroup,
-                             "send_weights": SendWeights, "leave_group": LeaveGroup, "ping": Ping}
+                             "send_weights": SendWeights, "leave_group": LeaveGroup, "forget_lineage": ForgetLineage,
+                             "ping": Ping}
 
 
 # ---- replies: child → daemon ------------------------------------------------------------------
@@ -144,13 +150,19 @@ class Left:
 
 
 @dataclass(frozen=True)
+class LineageForgotten:
+    key: str
+    removed: bool          # whether the trainer held it or its directory was there
+
+
+@dataclass(frozen=True)
 class Pong:
     n: int | None = None
 
 
 REPLIES: dict[str, type] = {"ready": Ready, "trained": Trained, "published": Published, "written": Written,
                             "checkpointed": Checkpointed, "restored": Restored, "joined": Joined, "sent": Sent,
-                            "left": Left, "pong": Pong}
+                            "left": Left, "lineage_forgotten": LineageForgotten, "pong": Pong}
 _KIND = {cls: kind for kind, cls in (*REQUESTS.items(), *REPLIES.items())}
 
 

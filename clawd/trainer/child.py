@@ -4,7 +4,7 @@ The daemon spawns `main(conn, factory, options)` with the `spawn` context and ta
 one socket-pair `Connection`, in the format of `clawd.trainer.wire`. The daemon imports this
 module to name the spawn target, so it imports no torch. `factory` is the handler's factory, a
 top-level function pickled by reference (unpickling it imports its module, in the child), or
-None for the real trainer, `clawd.trainer.handler.make`, which imports torch and is imported
+None for the real trainer, `clawd.trainer.lineages.handler_for`, which imports torch and is imported
 here, in the child only.
 
 The handler: `factory(options)` returns an object with `step`, `version` (the newest version ever
@@ -36,9 +36,9 @@ from typing import Callable
 
 from clawd import startup
 from clawd.config.logging import LOG_FORMAT
-from clawd.trainer.catalogue import (Checkpoint, Checkpointed, JoinGroup, Joined, LeaveGroup, Left, Pong,
-                                     PublishWeights, Published, Ready, Restore, Restored, SendWeights, Sent, Train,
-                                     WaitWritten, Written, message, read_request)
+from clawd.trainer.catalogue import (Checkpoint, Checkpointed, ForgetLineage, JoinGroup, Joined, LeaveGroup, Left,
+                                     LineageForgotten, Pong, PublishWeights, Published, Ready, Restore, Restored,
+                                     SendWeights, Sent, Train, WaitWritten, Written, message, read_request)
 from clawd.trainer.wire import recv_message, send_message
 from clawd.weights import write_failure_kind
 from clawd.lifetime import die_with_spawner
@@ -75,11 +75,26 @@ def error_reply(batch_id, exc: BaseException, handler=None) -> dict:
 
 
 def handle(handler, msg: dict) -> dict:
-    """The reply to one request, with the handler's state. Handler exceptions become `error` replies."""
-    reply = _reply(handler, msg)
+    """The reply to one request, with the state of the handler it was for: the lineage it names (a handler of
+    adapters per principal, clawd.trainer.lineages; its key then in the state too), else the handler's own.
+    Handler exceptions become `error` replies."""
+    key = msg.get("lineage")
+    try:
+        target = handler if key is None else _lineage(handler, key)
+    except Exception as exc:
+        return error_reply(msg.get("batch_id"), exc, handler)
+    reply = _reply(target, msg)
     if reply["type"] != "error":
-        reply["state"] = state_of(handler)
+        reply["state"] = state_of(target)
+    if key is not None and "state" in reply:
+        reply["state"]["lineage"] = key
     return reply
+
+
+def _lineage(handler, key: str):
+    if not hasattr(handler, "lineage"):
+        raise ValueError(f"lineage {key!r} asked of a trainer of one adapter")
+    return handler.lineage(key)
 
 
 def _reply(handler, msg: dict) -> dict:
@@ -115,12 +130,20 @@ def _handled(handler, request):
         case Checkpoint():
             path, step = handler.checkpoint()
             return Checkpointed(str(path), step)
+        case ForgetLineage(key=key):
+            if not hasattr(handler, "forget"):
+                raise ValueError("a trainer of one adapter holds no lineage to forget")
+            return LineageForgotten(key, handler.forget(key))
     raise ValueError(f"unanswerable request {request!r}")
 
 
 def ready_message(handler) -> dict:
-    return {**message(Ready(os.getpid(), handler.step, handler.version, handler.weights_version, 1)),
-            "state": state_of(handler)}
+    """The handshake, with every principal's lineage a handler of adapters per principal resumed."""
+    out = {**message(Ready(os.getpid(), handler.step, handler.version, handler.weights_version, 1)),
+           "state": state_of(handler)}
+    if hasattr(handler, "lineage"):
+        out["lineages"] = {key: state_of(h) for key, h in sorted(handler.handlers.items())}
+    return out
 
 
 def main(conn, factory: Factory | None, options: dict) -> None:
@@ -143,7 +166,7 @@ def main(conn, factory: Factory | None, options: dict) -> None:
     try:
         if factory is None:
             startup.loading()  # until the handler has loaded the model
-            from clawd.trainer.handler import make as factory
+            from clawd.trainer.lineages import handler_for as factory
         handler = factory(options)
         ready = ready_message(handler)
         startup.loaded()

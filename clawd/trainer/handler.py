@@ -49,14 +49,16 @@ def train_config(train: TrainConfig | dict | None) -> TrainConfig:
 
 
 class TrainerHandler:
-    def __init__(self, options: dict, world=None):
+    def __init__(self, options: dict, world=None, *, beside: TrainerHandler | None = None, adapter: str | None = None):
         """world: this rank's `sharding.World` when the trainer is several ranks (every rank has a handler
-        and runs every request; rank 0 keeps the ledger and replies)."""
+        and runs every request; rank 0 keeps the ledger and replies). beside, adapter: a lineage's handler, its
+        adapter `adapter` on `beside`'s model (clawd.trainer.lineages)."""
         self.mode = options["mode"]
         self.trainer = Trainer(Path(options["model_dir"]), Path(options["state_dir"]),
                                train_config(options.get("train")), dtype=options.get("dtype", "auto"),
                                min_free_bytes=int(options.get("min_free_bytes", 0)), world=world,
-                               keep_checkpoints=int(options.get("keep_checkpoints", 0)))
+                               keep_checkpoints=int(options.get("keep_checkpoints", 0)),
+                               beside=beside and beside.trainer, adapter=adapter)
         self.ledger = Ledger(ledger_path(options["state_dir"])) if world is None or world.writer else None
         # The resumed weights' line: a publish of them under a new version writes it again with that version.
         self._line = self.ledger.last_line(self.trainer.step) if self.trainer.step and self.ledger else None

@@ -425,3 +425,19 @@ def squared_norm(x: Tensor, chunk: int = 1 << 24) -> Tensor:
     flat = x.reshape(-1)
     parts = [torch.linalg.vector_norm(c, dtype=torch.float64) ** 2 for c in flat.split(chunk)]
     return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=x.device)
+
+
+_PART_NAMES = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy",
+               "opd_topk": "loss_opd_topk"}
+
+
+def update_diagnostics(done: list[dict], cfg) -> dict[str, float]:
+    """A step's diagnostics from its updates (each: its per-token values `seen` and loss parts `totals`):
+    `loss_metrics` over every update's loss tokens, and each loss part averaged over the updates."""
+    cat = {k: torch.cat([d["seen"][k] for d in done]) for k in done[0]["seen"]}
+    metrics = loss_metrics(cat["new"], cat["old"], cat["rollout"], cat["adv"], torch.ones_like(cat["adv"]),
+                           entropy=cat["entropy"], eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+                           tis_cap=cfg.tis_cap)
+    for k in done[0]["totals"]:
+        metrics[_PART_NAMES[k]] = math.fsum(d["totals"][k] for d in done) / len(done)
+    return metrics

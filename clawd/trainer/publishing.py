@@ -33,7 +33,7 @@ def check_room(model, model_dir: Path, dest: Path, dtype: str, lora: bool, min_f
 
 
 def write_version(model, model_dir: Path, version: int, dest: Path, dtype: str, *, lora: bool, world,
-                  deferred: bool, then: Callable[[], None]) -> tuple[Path, DeferredWrite | None]:
+                  deferred: bool, then: Callable[[], None], adapter: str = "default") -> tuple[Path, DeferredWrite | None]:
     """The version directory `dest`, written now; or, `deferred` (full weights only), the weights copied to the host
     now and written on a thread, which runs `then` (pruning older versions) after it: the pending write."""
     if deferred and not lora:
@@ -45,7 +45,7 @@ def write_version(model, model_dir: Path, version: int, dest: Path, dtype: str, 
             return out
         return dest, DeferredWrite(version, write if world is None or world.writer else None)
     if lora:  # a PEFT adapter directory: the engine keeps the base and loads it beside
-        dest = adapters.publish(model, dest, dtype, world)
+        dest = adapters.publish(model, dest, dtype, world, adapter=adapter)
     else:
         dest = checkpoints.publish_weights(model, model_dir, dest, dtype, world=world)
     return dest, None

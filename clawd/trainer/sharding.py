@@ -34,6 +34,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from clawd.trainer.batches import micro_batch, pack
+
 
 def split_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
     """Sample indices per rank, balanced by tokens: longest first (ties by index), each to the rank
@@ -208,3 +210,15 @@ def empty_row(vocab_token: int = 0):
                   tokens=[vocab_token, vocab_token], response_length=1, loss_mask=[0], rollout_logprobs=[0.0],
                   temperature=1.0, reward=0.0, teacher_logprobs=None, has_hint=False, policy_version=0,
                   created=0.0, scored=0.0)
+
+
+def packed(samples: list, tokens: int, device: torch.device, world: World | None) -> list:
+    """`samples` packed into micro-batches of at most `tokens` padded tokens (`batches.pack`); in a world, this
+    rank's share of them (`split_by_tokens`), with empty ones added so that every rank runs as many."""
+    lengths = [len(s.tokens) - 1 for s in samples]
+    if world is None:
+        return [micro_batch(samples, rows, device) for rows in pack(lengths, tokens)]
+    packs = [[[rows[i] for i in g] for g in pack([lengths[j] for j in rows], tokens)]
+             for rows in split_by_tokens(lengths, world.size)]
+    mine = [micro_batch(samples, rows, device) for rows in packs[world.rank]]
+    return mine + [micro_batch([empty_row()], [0], device) for _ in range(max(map(len, packs)) - len(mine))]

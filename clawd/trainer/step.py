@@ -44,7 +44,7 @@ from clawd import faults
 from clawd.config.train import TrainConfig
 from clawd.samples import MODES, Sample
 from clawd.trainer import adapters, checkpoints, head, losses, publishing, sharded_load, sharding
-from clawd.trainer.batches import MicroBatch, micro_batch, mini_batches, pack
+from clawd.trainer.batches import MicroBatch, mini_batches
 from clawd.trainer.failures import OutOfMemory, StepFailed, TrainingPaused, out_of_memory
 from clawd.trainer.sharding import World
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
@@ -63,11 +63,14 @@ class Trainer:
 
     def __init__(self, model_dir: str | Path, state_dir: str | Path, cfg: TrainConfig = TrainConfig(), *,
                  dtype: str = "auto", min_free_bytes: int = 0, world: World | None = None,
-                 keep_checkpoints: int = checkpoints.CHECKPOINTS_KEPT):
+                 keep_checkpoints: int = checkpoints.CHECKPOINTS_KEPT, beside: Trainer | None = None,
+                 adapter: str | None = None):
         """dtype: `[model] dtype`, the dtype versions are published in ("auto": the base model's);
         min_free_bytes: `[state] min_free_bytes`, what a write must leave free on the state directory;
         world: this rank's place in a trainer world of several ranks (`sharding.World`), None alone;
-        keep_checkpoints: complete checkpoints kept (the rollback targets among them)."""
+        keep_checkpoints: complete checkpoints kept (the rollback targets among them).
+        beside, adapter (LoRA, one process): the adapter `adapter` on `beside`'s model, with its own optimizer,
+        counters and state_dir (clawd.trainer.lineages); a new one starts as `beside`'s adapter is now."""
         from transformers.utils import logging as hf_logging
 
         if problems := cfg.check():
@@ -89,8 +92,11 @@ class Trainer:
         if cuda and cfg.world.memory_fraction > 0:  # before anything is allocated: an engine may share the GPU
             torch.cuda.set_per_process_memory_fraction(cfg.world.memory_fraction, self.device)
 
-        self.scorer = sharded_load.load(self.model_dir, cfg, self.device, world, self._autocast)
+        self.scorer = (sharded_load.load(self.model_dir, cfg, self.device, world, self._autocast) if beside is None
+                       else adapters.beside(beside.scorer, adapter, beside.adapter, cfg.lora.enabled, world))
+        self.adapter = adapter or adapters.DEFAULT  # its adapter (LoRA); made active before every use of the model
         self.model = self.scorer.model
+        self.activate()
         for attr in ("final_logit_softcapping", "logit_scale"):  # the head would not be the plain lm_head
             if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
                 raise NotImplementedError(f"models with {attr} are not supported by the trainer's logit path")
@@ -116,6 +122,11 @@ class Trainer:
         self.writing: publishing.DeferredWrite | None = None  # a version's directory still being written (`publish`)
         self.resume()
 
+    def activate(self) -> None:
+        """This trainer's adapter is the one the model runs and trains, when the model holds several."""
+        if len(getattr(self.model, "peft_config", ())) > 1 and self.model.active_adapter != self.adapter:
+            self.model.set_adapter(self.adapter)
+
     # --- forward ------------------------------------------------------------------------------
 
     def _autocast(self):
@@ -139,16 +150,8 @@ class Trainer:
         return torch.cat(cols, -1) if cols else None
 
     def _micro_batches(self, samples: list[Sample], share: bool = False) -> list[MicroBatch]:
-        """The batch packed into micro-batches; with `share`, in a world, this rank's share of it
-        (`sharding.split_by_tokens`), with empty ones added so that every rank runs as many."""
-        lengths = [len(s.tokens) - 1 for s in samples]
-        if not share or self.world is None:
-            return [micro_batch(samples, rows, self.device) for rows in pack(lengths, self.cfg.micro_batch_tokens)]
-        packs = [[[rows[i] for i in g] for g in pack([lengths[j] for j in rows], self.cfg.micro_batch_tokens)]
-                 for rows in sharding.split_by_tokens(lengths, self.world.size)]
-        mine = [micro_batch(samples, rows, self.device) for rows in packs[self.world.rank]]
-        pad = [sharding.empty_row()]
-        return mine + [micro_batch(pad, [0], self.device) for _ in range(max(map(len, packs)) - len(mine))]
+        """The batch packed into micro-batches; with `share`, in a world, this rank's share (`sharding.packed`)."""
+        return sharding.packed(samples, self.cfg.micro_batch_tokens, self.device, self.world if share else None)
 
     @torch.no_grad()
     def _reference_forward(self, mb: MicroBatch, temperature) -> torch.Tensor:
@@ -172,6 +175,7 @@ class Trainer:
                  reference: bool = False) -> list[list[float]]:
         """Each sample's response-token log-probs under the current weights (or the reference's), through
         the packed path, at the sample's own temperature (or `temperature`)."""
+        self.activate()
         out: list[list[float]] = [[] for _ in samples]
         for mb in self._micro_batches(samples):
             t = mb.temperature if temperature is None else temperature
@@ -192,6 +196,7 @@ class Trainer:
 
     def train_step(self, samples: list[Sample], mode: str) -> dict[str, Any]:
         """Train on one batch: ppo_epochs optimizer steps (one by default). Returns metrics."""
+        self.activate()
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         if not samples:
@@ -273,15 +278,7 @@ class Trainer:
             return {"skipped": True, "no_signal": True, "updates": 0,
                     "skip_reason": f"no signal: every advantage in the batch is 0 ({mode})",
                     "grad_norm": math.nan}
-        cat = {k: torch.cat([d["seen"][k] for d in done]) for k in done[0]["seen"]}
-        loss = self.cfg.loss
-        kw = dict(eps_clip=loss.eps_clip, eps_clip_high=loss.eps_clip_high, tis_cap=loss.tis_cap)
-        metrics = losses.loss_metrics(cat["new"], cat["old"], cat["rollout"], cat["adv"],
-                                      torch.ones_like(cat["adv"]), entropy=cat["entropy"], **kw)
-        names = {"loss": "loss", "policy_loss": "loss_policy", "kl": "loss_kl", "entropy": "loss_entropy",
-                 "opd_topk": "loss_opd_topk"}
-        for k in done[0]["totals"]:
-            metrics[names[k]] = math.fsum(d["totals"][k] for d in done) / len(done)
+        metrics = losses.update_diagnostics(done, self.cfg.loss)
         norms = [d["grad_norm"] for d in done]
         metrics.update(grad_norm=math.fsum(norms) / len(norms), updates=len(applied), no_signal=False,
                        skipped=not applied, skip_reason=bad)
@@ -384,6 +381,7 @@ class Trainer:
         keep the newest keep_versions. Versions must increase. `deferred` (full weights): the weights are copied
         to the host now and written on a thread; they are `version` at once (a group may push them), and
         `settle` waits for the directory."""
+        self.activate()
         if not isinstance(version, int) or version <= self.version:
             raise ValueError(f"version {version!r} must be an integer above the last one, {self.version}")
         self.settle()  # one write at a time, and pruning in order
@@ -394,7 +392,8 @@ class Trainer:
             checkpoints.prune_versions(self.weights_dir, self.cfg.keep_versions, spare)
 
         dest, self.writing = publishing.write_version(self.model, self.model_dir, version, dest, self.publish_dtype,
-                                                      lora=lora, world=self.world, deferred=deferred, then=prune)
+                                                      lora=lora, world=self.world, deferred=deferred, then=prune,
+                                                      adapter=self.adapter)
         if self.writing is None:  # written now: pruned now (a deferred write prunes on its thread, after it)
             self._on_writer(prune)
         self.version = self.weights_version = version
@@ -429,6 +428,7 @@ class Trainer:
 
         journal_position is the caller's, opaque and JSON-serialisable: where the journal stood
         after the last step these weights contain."""
+        self.activate()
         if self.unpublished:
             raise RuntimeError(f"the weights of step {self.step} are not published yet: a checkpoint would "
                                f"say they are v{self.weights_version}")
@@ -469,6 +469,7 @@ class Trainer:
         RNG states) and return its journal position; without one, keep model_dir's weights (as loaded by
         the constructor, which calls this), seed from the config and return None. The version never
         goes below a directory already in weights/."""
+        self.activate()
         def find() -> Path | None:
             remove_temporaries(self.weights_dir)  # what crashed writes left behind
             remove_temporaries(self.checkpoints_dir)

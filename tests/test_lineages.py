@@ -1,0 +1,132 @@
+"""Adapters beside one another in one trainer process (clawd.trainer.lineages): each lineage trains only its own
+adapter, starts as a copy of the shared one, publishes a standard PEFT adapter, resumes exactly from its own
+checkpoint, and is forgotten whole; requests name their lineage on the wire."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clawd.config.train import LoraConfig, TrainConfig
+from clawd.trainer import child
+from clawd.trainer.handler import TrainerHandler
+from clawd.trainer.lineages import Lineages, adapter_of, handler_for as make, lineage_dir
+
+from .test_trainer import sample
+
+ALICE, BOB = "p-" + "a" * 16, "p-" + "0123456789abcdef"
+TRAIN = TrainConfig(lora=LoraConfig(rank=4, alpha=8.0, lr=1e-2), seed=3, ppo_mini_batches=1)
+
+
+def options(tiny_model, state, **extra) -> dict:
+    return {"mode": "combine", "model_dir": str(tiny_model), "state_dir": str(state), "train": TRAIN,
+            "lineages": True, **extra}
+
+
+def batch(seed: int, principal: str = "p") -> list:
+    return [dataclasses.replace(sample(seed * 10 + j, 9 + 3 * j, 4, reward=(-1.0) ** (seed + j), hint=j == 1),
+                                principal=principal) for j in range(3)]
+
+
+def adapter(handler: TrainerHandler) -> dict[str, torch.Tensor]:
+    """The lineage's adapter tensors, under PEFT's names without the adapter's."""
+    name = handler.trainer.adapter
+    return {k.replace(f".{name}.", "."): p.detach().clone() for k, p in handler.trainer.model.named_parameters()
+            if f".{name}." in k}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def train_message(batch_id: str, version: int, samples: list, lineage: str | None = None) -> dict:
+    msg = {"type": "train", "batch_id": batch_id, "version": version, "samples": [s.to_json() for s in samples]}
+    return msg if lineage is None else {**msg, "lineage": lineage}
+
+
+def test_each_lineage_trains_its_own_adapter_only(tiny_model, tmp_path):
+    lineages = make(options(tiny_model, tmp_path / "state"))
+    assert isinstance(lineages, Lineages)
+    shared = lineages.shared
+    reply = child.handle(lineages, train_message("b1", 1, batch(1)))  # no lineage: the shared one
+    assert reply["type"] == "trained" and reply["state"]["weights_version"] == 1 and "lineage" not in reply["state"]
+    before = adapter(shared)
+
+    reply = child.handle(lineages, train_message("b2", 2, batch(2, "alice"), ALICE))
+    assert reply["type"] == "trained" and reply["state"]["lineage"] == ALICE
+    assert reply["state"]["step"] == 1 and reply["state"]["weights_version"] == 2
+    alice = lineages.handlers[ALICE]
+    assert same(adapter(shared), before)  # alice's step left the shared adapter bit for bit
+    assert not same(adapter(alice), before)
+    assert shared.step == 1 and alice.trainer.optimizer is not shared.trainer.optimizer
+
+    # A new lineage starts as the shared adapter as it is now.
+    lineages.lineage(BOB)
+    assert same(adapter(lineages.handlers[BOB]), before)
+
+    alice_now = adapter(alice)
+    child.handle(lineages, train_message("b3", 3, batch(3)))
+    assert same(adapter(alice), alice_now) and not same(adapter(shared), before)
+
+    # What alice's lineage published: a standard PEFT adapter directory of her tensors, in her own directory.
+    (published,) = sorted((lineage_dir(tmp_path / "state", ALICE) / "weights").iterdir())
+    assert published.name == "v000002"
+    assert sorted(p.name for p in published.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    saved = load_file(published / "adapter_model.safetensors")
+    want = {k.replace(".weight", ".weight"): v for k, v in alice_now.items()}
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+    assert not (tmp_path / "state" / "weights" / "v000002").exists()
+
+
+def test_a_lineage_resumes_exactly_from_its_own_checkpoint(tiny_model, tmp_path):
+    straight = make(options(tiny_model, tmp_path / "straight"))
+    split = make(options(tiny_model, tmp_path / "split"))
+    losses = {"straight": [], "split": []}
+    for name, lineages in (("straight", straight), ("split", split)):
+        for i in range(2):
+            reply = child.handle(lineages, train_message(f"a{i}", 1 + i, batch(i), ALICE))
+            losses[name].append(reply["metrics"]["loss"])
+    assert child.handle(split, {"type": "checkpoint", "lineage": ALICE})["type"] == "checkpointed"
+    del split
+    resumed = make(options(tiny_model, tmp_path / "split"))
+    ready = child.ready_message(resumed)
+    assert ready["lineages"][ALICE]["step"] == 2 and ready["lineages"][ALICE]["weights_version"] == 2
+    assert ready["state"]["step"] == 0  # the shared lineage never trained
+    for name, lineages in (("straight", straight), ("split", resumed)):
+        reply = child.handle(lineages, train_message("a2", 3, batch(2), ALICE))
+        losses[name].append(reply["metrics"]["loss"])
+    assert losses["straight"] == losses["split"]  # exact float equality
+    assert same(adapter(straight.handlers[ALICE]), adapter(resumed.handlers[ALICE]))
+
+
+def test_forgetting_a_lineage_deletes_its_adapter_and_directory(tiny_model, tmp_path):
+    lineages = make(options(tiny_model, tmp_path / "state"))
+    child.handle(lineages, train_message("a", 1, batch(1), ALICE))
+    child.handle(lineages, {"type": "checkpoint", "lineage": ALICE})
+    assert lineage_dir(tmp_path / "state", ALICE).is_dir()
+    reply = child.handle(lineages, {"type": "forget_lineage", "key": ALICE})
+    assert reply["type"] == "lineage_forgotten" and reply["removed"] is True, reply
+    assert not lineage_dir(tmp_path / "state", ALICE).exists()
+    assert adapter_of(ALICE) not in lineages.shared.trainer.model.peft_config and ALICE not in lineages.handlers
+    assert child.handle(lineages, {"type": "forget_lineage", "key": ALICE})["removed"] is False
+    assert "lineages" in child.ready_message(lineages) and child.ready_message(lineages)["lineages"] == {}
+    # the shared lineage trains on as before
+    assert child.handle(lineages, train_message("s", 2, batch(2)))["type"] == "trained"
+
+
+@pytest.mark.parametrize("key", ["alice", "p-ABCDEF0123456789", "p-0123", "../p-aaaaaaaaaaaaaaaa"])
+def test_a_lineage_key_that_is_not_a_pseudonym_is_refused(tiny_model, tmp_path, key):
+    lineages = make(options(tiny_model, tmp_path / "state"))
+    reply = child.handle(lineages, train_message("x", 1, batch(1), key))
+    assert reply["type"] == "error" and reply["kind"] == "request" and "pseudonym" in reply["message"]
+    assert not (tmp_path / "state" / "lineages").exists()
+
+
+def test_a_trainer_of_one_adapter_refuses_a_lineage(tiny_model, tmp_path):
+    handler = make({**options(tiny_model, tmp_path / "state"), "lineages": False})
+    assert isinstance(handler, TrainerHandler) and "lineages" not in child.ready_message(handler)
+    reply = child.handle(handler, train_message("x", 1, batch(1), ALICE))
+    assert reply["type"] == "error" and "one adapter" in reply["message"]
+    assert child.handle(handler, {"type": "forget_lineage", "key": ALICE})["type"] == "error"
