@@ -130,3 +130,40 @@ def test_a_trainer_of_one_adapter_refuses_a_lineage(tiny_model, tmp_path):
     reply = child.handle(handler, train_message("x", 1, batch(1), ALICE))
     assert reply["type"] == "error" and "one adapter" in reply["message"]
     assert child.handle(handler, {"type": "forget_lineage", "key": ALICE})["type"] == "error"
+
+
+async def test_the_daemon_drives_each_lineage_through_one_supervisor(tiny_model, tmp_path):
+    """The daemon's side (clawd.trainer.lineage_link): a lineage reads as a fresh trainer until the child makes
+    it, keeps its own state across a restart of the child (from its checkpoint), and is forgotten whole."""
+    import asyncio
+
+    from clawd.trainer.lineage_link import LineageTrainer
+    from clawd.trainer.link import TrainerSupervisor
+
+    sup = TrainerSupervisor(options(tiny_model, tmp_path / "state", log_level="warning"), ready_timeout=120,
+                            backoff_initial=0.05)
+    run = asyncio.create_task(sup.run())
+    try:
+        alice = LineageTrainer(sup, ALICE)
+        ready = await alice.ready_info()
+        assert (ready.step, ready.version, ready.weights_version) == (0, 0, 0) and alice.state["owed"] == []
+        trained = await alice.train("a1", 5, batch(1, "alice"), timeout=120)
+        assert trained.weights_dir == str(lineage_dir(tmp_path / "state", ALICE) / "weights" / "v000005")
+        assert alice.version == 5 and alice.state["weights_version"] == 5 and sup.version == 0  # shared untouched
+        await alice.checkpoint(timeout=60)
+        assert alice.state["checkpoint_step"] == 1
+        shared = await sup.train("s1", 6, batch(2), timeout=120)
+        assert shared.weights_dir == str(tmp_path / "state" / "weights" / "v000006") and alice.version == 5
+
+        first = sup.pid
+        sup.link.kill()  # a crash: the next child resumes each lineage from its own checkpoint
+        async with asyncio.timeout(120):
+            while sup.pid in (None, first):
+                await asyncio.sleep(0.05)
+        ready = await alice.ready_info()
+        assert (ready.pid, ready.step, ready.weights_version) == (sup.pid, 1, 5)
+        assert await alice.forget(timeout=60) is True
+        assert not lineage_dir(tmp_path / "state", ALICE).exists() and alice.state["step"] == 0
+    finally:
+        await sup.stop()
+        run.cancel()

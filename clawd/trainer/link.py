@@ -63,7 +63,8 @@ class TrainerLink:
         self.factory = factory  # None: the real trainer
         self.ready_timeout = ready_timeout
         self.ready: Ready | None = None
-        self.state: dict | None = None  # the last reply's `state`
+        self.state: dict | None = None  # the last reply's `state` (of the shared lineage, with several)
+        self.states: dict[str, dict] = {}  # adapters per principal: each lineage's, as its last reply gave it
         self.exitcode: int | None = None
         self.stats: collections.Counter = collections.Counter()  # frames_in, bytes_in, frames_out, bytes_out
         self._process = None
@@ -134,6 +135,7 @@ class TrainerLink:
             await self._closed.wait()  # it exits 1 after saying why
             raise TrainerError(f"trainer failed to start: {reply['message']}")
         self.ready = read_reply(reply)
+        self.states = dict(reply.get("lineages") or {})
         log.info("trainer %d ready at step %d, holding version %d (newest %d)", self._pid, self.ready.step,
                  self.ready.weights_version, self.ready.version)
         return self.ready
@@ -163,18 +165,20 @@ class TrainerLink:
         await self.request(message(Ping(next(self._pings))), timeout)
         return time.monotonic() - started
 
-    async def checkpoint(self, timeout: float | None = None) -> Checkpointed:
-        return await self.ask(Checkpoint(), timeout)
+    async def checkpoint(self, timeout: float | None = None, lineage: str | None = None) -> Checkpointed:
+        return await self.ask(Checkpoint(), timeout, lineage)
 
-    async def publish(self, version: int, timeout: float | None = None) -> str:
-        return (await self.ask(PublishWeights(version), timeout)).weights_dir
+    async def publish(self, version: int, timeout: float | None = None, lineage: str | None = None) -> str:
+        return (await self.ask(PublishWeights(version), timeout, lineage)).weights_dir
 
-    async def restore(self, version: int, timeout: float | None = None) -> int:
-        return (await self.ask(Restore(version), timeout)).step
+    async def restore(self, version: int, timeout: float | None = None, lineage: str | None = None) -> int:
+        return (await self.ask(Restore(version), timeout, lineage)).step
 
-    async def ask(self, request, timeout: float | None):
-        """A request of the catalogue (`clawd.trainer.catalogue`); its reply, typed. An error reply raises."""
-        reply = await self.request(message(request), timeout)
+    async def ask(self, request, timeout: float | None, lineage: str | None = None):
+        """A request of the catalogue (`clawd.trainer.catalogue`), for `lineage` (adapters per principal; None: the
+        shared one); its reply, typed. An error reply raises."""
+        msg = message(request)
+        reply = await self.request(msg if lineage is None else {**msg, "lineage": lineage}, timeout)
         if reply["type"] == "error":
             raise HandlerError.of(reply)
         return read_reply(reply)
@@ -260,7 +264,10 @@ class TrainerLink:
                 fut.set_exception(err)
             raise err
         if isinstance(reply.get("state"), dict):
-            self.state = reply["state"]
+            if (key := reply["state"].get("lineage")) is None:
+                self.state = reply["state"]
+            else:
+                self.states[key] = reply["state"]
         if not fut.done():  # a cancelled request's reply is dropped; the order holds
             fut.set_result(reply)
 
@@ -370,18 +377,28 @@ class TrainerSupervisor:
         finally:
             self._finished.set()
 
+    def version_of(self, lineage: str | None) -> int:
+        """`version` of one lineage (adapters per principal): 0 for one the live child does not hold yet."""
+        if lineage is None:
+            return self.version
+        state = self.link.states.get(lineage) if self.link is not None else None
+        return state["version"] if state is not None else 0
+
     async def train(self, batch_id: str, version: int, samples: Sequence[Sample], *,
-                    timeout: float | None = None, deferred: bool = False) -> Trained:
+                    timeout: float | None = None, deferred: bool = False, lineage: str | None = None) -> Trained:
         """One training step on `samples`, producing weights `version`; retried across restarts. `deferred`: its
-        directory is written off the critical path (`written` waits for it)."""
+        directory is written off the critical path (`written` waits for it). `lineage`: the principal's adapter
+        it trains (adapters per principal; None: the shared one)."""
         msg = message(Train(batch_id, version, list(samples), deferred))
+        if lineage is not None:
+            msg["lineage"] = lineage
         frames = await encode_message(msg)  # once: every attempt sends the same samples
         head = {k: v for k, v in msg.items() if k != "samples"}
         last: TrainerError | None = None
         for attempt in range(1, self.attempts + 1):
             link = await self._live_link()
-            if self.version >= head["version"]:  # a restarted child may have published it before dying
-                head = {**head, "version": self.version + 1}
+            if (held := self.version_of(lineage)) >= head["version"]:  # a restarted child may have published it
+                head = {**head, "version": held + 1}
                 frames = [retitled(frames[0], version=head["version"]), *frames[1:]]
             try:
                 reply = await link.request(head, timeout, frames=frames)
@@ -400,27 +417,27 @@ class TrainerSupervisor:
         raise TrainFailed(f"batch {batch_id} failed {self.attempts} attempts; last: {last}",
                           attempts=self.attempts) from last
 
-    async def checkpoint(self, timeout: float | None = None) -> Checkpointed:
-        return await (await self._live_link()).checkpoint(timeout)
+    async def checkpoint(self, timeout: float | None = None, lineage: str | None = None) -> Checkpointed:
+        return await (await self._live_link()).checkpoint(timeout, lineage)
 
-    async def publish(self, version: int, timeout: float | None = None) -> str:
+    async def publish(self, version: int, timeout: float | None = None, lineage: str | None = None) -> str:
         """The trainer's weights as a new version; its directory. Its state then says if a checkpoint is owed."""
-        return await (await self._live_link()).publish(version, timeout)
+        return await (await self._live_link()).publish(version, timeout, lineage)
 
-    async def written(self, version: int, timeout: float | None = None) -> str:
+    async def written(self, version: int, timeout: float | None = None, lineage: str | None = None) -> str:
         """`version`'s directory once the trainer's deferred write of it is on disk (at once when none is
         pending: whether it exists is the caller's to check)."""
-        return (await self.ask(WaitWritten(version), timeout))[1].weights_dir
+        return (await self.ask(WaitWritten(version), timeout, lineage))[1].weights_dir
 
-    async def restore(self, version: int, timeout: float | None = None) -> int:
+    async def restore(self, version: int, timeout: float | None = None, lineage: str | None = None) -> int:
         """A rollback: the trainer back on `version`'s checkpoint (weights and optimizer); its step."""
-        return await (await self._live_link()).restore(version, timeout)
+        return await (await self._live_link()).restore(version, timeout, lineage)
 
-    async def ask(self, request, timeout: float | None = None) -> tuple[int | None, Any]:
+    async def ask(self, request, timeout: float | None = None, lineage: str | None = None) -> tuple[int | None, Any]:
         """Any other request of the catalogue (the weight-update group's); the pid of the child that answered
         (its groups die with it) and its reply, typed. An error reply raises HandlerError."""
         link = await self._live_link()
-        return link.pid, await link.ask(request, timeout)
+        return link.pid, await link.ask(request, timeout, lineage)
 
     async def ready_info(self) -> Ready:
         """The live child's handshake (waits for one, like `train`)."""

@@ -32,8 +32,14 @@ every request gets exactly one reply, in order:
                                           (broadcasts the weights, `joined`'s buckets in order, while the
                                           engine receives each; refused unless they are `version`)
     leave_group{name}                  -> left{name}
+    forget_lineage{key}                -> lineage_forgotten{key, removed} (adapters per principal: the lineage's
+                                          adapter and directory deleted; clawd.trainer.lineages)
     ping{n}                            -> pong{n, state}
     shutdown{}                         -> no reply: the child exits 0
+
+With adapters per principal (clawd.trainer.lineages) a request may name its lineage, `lineage` beside its
+fields (absent: the shared one); its reply's `state` is then that lineage's, with `lineage` in it, and `ready`
+carries `lineages`: each principal's lineage the child resumed, by key, its state.
 
 `state` is the trainer's after the request: {step, version (the newest published: the next goes
 above it), weights_version, checkpoint_step, owed (writes the last step still needs, in order:
@@ -205,4 +211,6 @@ def answers(request: dict, reply: dict) -> bool:
     if want in ("join_group", "send_weights", "leave_group"):
         return kind == {"join_group": "joined", "send_weights": "sent", "leave_group": "left"}[want] \
             and reply.get("name") == request["name"]
+    if want == "forget_lineage":
+        return kind == "lineage_forgotten" and reply.get("key") == request["key"]
     return want == "checkpoint" and kind == "checkpointed"
