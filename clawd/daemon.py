@@ -101,7 +101,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         learning = None if not cfg.learner.enabled else await stages.add(Learning(
             cfg, store=home.store, versions=home.versions, policy=home.policy, pauses=home.pauses, engines=engines,
             tokenizer=home.tokenizer, judge=scoring.judge, share_weights=home.share_weights, on_step=home.on_step,
-            on_publish=metrics.observe_publish))
+            on_publish=metrics.observe_publish, spawn=tasks.create_task))
         # Safety: the monitors' verdicts on the version serving: alarm, halt learning, or roll back.
         await stages.add(Safety(cfg, monitors=home.monitors, versions=home.versions, policy=home.policy,
                                 pauses=home.pauses, rollback=learning and learning.rollback,
@@ -126,7 +126,8 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
             policy=home.policy, live=lambda: serving.admission.in_flight, judge=scoring.judge))
         # Ops reads the stages and owns none of them: clawctl's socket, SIGHUP's reload, READY.
         people = Holdings(cfg.state_dir, home.turn_records, home.judge_records, home.store, scoring.scorer,
-                          serving.sessions, home.versions, home.monitors, scoring.handover, home.feedback_records)
+                          serving.sessions, home.versions, home.monitors, scoring.handover, home.feedback_records,
+                          learning and learning.lineages)
         await stages.add(Ops(cfg, status=status, pauses=home.pauses, versions=home.versions, people=people,
                              learning=learning, engines=engines, serving=serving, policy=home.policy, auth=auth,
                              privacy=home.privacy, set_judge=scoring.set_judge, rollouts=rollouts))

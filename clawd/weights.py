@@ -32,6 +32,17 @@ def version_dir(state_dir: Path, version: int) -> Path:
     return Path(state_dir) / "weights" / f"v{version:06d}"
 
 
+def lineages_root(state_dir: Path) -> Path:
+    """Where the principals' own adapters live (adapters per principal)."""
+    return Path(state_dir) / "lineages"
+
+
+def lineage_dir(state_dir: Path, key: str) -> Path:
+    """A principal's own adapter's state directory (adapters per principal), keyed by their pseudonym: its
+    weights/, checkpoints/, trainer/ and versions.jsonl, laid out as the state directory's own."""
+    return lineages_root(state_dir) / key
+
+
 def numbered(parent: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
     """(number, path) of the entries of parent whose name matches pattern, oldest first."""
     if not parent.is_dir():
@@ -142,6 +153,17 @@ def atomic_dir(dest: Path, write: Callable[[Path], None], *, replace: bool = Fal
     if old is not None:
         shutil.rmtree(old)
     return dest
+
+
+def atomic_write(dest: Path, data: bytes) -> None:
+    """A small file replaced whole: written beside, fsynced, renamed over `dest`, its directory fsynced."""
+    tmp = Path(dest).with_name(f".{Path(dest).name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    fsync(Path(dest).parent)
 
 
 def remove_temporaries(parent: Path) -> None:

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from clawd.config.train import LoraConfig, TrainConfig
 from clawd.trainer import child
 from clawd.trainer.handler import TrainerHandler
-from clawd.trainer.lineages import Lineages, adapter_of, handler_for as make, lineage_dir
+from clawd.trainer.lineages import LineageHandlers, adapter_of, handler_for as make
+from clawd.weights import lineage_dir
 
 from .test_trainer import sample
 
@@ -48,7 +49,7 @@ def train_message(batch_id: str, version: int, samples: list, lineage: str | Non
 
 def test_each_lineage_trains_its_own_adapter_only(tiny_model, tmp_path):
     lineages = make(options(tiny_model, tmp_path / "state"))
-    assert isinstance(lineages, Lineages)
+    assert isinstance(lineages, LineageHandlers)
     shared = lineages.shared
     reply = child.handle(lineages, train_message("b1", 1, batch(1)))  # no lineage: the shared one
     assert reply["type"] == "trained" and reply["state"]["weights_version"] == 1 and "lineage" not in reply["state"]

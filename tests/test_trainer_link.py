@@ -145,6 +145,7 @@ def test_trainer_options_carry_the_config_itself(tmp_path):
     assert options == {"mode": "opd", "model_dir": str(tmp_path / "model"), "state_dir": str(tmp_path / "state"),
                        "train": cfg.train, "dtype": "bfloat16", "log_level": "debug", "min_free_bytes": 1 << 30,
                        "keep_checkpoints": 5, "checkpoint_base": True,  # [versions] rollback_depth = 3
+                       "lineages": False,  # one adapter (or none) for everyone
                        "env": {"CUDA_VISIBLE_DEVICES": "3"}}  # the child sets it before torch starts CUDA
     assert pickle.loads(pickle.dumps(options)) == options  # what the spawn sends
 

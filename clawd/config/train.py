@@ -27,6 +27,7 @@ SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a
 # requests started before a publish still use.
 LORA_PER_BATCH = 4
 RECOMPUTE = ("auto", "on", "off")
+ADAPTERS = ("shared", "per_principal")
 MAX_OPD_TOP_K = 64  # the engine returns k [log-prob, id, text] triples a token: beyond a few dozen, mostly noise
 
 
@@ -165,14 +166,14 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
-    def flags(self) -> tuple[str, ...]:
+    def flags(self, principals: int = 0) -> tuple[str, ...]:
         """The engine flags that serve these adapters (SGLang's names; the CPU engine takes the same); () for a
-        full fine-tune."""
+        full fine-tune. `principals`: adapters of their own the engine serves besides, one more batch slot each."""
         if not self.enabled:
             return ()
         # Strict: an adapter whose weights miss the targets is refused, not served with those weights as zeros.
         return ("--enable-lora", "--max-lora-rank", str(self.rank), "--lora-target-modules", *self.target_modules,
-                "--max-loras-per-batch", str(LORA_PER_BATCH), "--lora-strict-loading")
+                "--max-loras-per-batch", str(LORA_PER_BATCH + principals), "--lora-strict-loading")
 
     def shape(self) -> dict | None:
         """What a checkpoint's adapters must match to be loaded (None: a full fine-tune's)."""
@@ -206,10 +207,22 @@ class TrainConfig:
     keep_versions: int = 3               # published weight versions kept under state/weights/
     checkpoint_every: int = 10           # checkpoint every N publishes (12 bytes/parameter each)
     seed: int = 0                        # a fresh start's seed (a resume restores its checkpoint's random state)
+    # LoRA: one adapter for everyone ("shared"), or besides it one per principal ("per_principal")
+    adapters: typing.Literal[ADAPTERS] = "shared"
+    adapter_min_samples: int = 64        # per_principal: a principal's samples before they get their own adapter
+    max_adapters: int = 16               # per_principal: most principals with an adapter of their own
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # [train.optimizer]
     loss: LossConfig = field(default_factory=LossConfig)                 # [train.loss]
     world: WorldConfig = field(default_factory=WorldConfig)              # [train.world]
     lora: LoraConfig = field(default_factory=LoraConfig)                 # [train.lora]
+
+    @property
+    def per_principal(self) -> bool:
+        return self.adapters == "per_principal" and self.lora.enabled
+
+    def lora_flags(self) -> tuple[str, ...]:
+        """The engine's LoRA flags (`LoraConfig.flags`), with a batch slot per principal's own adapter."""
+        return self.lora.flags(self.max_adapters if self.per_principal else 0)
 
     @property
     def learning_rate(self) -> float:
@@ -223,6 +236,13 @@ class TrainConfig:
             errors["recompute"] = f"must be one of {', '.join(map(repr, RECOMPUTE))}"
         if not (is_int(self.seed) and 0 <= self.seed < 2**32):  # numpy's seed range
             errors["seed"] = "must be an integer in 0..2**32 - 1"
+        _counts(self, errors, "adapter_min_samples", "max_adapters")
+        if self.adapters not in ADAPTERS:
+            errors["adapters"] = f"must be one of {', '.join(map(repr, ADAPTERS))}"
+        elif self.adapters == "per_principal" and not self.lora.enabled:
+            errors["adapters"] = "\"per_principal\" trains LoRA adapters: set [train.lora] rank above 0"
+        elif self.adapters == "per_principal" and self.world.size > 1:
+            errors["adapters"] = "\"per_principal\" needs a trainer of one process ([train.world] size 1)"
         for group in ("optimizer", "loss", "world", "lora"):
             errors |= {f"{group}.{key}": problem for key, problem in getattr(self, group).check().items()}
         return errors

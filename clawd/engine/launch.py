@@ -65,7 +65,7 @@ def engine_launch(cfg, role: str, weights: str, weight_version: str, *, fd: int 
 def policy_flags(cfg) -> list[str]:
     """The policy engines' own flags, the same for SGLang and the CPU engine: LoRA serving as [train.lora] says,
     and priority scheduling while active rollouts run (Config.priority_scheduling)."""
-    return [*cfg.train.lora.flags(), *(["--enable-priority-scheduling"] if cfg.priority_scheduling else [])]
+    return [*cfg.train.lora_flags(), *(["--enable-priority-scheduling"] if cfg.priority_scheduling else [])]
 
 
 def replica_name(cfg, role: str, replica: int) -> str:

@@ -44,12 +44,17 @@ class AdapterUse:
         return {"serving": self.policy.adapter, "in_use": dict(self.in_use), "retired": sorted(self.retired),
                 "unloaded": self.unloaded, "failed_unloads": self.failed_unloads}
 
-    def begin(self) -> str | None:
-        """The adapter a new request carries (None: the base, or a full fine-tune), counted until `end`."""
-        name = self.policy.adapter
+    def begin(self, principal: str | None = None) -> str | None:
+        """The adapter a new request carries (None: the base, or a full fine-tune), counted until `end`: the
+        principal's own when they have one that serves (adapters per principal), else the policy's."""
+        name = self.policy.of(principal).adapter
         if name is not None:
             self.in_use[name] += 1
         return name
+
+    def serving(self, name: str) -> bool:
+        """Whether a policy serves adapter `name` now: the shared one's, or a principal's own."""
+        return name == self.policy.adapter or any(p.adapter == name for p in self.policy.principals.values())
 
     def end(self, name: str | None) -> None:
         if name is None:
@@ -62,7 +67,7 @@ class AdapterUse:
 
     def retire(self, name: str | None, replicas: range) -> None:
         """`name` is no longer the policy's (call after the policy moved): unload it once unused."""
-        if name is not None and name != self.policy.adapter:
+        if name is not None and not self.serving(name):
             self.retired[name] = set(replicas)
             self._changed.set()
 

@@ -397,7 +397,7 @@ class EngineSupervisor:
         """An engine that comes up on other weights than the published version (one we do not launch
         and that restarted on its base model) is moved onto them before it counts as ready. `force`: also
         when it names that version (a failed swap may have left it on anything)."""
-        if self.policy is None or self.policy.weights_dir is None:
+        if self.policy is None or (self.policy.weights_dir is None and not self.policy.principals):
             self.needs_realign = False  # the base model: nothing was published to realign onto
             return
         if self.lora:
@@ -413,14 +413,17 @@ class EngineSupervisor:
             self.info = await self.client.model_info()
 
     async def _align_adapter(self) -> None:
-        """LoRA: load the policy's adapter unless the engine lists it (a restart drops them all)."""
-        name, version = self.policy.adapter, self.policy.weight_version
-        if name is None:
-            return
-        if name not in await self.client.loaded_adapters():
-            log.warning("%s engine does not hold adapter %s: loading %s", self.name, name, self.policy.weights_dir)
-            await self.client.load_adapter(name, self.policy.weights_dir, self.cfg.learner.publish_timeout)
-        self.adapter_version = version
+        """LoRA: load the policy's adapter, and every principal's own (adapters per principal), unless the engine
+        lists it (a restart drops them all)."""
+        held = [p for p in (self.policy, *self.policy.principals.values()) if p.adapter is not None]
+        loaded = await self.client.loaded_adapters() if held else ()
+        for policy in held:
+            if policy.adapter not in loaded:
+                log.warning("%s engine does not hold adapter %s: loading %s", self.name, policy.adapter,
+                            policy.weights_dir)
+                await self.client.load_adapter(policy.adapter, policy.weights_dir, self.cfg.learner.publish_timeout)
+        if self.policy.adapter is not None:
+            self.adapter_version = self.policy.weight_version
 
     def mark_unreachable(self) -> None:
         """A request found the engine gone before the watcher did."""

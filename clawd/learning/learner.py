@@ -85,7 +85,10 @@ class Learner:
                  policy: Policy, state_dir, *, control_seed: int = 0, pauses: Pauses | None = None,
                  versions: Versions | None = None, gate: PromotionGate | None = None, lora: bool = False,
                  max_sample_tokens: int = 8192, on_step: Callable[[int, Trained, list[Sample]], None] | None = None,
-                 on_publish: Callable[[float, float], None] | None = None):
+                 on_publish: Callable[[float, float], None] | None = None,
+                 numbered_with: Callable[[], int] = lambda: 0):
+        """numbered_with: the newest version of the histories numbered with this one (adapters per principal:
+        the principals' own), which a new version also goes above."""
         self.cfg = cfg
         self.limits = BatchLimits(store, max_sample_tokens)  # what one step may hold: the trainer's memory
         self._control_rng = random.Random(control_seed)  # `[learner] control = "shuffle_rewards"` only
@@ -112,6 +115,7 @@ class Learner:
             self.versions.add(Version(policy.version, None, time.time(), "serving", detail="served at start"))
         self.promotion = None if gate is None else Promotion(gate, self.versions, publisher, policy, lora=lora)
         self._work = asyncio.Lock()  # a step, a promotion or a rollback: one at a time
+        self._numbered_with = numbered_with
 
     @property
     def paused(self) -> bool:
@@ -262,7 +266,7 @@ class Learner:
         return False
 
     def _next_version(self) -> int:
-        return max(self.policy.version, self.trainer.version, self.versions.newest) + 1
+        return max(self.policy.version, self.trainer.version, self.versions.newest, self._numbered_with()) + 1
 
     async def _ack(self) -> None:
         """A checkpoint holds every step trained so far: their samples leave the journal. A journal write that

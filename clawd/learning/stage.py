@@ -17,6 +17,7 @@ from clawd.engine.replicas import Balanced
 from clawd.engine.stage import Engines
 from clawd.learning import weight_groups
 from clawd.learning.learner import Learner
+from clawd.learning.lineages import Lineages, SelectedStore
 from clawd.learning.publisher import Publisher
 from clawd.learning.store import SampleStore
 from clawd.lifetime import Stage
@@ -35,19 +36,26 @@ log = logging.getLogger("clawd")
 class Learning(Stage):
     def __init__(self, cfg: Config, *, store: SampleStore, versions: Versions, policy: Policy, pauses: Pauses,
                  engines: Engines, tokenizer: ChatTokenizer, judge, share_weights: Callable[[str], None] | None,
-                 on_step: Callable, on_publish: Callable[[float, float], None]):
+                 on_step: Callable, on_publish: Callable[[float, float], None], spawn: Callable[..., asyncio.Task]):
         """judge: the gate's (None: the rules judge); share_weights: opens a version's directory to an engine run
-        as another user ([privacy] weights_group); on_step, on_publish: the learner's reports."""
+        as another user ([privacy] weights_group); on_step, on_publish: the learner's reports; spawn: starts a
+        task in the daemon's group (a principal's own learner, adapters per principal)."""
         self.cfg, self.engines = cfg, engines
         self.trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
         publisher = Publisher(engines.replicas, cfg.learner.publish_timeout, adapters=engines.adapters,
                               base_dir=str(cfg.model_path), groups=weight_groups.for_config(cfg, self.trainer),
                               before_load=share_weights)
-        self.learner = Learner(cfg.learner, store, self.trainer, publisher, policy, cfg.state_dir,
+        gate = lambda: _gate(cfg, tokenizer, Balanced(engines.replicas), judge)  # noqa: E731 (one per learner)
+        # Adapters per principal: a learner per principal's own adapter, beside the shared one's.
+        self.lineages = None if not cfg.train.per_principal else Lineages(
+            cfg, store=store, trainer=self.trainer, publisher=publisher, policy=policy, versions=versions,
+            pauses=pauses, gate=gate, on_step=on_step, on_publish=on_publish, spawn=spawn)
+        self.learner = Learner(cfg.learner, store if self.lineages is None else SelectedStore(store, self.lineages.shared),
+                               self.trainer, publisher, policy, cfg.state_dir,
                                control_seed=cfg.train.seed, pauses=pauses, versions=versions,
-                               lora=cfg.train.lora.enabled,
-                               gate=_gate(cfg, tokenizer, Balanced(engines.replicas), judge),
-                               max_sample_tokens=cfg.max_sample_tokens, on_step=on_step, on_publish=on_publish)
+                               lora=cfg.train.lora.enabled, gate=gate(), max_sample_tokens=cfg.max_sample_tokens,
+                               on_step=on_step, on_publish=on_publish,
+                               numbered_with=self.lineages.newest if self.lineages is not None else lambda: 0)
         if cfg.learner.control != "none":
             log.warning("learner control %r: training on a reward cut off from the replies (an experiment)",
                         cfg.learner.control)
@@ -58,11 +66,16 @@ class Learning(Stage):
         waits = self.engines.ready if self.cfg.train.world.device.startswith("cuda") else ()
         self._tasks = [tasks.create_task(_after(waits, self.trainer.run()), name="trainer"),
                        tasks.create_task(self.learner.run(), name="learner")]
+        if self.lineages is not None:  # the principals' own adapters on disk, then whoever qualifies
+            self.lineages.find(k.name for k in self.cfg.auth.keys)
+            self._tasks.append(tasks.create_task(self.lineages.watch(), name="lineages"))
 
     def stopping(self) -> None:
         self.trainer.hold_restarts()  # a trainer that dies now stays down: we are leaving
 
     async def drain(self) -> None:
+        if self.lineages is not None:
+            await self.lineages.stop(self.cfg.server.drain_timeout)
         await self.learner.stop(self.cfg.server.drain_timeout)  # the step in progress, then a checkpoint
         for task in self._tasks[::-1]:  # a step cut short is replayed from the journal next start
             task.cancel()
@@ -72,7 +85,9 @@ class Learning(Stage):
         self.trainer.kill()
 
     async def rollback(self, target: int | None, reason: str) -> int:
-        return await self.learner.rollback(target, reason=reason)
+        """To `target` in the history that holds it (a principal's own adapter's, or the shared one's)."""
+        owner = self.lineages.learner_of(target) if self.lineages is not None and target is not None else None
+        return await (owner or self.learner).rollback(target, reason=reason)
 
     def status(self) -> dict:
         learner, trainer, cfg = self.learner, self.trainer, self.cfg
@@ -85,7 +100,8 @@ class Learning(Stage):
                             "world_size": trainer.ready.world_size if trainer.ready else cfg.train.world.size,
                             "step": trainer.ready.step if trainer.ready else None, "version": trainer.version,
                             "checkpoint_step": state.get("checkpoint_step"), "owed": state.get("owed", []),
-                            "writing": state.get("writing")}}  # a version's directory written off the critical path
+                            "writing": state.get("writing")},  # a version's directory written off the critical path
+                "lineages": None if self.lineages is None else self.lineages.snapshot()}
 
 
 async def _after(events: tuple[asyncio.Event, ...], work) -> None:

@@ -79,6 +79,18 @@ def is_stale(sample: Sample, current_version: int, max_staleness: int) -> bool:
     return current_version - sample.policy_version > max_staleness
 
 
+@dataclass(frozen=True)
+class Selection:
+    """One learner's part of the store, with adapters per principal (clawd.learning.lineages): the samples it
+    trains (`has`), and how many of its own lineage's versions lie after a sample's up to the current one
+    (`behind`): versions are numbered across lineages, so a plain difference would count the others'."""
+    has: Callable[[Sample], bool]
+    behind: Callable[[int, int], int]
+
+    def stale(self, sample: Sample, current_version: int, max_staleness: int) -> bool:
+        return self.behind(sample.policy_version, current_version) > max_staleness
+
+
 class SampleStore:
     def __init__(self, journal: Journal, *, fair_share: float = 0.25, on_put: Callable[[Sample], None] | None = None):
         if not 0 < fair_share <= 1:
@@ -121,8 +133,11 @@ class SampleStore:
     def waiting_by_principal(self) -> dict[str, int]:
         return dict(self._by_principal)
 
-    def fresh(self, current_version: int, max_staleness: int) -> int:
-        return sum(not is_stale(s, current_version, max_staleness) for s in self._waiting)
+    def fresh(self, current_version: int, max_staleness: int, of: Selection | None = None) -> int:
+        """Waiting samples within `max_staleness` versions of `current_version` (of the selection's, if given)."""
+        if of is None:
+            return sum(not is_stale(s, current_version, max_staleness) for s in self._waiting)
+        return sum(of.has(s) and not of.stale(s, current_version, max_staleness) for s in self._waiting)
 
     # -- in and out ----------------------------------------------------------------------
 
@@ -164,14 +179,23 @@ class SampleStore:
         self.put_total += 1
         self._add(sample)
 
-    def take_batch(self, n: int, *, current_version: int, max_staleness: int) -> tuple[list[Sample], list[Sample]]:
-        """(batch, dropped_stale). Deferred samples keep waiting in their order."""
+    def take_batch(self, n: int, *, current_version: int, max_staleness: int,
+                   of: Selection | None = None) -> tuple[list[Sample], list[Sample]]:
+        """(batch, dropped_stale), of the selection's samples if given. Deferred samples keep waiting in their
+        order."""
         fresh, stale = [], []
         for s in self._waiting:
-            (stale if is_stale(s, current_version, max_staleness) else fresh).append(s)
+            if of is not None and not of.has(s):
+                continue  # another learner's: it keeps its place
+            if of.stale(s, current_version, max_staleness) if of is not None else \
+                    is_stale(s, current_version, max_staleness):
+                stale.append(s)
+            else:
+                fresh.append(s)
         picked = set(fair_pick([s.principal for s in fresh], n, self.fair_share))
         batch = [s for i, s in enumerate(fresh) if i in picked]
-        self._waiting = [s for i, s in enumerate(fresh) if i not in picked]
+        gone = {s.sample_id for s in batch} | {s.sample_id for s in stale}
+        self._waiting = [s for s in self._waiting if s.sample_id not in gone]
         for s in batch + stale:
             self._by_principal[s.principal] -= 1
             if not self._by_principal[s.principal]:
@@ -277,16 +301,18 @@ class SampleStore:
         """Every sample the journal must keep live: in flight, waiting, and puts not yet written."""
         return [*self._in_flight.items(), *((s.sample_id, s) for s in self._waiting), *self._putting.items()]
 
-    async def wait_for(self, n: int, *, current_version: int | None = None, max_staleness: int | None = None) -> None:
-        """Returns once n samples are waiting (n fresh ones when the version and staleness are given).
+    async def wait_for(self, n: int, *, current_version: int | None = None, max_staleness: int | None = None,
+                       of: Selection | None = None) -> None:
+        """Returns once n samples are waiting (n fresh ones when the version and staleness are given; of the
+        selection's, if given).
 
         It counts samples, not what fairness lets one batch take: with enough
         principals the cap is hard, and waiting for a full fair batch could wait forever.
         """
         def enough() -> bool:
             if current_version is None or max_staleness is None:
-                return len(self._waiting) >= n
-            return self.fresh(current_version, max_staleness) >= n
+                return (len(self._waiting) if of is None else sum(map(of.has, self._waiting))) >= n
+            return self.fresh(current_version, max_staleness, of) >= n
 
         while not enough():
             self._changed.clear()

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from clawd.learning.journal_files import quarantined_for
+from clawd.learning.lineages import Lineages
 from clawd.learning.store import SampleStore
 from clawd.records import RecordWriter
 from clawd.safety.monitors import Monitors
@@ -59,6 +60,7 @@ class Holdings:
     monitors: Monitors | None = None  # the behaviour monitors' kept reply texts
     handover: TurnHandover | None = None  # finished turns waiting for their PII scan
     feedback_records: RecordWriter | None = None  # their ratings of replies
+    lineages: Lineages | None = None  # adapters per principal: their own adapter, its versions and checkpoints
 
     async def export(self, principal: str, asked_by: str) -> dict[str, Any]:
         """Write everything about `principal` under state_dir/exports/; returns the manifest (with its path)."""
@@ -126,6 +128,11 @@ class Holdings:
             "temporary_files": temporaries,
             "monitor_texts": 0 if self.monitors is None else self.monitors.forget_principal(principal),
         }
+        # Their own adapter (adapters per principal): its learner stopped, its versions, checkpoints and directory
+        # deleted, its adapter unloaded once no request carries it; they are served the shared one from now on.
+        removed["own_adapter_versions"] = 0
+        if self.lineages is not None and (own := await self.lineages.forget(principal, 60.0)) is not None:
+            removed["own_adapter_versions"] = own["versions"]
         trained_on = self.trained_on(principal)
         log.warning("forget of principal %r asked by %s: removed %s; versions already trained on their samples: "
                     "%s", principal, asked_by, json.dumps(removed, sort_keys=True),

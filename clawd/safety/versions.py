@@ -39,6 +39,7 @@ import secrets
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("clawd.versions")
 
@@ -76,11 +77,15 @@ class Version:
 class Versions:
     """The history, in memory and in `path`. Only the daemon's event loop writes it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, key_path: Path | None = None, numbered_with: Callable[[], int] | None = None):
+        """key_path: the pseudonym key (default: `principal.key` beside `path`); numbered_with: the newest version
+        recorded elsewhere (adapters per principal: each lineage has its own history, and numbers are never
+        reused across them)."""
         self.path = Path(path)
         self.records: dict[int, Version] = {}
         self._lines = 0
-        self._key_path = self.path.with_name("principal.key")
+        self._numbered_with = numbered_with
+        self._key_path = Path(key_path) if key_path is not None else self.path.with_name("principal.key")
         named = self.path.exists() and not self._key_path.exists()  # written before pseudonyms
         self._key = self._pseudonym_key()
         self._load()
@@ -118,6 +123,11 @@ class Versions:
             os.close(fd)
         return self._key_path.read_bytes()
 
+    @property
+    def key_path(self) -> Path:
+        """The pseudonym key's file (a lineage's history shares the shared one's key)."""
+        return self._key_path
+
     def __iter__(self):
         return iter(sorted(self.records.values(), key=lambda v: v.version))
 
@@ -129,8 +139,18 @@ class Versions:
 
     @property
     def newest(self) -> int:
-        """The highest version ever recorded (0 without one): a new version goes above it."""
+        """The highest version ever recorded (0 without one), here or in the histories numbered with it: a new
+        version goes above it."""
+        return max(self.recorded_newest, self._numbered_with() if self._numbered_with is not None else 0)
+
+    @property
+    def recorded_newest(self) -> int:
+        """The highest version recorded in this history alone (0 without one)."""
         return max(self.records, default=0)
+
+    def numbers(self) -> list[int]:
+        """Every version recorded here, ascending (a lineage's own, for its staleness)."""
+        return sorted(self.records)
 
     def serving(self) -> Version | None:
         found = [v for v in self.records.values() if v.status == SERVING]

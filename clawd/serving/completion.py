@@ -171,9 +171,10 @@ class ChatService:
         payload = {"input_ids": prompt_ids, "rid": rid, "sampling_params": params, "return_logprob": True}
         if main and self.top_k:  # each token's top-k ids, for top-K distillation
             payload["top_logprobs_num"] = self.top_k
-        # LoRA: the adapter is fixed here, so the reply's version is known whichever replica serves it.
-        served_as = self.policy.weight_version
-        adapter = self.adapters.begin() if self.adapters is not None else None
+        # LoRA: the adapter is fixed here, so the reply's version is known whichever replica serves it: the
+        # principal's own adapter's when they have one (adapters per principal), else the policy's.
+        served_as = self.policy.of(principal).weight_version
+        adapter = self.adapters.begin(principal) if self.adapters is not None else None
         if adapter is not None:
             payload["lora_path"] = adapter
         ex = Exchange(req, request, rid, prompt_ids, payload, started, release, served_as if adapter else None)
@@ -196,7 +197,7 @@ class ChatService:
             admission = self.sessions.begin(principal, req.session_id, req.render_messages, time.time())
             self._finish(admission.finished)
             ex.capture = Capture(admission=admission, principal=principal, temperature=temperature,
-                                 excluded=excluded, version=self.policy.version, req=req)
+                                 excluded=excluded, version=self.policy.of(principal).version, req=req)
             return await self._serve(ex)
         finally:
             if lock_key:

@@ -17,16 +17,11 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
 from clawd.trainer.handler import TrainerHandler
+from clawd.weights import lineage_dir, lineages_root
 
 LINEAGE_KEY = re.compile(r"p-[0-9a-f]{16}")
-LINEAGES = "lineages"
-
-
-def lineage_dir(state_dir: str | Path, key: str) -> Path:
-    return Path(state_dir) / LINEAGES / key
 
 
 def adapter_of(key: str) -> str:
@@ -46,11 +41,11 @@ def handler_for(options: dict, world=None):
     if options.get("lineages"):
         if world is not None:
             raise ValueError("adapters per principal: a trainer of one process")
-        return Lineages(options)
+        return LineageHandlers(options)
     return TrainerHandler(options, world)
 
 
-class Lineages:
+class LineageHandlers:
     """The shared lineage's handler, and the principals' beside it. Requests without a lineage, and the
     shared lineage's state, are the shared handler's (`__getattr__`): to a daemon that names no lineage this
     is a trainer of one adapter."""
@@ -59,7 +54,7 @@ class Lineages:
         self.options = options
         self.shared = TrainerHandler(options)
         self.handlers: dict[str, TrainerHandler] = {}
-        root = Path(options["state_dir"]) / LINEAGES
+        root = lineages_root(options["state_dir"])
         for path in sorted(root.iterdir()) if root.is_dir() else ():
             if path.is_dir() and LINEAGE_KEY.fullmatch(path.name):
                 self.lineage(path.name)  # resumes its newest checkpoint

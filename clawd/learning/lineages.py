@@ -1,0 +1,234 @@
+"""Adapters per principal, the daemon's side (docs/ARCHITECTURE.md §15): who has an adapter of their own, and a
+learner for each.
+
+With `[train] adapters = "per_principal"` (LoRA), a principal whose samples reach `adapter_min_samples` (those
+the shared adapter trained on, and those waiting) gets an adapter of their own, for at most `max_adapters`
+principals; active rollouts never get one. Their *lineage* is everything that adapter owns, under
+state/lineages/<pseudonym>/ (the keyed pseudonym of clawd.safety.versions: no name on disk): the trainer's
+lineage (clawd.trainer.lineages: the adapter, its optimizer, checkpoints and versions' directories), its version
+history (versions.jsonl there, numbered with the shared one: a number is never reused), and its `Policy`,
+served to that principal alone (`Policy.principals`, clawd.served). Each lineage has a `Learner` of its own,
+the shared adapter's learner given the lineage's parts: its trainer (`LineageTrainer`), history, policy,
+publisher (`OwnAdapterPublisher`: loaded beside the others, every ready replica) and its part of the sample
+store (a `Selection`: that principal's samples, staleness counted in the lineage's own versions). So each
+adapter steps, publishes, checkpoints, acknowledges, passes its gate and rolls back as the shared one does,
+and the shared learner trains on the samples of principals without one of their own.
+
+A lineage is found again after a restart by its pseudonym: at start for every configured API key, later for a
+principal whose samples arrive. Until its learner has published a version, its principal is served the shared
+adapter (`Policy.of`).
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from clawd.config.schema import Config
+from clawd.engine.lora import adapter_name
+from clawd.learning.learner import Learner
+from clawd.learning.publisher import Publisher
+from clawd.learning.store import SampleStore, Selection
+from clawd.pauses import Pauses
+from clawd.samples import PSEUDO_PRINCIPAL
+from clawd.safety.gate import PromotionGate
+from clawd.safety.versions import Versions
+from clawd.served import Policy
+from clawd.trainer.lineage_link import LineageTrainer
+from clawd.trainer.link import TrainerSupervisor
+from clawd.weights import atomic_write, lineages_root, restored_weights
+
+log = logging.getLogger("clawd.lineages")
+
+WATCH_INTERVAL = 1.0    # seconds between looks for principals who qualify (or whose lineage is on disk)
+NUMBERS_FLOOR = "newest"        # under the lineages' root: the newest version of any lineage forgotten
+
+
+class OwnAdapterPublisher(Publisher):
+    """A principal's own adapter onto every ready policy replica, beside the others: loaded, nothing paused, and
+    the replica's own version (the shared policy's) left as it is. A replica that restarts loads it again before
+    it counts as ready (clawd.engine.supervisor)."""
+
+    async def publish(self, weights_dir: str, version: int) -> float:
+        replicas = self.replicas
+        await self._until_ready(lambda: any(s.is_ready for s in replicas.supervisors), None)
+        for sup in [s for s in replicas.supervisors if s.is_ready]:
+            async with sup.swap_lock:
+                await self._swap(sup.client, weights_dir, version)  # loads the adapter unless it is there
+        return 0.0
+
+
+class SelectedStore:
+    """The sample store as one learner sees it: its selection's samples, where the learner counts, takes and
+    waits for a batch; everything else is the store's."""
+
+    def __init__(self, store: SampleStore, selection: Selection):
+        self.store, self.selection = store, selection
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def fresh(self, current_version: int, max_staleness: int) -> int:
+        return self.store.fresh(current_version, max_staleness, self.selection)
+
+    def take_batch(self, n: int, *, current_version: int, max_staleness: int):
+        return self.store.take_batch(n, current_version=current_version, max_staleness=max_staleness,
+                                     of=self.selection)
+
+    async def wait_for(self, n: int, *, current_version: int | None = None, max_staleness: int | None = None):
+        await self.store.wait_for(n, current_version=current_version, max_staleness=max_staleness,
+                                  of=self.selection)
+
+
+def versions_behind(versions: Versions) -> Callable[[int, int], int]:
+    """How many of this history's versions lie after a sample's version, up to the current one."""
+    def count(sample_version: int, current: int) -> int:
+        numbers = versions.numbers()
+        return max(0, bisect.bisect_right(numbers, current) - bisect.bisect_right(numbers, sample_version))
+    return count
+
+
+@dataclass
+class Lineage:
+    """One principal's own adapter, and what trains and serves it."""
+    principal: str
+    key: str
+    policy: Policy
+    versions: Versions
+    learner: Learner
+    task: asyncio.Task | None = None
+
+
+class Lineages:
+    def __init__(self, cfg: Config, *, store: SampleStore, trainer: TrainerSupervisor, publisher: Publisher,
+                 policy: Policy, versions: Versions, pauses: Pauses, gate: Callable[[], PromotionGate | None],
+                 on_step: Callable, on_publish: Callable, spawn: Callable[..., asyncio.Task]):
+        """publisher: the shared adapter's (its replicas, adapters and timeout are every lineage's); gate: makes a
+        lineage's promotion gate (None: off); spawn: starts a lineage's learner in the daemon's task group."""
+        self.cfg, self.store, self.trainer, self.shared_publisher = cfg, store, trainer, publisher
+        self.policy, self.versions, self.pauses, self.gate = policy, versions, pauses, gate
+        self.on_step, self.on_publish, self.spawn = on_step, on_publish, spawn
+        self.root = lineages_root(cfg.state_dir)
+        self.lineages: dict[str, Lineage] = {}  # by principal
+        self.refused = 0  # principals who qualified beyond max_adapters (served the shared adapter)
+        # The shared learner's part: every principal without an adapter of their own.
+        self.shared = Selection(has=lambda s: s.principal not in self.lineages, behind=versions_behind(versions))
+
+    def newest(self) -> int:
+        """The newest version of any lineage, forgotten ones included (the shared history numbers above it too:
+        a number is never reused, not even a forgotten principal's, whose adapter an engine may still hold)."""
+        return max(max((ln.versions.recorded_newest for ln in self.lineages.values()), default=0), self._floor())
+
+    def _floor(self) -> int:
+        """The newest version of the lineages forgotten so far (a bare number: `NUMBERS_FLOOR`)."""
+        try:
+            return int((self.root / NUMBERS_FLOOR).read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def find(self, principals) -> None:
+        """Lineages on disk for these principals (the configured API keys, at start) are attached again."""
+        for principal in principals:
+            if principal not in self.lineages and (self.root / self.versions.pseudonym(principal)).is_dir():
+                self.attach(principal)
+
+    def attach(self, principal: str) -> Lineage:
+        """The principal's lineage: found on disk (its policy the newest version its history lets serve), or
+        new (served the shared adapter until its first version)."""
+        key = self.versions.pseudonym(principal)
+        home = self.root / key
+        home.mkdir(parents=True, exist_ok=True)
+        versions = Versions(home / "versions.jsonl", key_path=self.versions.key_path,
+                            numbered_with=lambda: max(self.versions.newest, self.newest()))
+        policy = _restored(home, versions, self.cfg.gate.enabled)
+        publisher = OwnAdapterPublisher(self.shared_publisher.replicas, self.shared_publisher.timeout,
+                                        adapters=self.shared_publisher.adapters,
+                                        base_dir=self.shared_publisher.base_dir,
+                                        before_load=self.shared_publisher.before_load)
+        own = Selection(has=lambda s: s.principal == principal, behind=versions_behind(versions))
+        learner = Learner(self.cfg.learner, SelectedStore(self.store, own), LineageTrainer(self.trainer, key),
+                          publisher, policy, home, control_seed=self.cfg.train.seed, pauses=self.pauses,
+                          versions=versions, gate=self.gate(), lora=True, max_sample_tokens=self.cfg.max_sample_tokens,
+                          on_step=self.on_step, on_publish=self.on_publish)
+        lineage = self.lineages[principal] = Lineage(principal, key, policy, versions, learner)
+        self.policy.principals[principal] = policy
+        lineage.task = self.spawn(learner.run(), name=f"learner-{key}")
+        log.info("principal %s: an adapter of their own (lineage %s, v%d)", key, key, policy.version)
+        return lineage
+
+    def qualifies(self, principal: str) -> bool:
+        """Whether the principal's samples (those the shared adapter trained on, and those waiting) reach
+        `adapter_min_samples`."""
+        if principal in self.lineages or principal.startswith(PSEUDO_PRINCIPAL):
+            return False
+        pseudonym = self.versions.pseudonym(principal)
+        trained = sum(v.principals.get(pseudonym, 0) for v in self.versions)
+        return trained + self.store.waiting_by_principal().get(principal, 0) >= self.cfg.train.adapter_min_samples
+
+    async def watch(self) -> None:
+        """Forever (a task the daemon owns): principals with samples waiting get their lineage, found on disk or
+        new once they qualify, within `max_adapters`."""
+        while True:
+            for principal in list(self.store.waiting_by_principal()):
+                if principal in self.lineages or principal.startswith(PSEUDO_PRINCIPAL):
+                    continue
+                if (self.root / self.versions.pseudonym(principal)).is_dir() or self.qualifies(principal):
+                    if len(self.lineages) >= self.cfg.train.max_adapters:
+                        self.refused += 1
+                        continue
+                    self.attach(principal)
+            await asyncio.sleep(WATCH_INTERVAL)
+
+    def learner_of(self, version: int) -> Learner | None:
+        """The learner whose history holds `version` (clawctl rollback), or None: the shared one's."""
+        return next((ln.learner for ln in self.lineages.values() if ln.versions.get(version) is not None), None)
+
+    async def forget(self, principal: str, timeout: float) -> dict | None:
+        """`clawctl forget`: the principal's adapter, its versions and checkpoints gone, and they are served the
+        shared adapter again. What went, or None when they had none."""
+        lineage = self.lineages.pop(principal, None)
+        key = self.versions.pseudonym(principal)
+        self.policy.principals.pop(principal, None)
+        if lineage is not None and lineage.task is not None:
+            lineage.task.cancel()
+            await asyncio.wait([lineage.task])
+        versions = sum(v.version > 0 for v in lineage.versions) if lineage is not None else 0
+        if lineage is not None:  # before its history goes: numbers stay above it
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.root / NUMBERS_FLOOR, f"{max(self.newest(), lineage.versions.recorded_newest)}\n".encode())
+        removed = await LineageTrainer(self.trainer, key).forget(timeout) if self.trainer.alive else False
+        if lineage is not None and lineage.policy.adapter is not None:
+            self.shared_publisher.retire(lineage.policy.adapter)  # unloaded once no request carries it
+        if lineage is None and not removed:
+            return None
+        return {"lineage": key, "versions": versions, "adapter": lineage.policy.adapter if lineage else None}
+
+    async def stop(self, timeout: float) -> None:
+        for lineage in self.lineages.values():
+            await lineage.learner.stop(timeout)
+            if lineage.task is not None:
+                lineage.task.cancel()
+
+    def snapshot(self) -> dict:
+        return {"adapters": len(self.lineages), "max_adapters": self.cfg.train.max_adapters,
+                "min_samples": self.cfg.train.adapter_min_samples, "refused": self.refused,
+                "principals": {p: {"lineage": ln.key, "version": ln.policy.version, "adapter": ln.policy.adapter,
+                                   "steps": ln.learner.stats.steps, "publishes": ln.learner.stats.publishes,
+                                   "waiting": self.store.fresh(ln.policy.version, self.cfg.learner.max_staleness,
+                                                               Selection(lambda s, p=p: s.principal == p,
+                                                                         versions_behind(ln.versions)))}
+                               for p, ln in sorted(self.lineages.items())}}
+
+
+def _restored(home: Path, versions: Versions, gated: bool) -> Policy:
+    """A lineage's policy at start: the newest version its checkpoints and history let serve, else none of its
+    own yet (its principal is served the shared adapter)."""
+    found = restored_weights(home, lambda v: versions.servable(v, gated))
+    if found is None:
+        return Policy()
+    version, path = found
+    return Policy(version=version, weight_version=str(version), weights_dir=str(path), adapter=adapter_name(version))
+

@@ -1,0 +1,82 @@
+"""Adapters per principal on a live daemon (the real CPU engine and trainer, LoRA): a principal who reaches
+`adapter_min_samples` gets an adapter of their own, trained only on their samples and served only to them;
+everyone else is served the shared one; `clawctl forget` deletes theirs and they are served the shared again."""
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from clawd.safety.versions import Versions
+from clawd.weights import lineage_dir
+
+from .harness import Daemon
+from .test_clawctl import clawctl, status, thanked_conversation
+
+KEYS = [{"name": "alice", "key": "alice-key-1234"}, {"name": "bob", "key": "bob-key-12345"}]
+
+
+def wait(daemon: Daemon, what, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = status(daemon)
+        if (found := what(snap)) is not None and found is not False:
+            return found
+        assert time.monotonic() < deadline, json.dumps({k: snap.get(k) for k in ("lineages", "policy", "queue")})
+        time.sleep(0.2)
+
+
+def served_version(daemon: Daemon, principal: str) -> int:
+    """The policy version the principal's newest turn was served by."""
+    return [r for r in daemon.records() if r["principal"] == principal][-1]["policy_version"]
+
+
+@pytest.mark.slow
+def test_a_principal_gets_their_own_adapter_and_loses_it_when_forgotten(tiny_model, tmp_path):
+    daemon = Daemon(tmp_path, {
+        "model": {"path": str(tiny_model), "max_tokens_cap": 4}, "engine": {"launch": "local"},
+        "auth": {"keys": KEYS},
+        "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 2, "max_staleness": 4},
+        "train": {"adapters": "per_principal", "adapter_min_samples": 3, "max_adapters": 4,
+                  "lora": {"rank": 4, "alpha": 8.0, "lr": 1e-2}}})
+    try:
+        alice = openai.OpenAI(base_url=daemon.url + "/v1", api_key="alice-key-1234", max_retries=0)
+        bob = openai.OpenAI(base_url=daemon.url + "/v1", api_key="bob-key-12345", max_retries=0)
+        for i in range(2):  # the shared learner may train on these: she has no adapter of her own yet
+            thanked_conversation(alice, f"Tell me about otters, part {i}")
+        wait(daemon, lambda s: s["learner"]["samples_trained"] >= 2 or s["lineages"]["principals"])
+        thanked_conversation(alice, "Tell me about otters, again")  # she has qualified: this one waits for hers
+        key = wait(daemon, lambda s: (s["lineages"]["principals"].get("alice") or {}).get("lineage"))
+        for i in range(2):  # her next samples are hers alone
+            thanked_conversation(alice, f"Tell me about seals, part {i}")
+        own = wait(daemon, lambda s: (s["lineages"]["principals"]["alice"]["version"] or None))
+        snap = status(daemon)
+        assert snap["lineages"]["principals"]["alice"]["adapter"] == f"clawd-v{own}"
+        assert "bob" not in snap["lineages"]["principals"]
+
+        thanked_conversation(alice, "And whales?")
+        thanked_conversation(bob, "Tell me about crabs")
+        assert served_version(daemon, "alice") == own  # her adapter, to her alone
+        assert served_version(daemon, "bob") == snap["policy"]["version"] != own
+
+        # Her lineage's history: her versions, trained on her samples only; the shared one never saw those.
+        history = Versions(lineage_dir(tmp_path / "state", key) / "versions.jsonl",
+                           key_path=tmp_path / "state" / "principal.key")
+        mine = [v for v in history if v.version > 0]
+        assert mine and all(set(v.principals) == {key} for v in mine)
+        shared = Versions(tmp_path / "state" / "versions.jsonl")
+        assert own not in {v.version for v in shared}  # numbers are never shared between histories
+        assert sum(v.principals.get(key, 0) for v in shared) <= 2  # at most the two before she qualified
+
+        done = json.loads(clawctl(daemon, "forget", "alice", "--json").stdout)
+        assert done["removed"]["own_adapter_versions"] >= len(mine)  # her learner may have published again
+        assert not lineage_dir(tmp_path / "state", key).exists()
+        assert "alice" not in status(daemon)["lineages"]["principals"]
+        # Her numbers are never given again, not even to the shared adapter (an engine may still hold hers).
+        thanked_conversation(bob, "More crabs")
+        newest = wait(daemon, lambda s: s["policy"]["version"] if s["policy"]["version"] > own else None)
+        assert newest > max(v.version for v in mine)
+    finally:
+        assert daemon.stop() == 0
