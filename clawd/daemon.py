@@ -101,7 +101,7 @@ async def run(cfg: Config, shutdown: Shutdown | None = None) -> int:
         learning = None if not cfg.learner.enabled else await stages.add(Learning(
             cfg, store=home.store, versions=home.versions, policy=home.policy, pauses=home.pauses, engines=engines,
             tokenizer=home.tokenizer, judge=scoring.judge, share_weights=home.share_weights, on_step=home.on_step,
-            on_publish=metrics.observe_publish, spawn=tasks.create_task))
+            on_publish=metrics.observe_publish, spawn=tasks.create_task, monitors=home.monitors))
         # Safety: the monitors' verdicts on the version serving: alarm, halt learning, or roll back.
         await stages.add(Safety(cfg, monitors=home.monitors, versions=home.versions, policy=home.policy,
                                 pauses=home.pauses, rollback=learning and learning.rollback,

@@ -18,6 +18,9 @@ CLAWD_FLAGS = frozenset({"--model-path", "--model", "--host", "--port", "--weigh
                          # LoRA serving follows [train.lora] (LoraConfig.flags)
                          "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch",
                          "--lora-paths",
+                         # every adapter clawd serves stays loaded (an eviction would leave a principal's own to
+                         # SGLang's silent reload from a path clawd may have deleted): SGLang's default, no limit
+                         "--max-loaded-loras",
                          "--enable-priority-scheduling"})  # follows [engine] priority_scheduling
 _SET = re.compile(r"\d+(,\d+)*")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -38,6 +39,7 @@ def test_a_principal_gets_their_own_adapter_and_loses_it_when_forgotten(tiny_mod
     daemon = Daemon(tmp_path, {
         "model": {"path": str(tiny_model), "max_tokens_cap": 4}, "engine": {"launch": "local"},
         "auth": {"keys": KEYS},
+        "monitors": {"enabled": True},  # a watch over her own versions too
         "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 2, "max_staleness": 4},
         "train": {"adapters": "per_principal", "adapter_min_samples": 3, "max_adapters": 4,
                   "lora": {"rank": 4, "alpha": 8.0, "lr": 1e-2}}})
@@ -55,6 +57,8 @@ def test_a_principal_gets_their_own_adapter_and_loses_it_when_forgotten(tiny_mod
         snap = status(daemon)
         assert snap["lineages"]["principals"]["alice"]["adapter"] == f"clawd-v{own}"
         assert "bob" not in snap["lineages"]["principals"]
+        with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as resp:
+            assert "clawd_principal_adapters 1.0" in resp.read().decode()
 
         thanked_conversation(alice, "And whales?")
         thanked_conversation(bob, "Tell me about crabs")

@@ -35,6 +35,8 @@ from clawd.learning.store import SampleStore, Selection
 from clawd.pauses import Pauses
 from clawd.samples import PSEUDO_PRINCIPAL
 from clawd.safety.gate import PromotionGate
+from clawd.safety.monitors import Monitors
+from clawd.safety.watch import Watch
 from clawd.safety.versions import Versions
 from clawd.served import Policy
 from clawd.trainer.lineage_link import LineageTrainer
@@ -93,24 +95,28 @@ def versions_behind(versions: Versions) -> Callable[[int, int], int]:
 
 @dataclass
 class Lineage:
-    """One principal's own adapter, and what trains and serves it."""
+    """One principal's own adapter, and what trains, serves and watches it."""
     principal: str
     key: str
     policy: Policy
     versions: Versions
     learner: Learner
-    task: asyncio.Task | None = None
+    watch: Watch | None = None
+    tasks: tuple[asyncio.Task, ...] = ()
 
 
 class Lineages:
     def __init__(self, cfg: Config, *, store: SampleStore, trainer: TrainerSupervisor, publisher: Publisher,
                  policy: Policy, versions: Versions, pauses: Pauses, gate: Callable[[], PromotionGate | None],
-                 on_step: Callable, on_publish: Callable, spawn: Callable[..., asyncio.Task]):
+                 on_step: Callable, on_publish: Callable, spawn: Callable[..., asyncio.Task],
+                 monitors: Monitors | None = None):
         """publisher: the shared adapter's (its replicas, adapters and timeout are every lineage's); gate: makes a
-        lineage's promotion gate (None: off); spawn: starts a lineage's learner in the daemon's task group."""
+        lineage's promotion gate (None: off); spawn: starts a lineage's learner in the daemon's task group;
+        monitors: the behaviour monitors, whose verdicts on a principal's own versions a watch of its own acts on
+        (None: off)."""
         self.cfg, self.store, self.trainer, self.shared_publisher = cfg, store, trainer, publisher
         self.policy, self.versions, self.pauses, self.gate = policy, versions, pauses, gate
-        self.on_step, self.on_publish, self.spawn = on_step, on_publish, spawn
+        self.on_step, self.on_publish, self.spawn, self.monitors = on_step, on_publish, spawn, monitors
         self.root = lineages_root(cfg.state_dir)
         self.lineages: dict[str, Lineage] = {}  # by principal
         self.refused = 0  # principals who qualified beyond max_adapters (served the shared adapter)
@@ -153,9 +159,14 @@ class Lineages:
                           publisher, policy, home, control_seed=self.cfg.train.seed, pauses=self.pauses,
                           versions=versions, gate=self.gate(), lora=True, max_sample_tokens=self.cfg.max_sample_tokens,
                           on_step=self.on_step, on_publish=self.on_publish)
-        lineage = self.lineages[principal] = Lineage(principal, key, policy, versions, learner)
+        # Its own versions' monitors against its own clean versions; a halt or a rollback pauses learning for all.
+        watch = None if self.monitors is None else Watch(
+            self.monitors, versions, policy, self.pauses, home, lambda target, reason: learner.rollback(
+                target, reason=reason), interval=self.cfg.monitors.interval)
+        lineage = self.lineages[principal] = Lineage(principal, key, policy, versions, learner, watch)
         self.policy.principals[principal] = policy
-        lineage.task = self.spawn(learner.run(), name=f"learner-{key}")
+        lineage.tasks = (self.spawn(learner.run(), name=f"learner-{key}"),
+                         *(() if watch is None else (self.spawn(watch.run(), name=f"monitors-{key}"),)))
         log.info("principal %s: an adapter of their own (lineage %s, v%d)", key, key, policy.version)
         return lineage
 
@@ -192,9 +203,10 @@ class Lineages:
         lineage = self.lineages.pop(principal, None)
         key = self.versions.pseudonym(principal)
         self.policy.principals.pop(principal, None)
-        if lineage is not None and lineage.task is not None:
-            lineage.task.cancel()
-            await asyncio.wait([lineage.task])
+        if lineage is not None and lineage.tasks:
+            for task in lineage.tasks:
+                task.cancel()
+            await asyncio.wait(lineage.tasks)
         versions = sum(v.version > 0 for v in lineage.versions) if lineage is not None else 0
         if lineage is not None:  # before its history goes: numbers stay above it
             self.root.mkdir(parents=True, exist_ok=True)
@@ -209,14 +221,15 @@ class Lineages:
     async def stop(self, timeout: float) -> None:
         for lineage in self.lineages.values():
             await lineage.learner.stop(timeout)
-            if lineage.task is not None:
-                lineage.task.cancel()
+            for task in lineage.tasks:
+                task.cancel()
 
     def snapshot(self) -> dict:
         return {"adapters": len(self.lineages), "max_adapters": self.cfg.train.max_adapters,
                 "min_samples": self.cfg.train.adapter_min_samples, "refused": self.refused,
                 "principals": {p: {"lineage": ln.key, "version": ln.policy.version, "adapter": ln.policy.adapter,
                                    "steps": ln.learner.stats.steps, "publishes": ln.learner.stats.publishes,
+                                   "rollbacks": ln.learner.stats.rollbacks,
                                    "waiting": self.store.fresh(ln.policy.version, self.cfg.learner.max_staleness,
                                                                Selection(lambda s, p=p: s.principal == p,
                                                                          versions_behind(ln.versions)))}

@@ -23,6 +23,7 @@ from clawd.learning.store import SampleStore
 from clawd.lifetime import Stage
 from clawd.pauses import Pauses
 from clawd.safety import evalset
+from clawd.safety.monitors import Monitors
 from clawd.safety.gate import PromotionGate
 from clawd.safety.versions import Versions
 from clawd.served import Policy
@@ -36,10 +37,12 @@ log = logging.getLogger("clawd")
 class Learning(Stage):
     def __init__(self, cfg: Config, *, store: SampleStore, versions: Versions, policy: Policy, pauses: Pauses,
                  engines: Engines, tokenizer: ChatTokenizer, judge, share_weights: Callable[[str], None] | None,
-                 on_step: Callable, on_publish: Callable[[float, float], None], spawn: Callable[..., asyncio.Task]):
+                 on_step: Callable, on_publish: Callable[[float, float], None], spawn: Callable[..., asyncio.Task],
+                 monitors: Monitors | None = None):
         """judge: the gate's (None: the rules judge); share_weights: opens a version's directory to an engine run
         as another user ([privacy] weights_group); on_step, on_publish: the learner's reports; spawn: starts a
-        task in the daemon's group (a principal's own learner, adapters per principal)."""
+        task in the daemon's group and monitors: the behaviour monitors (adapters per principal: each principal's
+        own learner and the watch over their versions)."""
         self.cfg, self.engines = cfg, engines
         self.trainer = TrainerSupervisor(trainer_options(cfg), ready_timeout=cfg.learner.trainer_ready_timeout)
         publisher = Publisher(engines.replicas, cfg.learner.publish_timeout, adapters=engines.adapters,
@@ -49,7 +52,7 @@ class Learning(Stage):
         # Adapters per principal: a learner per principal's own adapter, beside the shared one's.
         self.lineages = None if not cfg.train.per_principal else Lineages(
             cfg, store=store, trainer=self.trainer, publisher=publisher, policy=policy, versions=versions,
-            pauses=pauses, gate=gate, on_step=on_step, on_publish=on_publish, spawn=spawn)
+            pauses=pauses, gate=gate, on_step=on_step, on_publish=on_publish, spawn=spawn, monitors=monitors)
         self.learner = Learner(cfg.learner, store if self.lineages is None else SelectedStore(store, self.lineages.shared),
                                self.trainer, publisher, policy, cfg.state_dir,
                                control_seed=cfg.train.seed, pauses=pauses, versions=versions,

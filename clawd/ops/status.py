@@ -74,7 +74,8 @@ class Status:
 
     def snapshot(self) -> dict:
         out = {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
-               "learner": None, "trainer": None, "adapters": None, **self.home()}  # None: that part is off
+               "learner": None, "trainer": None, "adapters": None, "lineages": None,  # None: that part is off
+               **self.home()}
         for stage in self.stages:
             out.update(stage.status())
         return out
