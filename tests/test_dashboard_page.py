@@ -58,6 +58,7 @@ def history() -> dict:
         "queue": {"waiting": 13, "batch": 8},
         "samples_per_minute": 6.5,
         "rollouts": {"running": True, "groups": 12, "answers": 48, "solved": 9, "backlog": 4},
+        "own_adapters": {"adapters": 2, "max": 16, "versions": {"p-aaaaaaaaaaaaaaaa": 7, "p-bbbbbbbbbbbbbbbb": 0}},
         "feedback": {"ratings": 61, "judged": 40, "agreement": 0.625, "low": 0.47, "high": 0.76,
                      "alarms": [{"scope": "principal", "key": f"carol {SCRIPT}", "agreement": 0.2, "judged": 25}]},
         "versions": [
@@ -301,6 +302,7 @@ async def test_chromium_draws_the_history_signed_in_from_the_url(tmp_path):
     assert points(dom.one("svg", data_series="judge_agreement")) == [(1, 0.8), (3, 0.45)]
     assert dom.one(id="judge-agreement").text == "63% of 40 agree (47–76%)"
     assert dom.one(id="judge-agreement").attrs["data-state"] == "alarm"
+    assert dom.one(id="own-adapters").text == "2 of 16 principals"
     assert len(dom.all("script")) == 1 and dom.all("img") == []  # outside markup stayed text
     assert "<img src=x onerror=alert(2)>" in dom.one(id="pause-reasons").text
     assert [r.attrs["data-step"] for r in dom.one("tbody").all("tr")] == [str(s) for s in range(22, 2, -1)]
@@ -336,6 +338,9 @@ async def test_chromium_draws_no_version_and_one_version():
         dom = browser.parse_dom(await browser.render(url))
         assert dom.one(id="judge-agreement").text == "off"
         assert dom.one(id="judge-agreement").attrs["data-state"] == "off"
+        current["data"] = {**history(), "own_adapters": None}
+        dom = browser.parse_dom(await browser.render(url))
+        assert dom.one(id="own-adapters").text == "shared only"
 
         current["data"] = {**history(), "versions": [history()["versions"][1]]}
         dom = browser.parse_dom(await browser.render(url))

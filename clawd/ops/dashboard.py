@@ -14,6 +14,8 @@ clawd writes). The contract, every key always present:
      "rollouts": null | {"running": bool,     # the active rollouts (null: off): drawing groups, or paused
                          "groups": int, "answers": int, "solved": int,   # drawn, scored, scored 1
                          "backlog": int},     # their samples waiting for the learner
+     "own_adapters": null | {"adapters": int, "max": int,   # adapters per principal (null: one shared adapter)
+                             "versions": {str: int}},         # each principal's pseudonym: the version serving them
      "feedback": null | {"ratings": int,     # users' ratings of replies received (null: feedback off)
                          "judged": int,       # rated turns the judge also scored +1 or -1
                          "agreement": float | null, "low": float | null, "high": float | null,  # 95 % interval

@@ -62,6 +62,9 @@ def learning_view(snapshot: dict, versions, monitors, steps: StepLog, samples_pe
             "samples_per_minute": samples_per_minute,
             "rollouts": None if (r := snapshot.get("rollouts")) is None else {k: r[k] for k in ROLLOUT_KEYS},
             "feedback": None if calibration is None else _ratings_view(feedback, calibration),
+            "own_adapters": None if (lineages := snapshot.get("lineages")) is None else {
+                "adapters": lineages["adapters"], "max": lineages["max_adapters"],
+                "versions": {ln["lineage"]: ln["version"] for ln in lineages["principals"].values()}},
             "versions": [row(v) for v in versions.snapshot(VERSIONS_SHOWN)],
             "steps": list(steps.steps)}
 
