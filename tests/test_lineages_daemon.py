@@ -14,9 +14,16 @@ from clawd.safety.versions import Versions
 from clawd.weights import lineage_dir
 
 from .harness import Daemon
-from .test_clawctl import clawctl, status, thanked_conversation
+from .test_clawctl import clawctl, status
 
-KEYS = [{"name": "alice", "key": "alice-key-1234"}, {"name": "bob", "key": "bob-key-12345"}]
+
+
+def thanked(client: openai.OpenAI, user: str, text: str) -> None:
+    """A conversation the user thanks, under the `user` field (the principal, with auth.trust_user_field)."""
+    messages = [{"role": "user", "content": text}]
+    reply = client.chat.completions.create(model="m", messages=messages, user=user)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Thanks!"}]
+    client.chat.completions.create(model="m", messages=messages, user=user, extra_headers={"X-Session-Done": "1"})
 
 
 def wait(daemon: Daemon, what, timeout: float = 120):
@@ -36,23 +43,25 @@ def served_version(daemon: Daemon, principal: str) -> int:
 
 @pytest.mark.slow
 def test_a_principal_gets_their_own_adapter_and_loses_it_when_forgotten(tiny_model, tmp_path):
-    daemon = Daemon(tmp_path, {
+    sections = {
         "model": {"path": str(tiny_model), "max_tokens_cap": 4}, "engine": {"launch": "local"},
-        "auth": {"keys": KEYS},
+        # Principals named by the `user` field: a lineage is then found again only when its principal's samples
+        # arrive, after the engine came up without its adapter (with API keys, at start).
+        "auth": {"trust_user_field": True},
         "monitors": {"enabled": True},  # a watch over her own versions too
         "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 2, "max_staleness": 4},
         "train": {"adapters": "per_principal", "adapter_min_samples": 3, "max_adapters": 4,
-                  "lora": {"rank": 4, "alpha": 8.0, "lr": 1e-2}}})
+                  "lora": {"rank": 4, "alpha": 8.0, "lr": 1e-2}}}
+    daemon = Daemon(tmp_path, sections)
     try:
-        alice = openai.OpenAI(base_url=daemon.url + "/v1", api_key="alice-key-1234", max_retries=0)
-        bob = openai.OpenAI(base_url=daemon.url + "/v1", api_key="bob-key-12345", max_retries=0)
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
         for i in range(2):  # the shared learner may train on these: she has no adapter of her own yet
-            thanked_conversation(alice, f"Tell me about otters, part {i}")
+            thanked(client, "alice", f"Tell me about otters, part {i}")
         wait(daemon, lambda s: s["learner"]["samples_trained"] >= 2 or s["lineages"]["principals"])
-        thanked_conversation(alice, "Tell me about otters, again")  # she has qualified: this one waits for hers
+        thanked(client, "alice", "Tell me about otters, again")  # she has qualified: this one waits for hers
         key = wait(daemon, lambda s: (s["lineages"]["principals"].get("alice") or {}).get("lineage"))
         for i in range(2):  # her next samples are hers alone
-            thanked_conversation(alice, f"Tell me about seals, part {i}")
+            thanked(client, "alice", f"Tell me about seals, part {i}")
         own = wait(daemon, lambda s: (s["lineages"]["principals"]["alice"]["version"] or None))
         snap = status(daemon)
         assert snap["lineages"]["principals"]["alice"]["adapter"] == f"clawd-v{own}"
@@ -60,8 +69,8 @@ def test_a_principal_gets_their_own_adapter_and_loses_it_when_forgotten(tiny_mod
         with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as resp:
             assert "clawd_principal_adapters 1.0" in resp.read().decode()
 
-        thanked_conversation(alice, "And whales?")
-        thanked_conversation(bob, "Tell me about crabs")
+        thanked(client, "alice", "And whales?")
+        thanked(client, "bob", "Tell me about crabs")
         assert served_version(daemon, "alice") == own  # her adapter, to her alone
         assert served_version(daemon, "bob") == snap["policy"]["version"] != own
 
@@ -74,13 +83,34 @@ def test_a_principal_gets_their_own_adapter_and_loses_it_when_forgotten(tiny_mod
         assert own not in {v.version for v in shared}  # numbers are never shared between histories
         assert sum(v.principals.get(key, 0) for v in shared) <= 2  # at most the two before she qualified
 
+        # A restart finds her adapter again (its newest version the gate and checkpoints allow) and serves it
+        # to her once the engine, which came up without it, holds it.
+        assert daemon.stop() == 0
+        daemon = Daemon(tmp_path, sections)
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+        deadline = time.monotonic() + 90
+        while True:  # her samples find her lineage; she is served the shared adapter until hers is loaded
+            thanked(client, "alice", "Back again")
+            again = (status(daemon)["lineages"]["principals"].get("alice") or {}).get("version")
+            if again and served_version(daemon, "alice") == again:
+                break
+            assert time.monotonic() < deadline, status(daemon)["lineages"]
+            time.sleep(0.3)
+        assert again >= own
+        mine = [v for v in Versions(lineage_dir(tmp_path / "state", key) / "versions.jsonl",
+                                    key_path=tmp_path / "state" / "principal.key") if v.version > 0]
+
+        shared_before = status(daemon)["policy"]["version"]
         done = json.loads(clawctl(daemon, "forget", "alice", "--json").stdout)
         assert done["removed"]["own_adapter_versions"] >= len(mine)  # her learner may have published again
         assert not lineage_dir(tmp_path / "state", key).exists()
         assert "alice" not in status(daemon)["lineages"]["principals"]
         # Her numbers are never given again, not even to the shared adapter (an engine may still hold hers).
-        thanked_conversation(bob, "More crabs")
-        newest = wait(daemon, lambda s: s["policy"]["version"] if s["policy"]["version"] > own else None)
+        for i in range(2):
+            thanked(client, "bob", f"More crabs, part {i}")
+        newest = wait(daemon, lambda s: s["policy"]["version"] if s["policy"]["version"] > shared_before else None)
         assert newest > max(v.version for v in mine)
+        shared = {v.version for v in Versions(tmp_path / "state" / "versions.jsonl")}
+        assert not shared & {v.version for v in mine}, (shared, mine)
     finally:
         assert daemon.stop() == 0

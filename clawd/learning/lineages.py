@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from clawd.config.schema import Config
+from clawd.engine.client import EngineError
 from clawd.engine.lora import adapter_name
 from clawd.learning.learner import Learner
 from clawd.learning.publisher import Publisher
@@ -41,7 +43,7 @@ from clawd.safety.versions import Versions
 from clawd.served import Policy
 from clawd.trainer.lineage_link import LineageTrainer
 from clawd.trainer.link import TrainerSupervisor
-from clawd.weights import atomic_write, lineages_root, restored_weights
+from clawd.weights import VERSION_DIR, atomic_write, lineages_root, numbered, restored_weights
 
 log = logging.getLogger("clawd.lineages")
 
@@ -120,13 +122,18 @@ class Lineages:
         self.root = lineages_root(cfg.state_dir)
         self.lineages: dict[str, Lineage] = {}  # by principal
         self.refused = 0  # principals who qualified beyond max_adapters (served the shared adapter)
+        # Every lineage on disk counts for numbering from the start, found again or not: a principal named by the
+        # `user` field is found only when their samples arrive, and the shared adapter may publish before.
+        self._on_disk = max((_newest_on_disk(path) for path in self.root.iterdir() if path.is_dir())
+                            if self.root.is_dir() else (), default=0)
         # The shared learner's part: every principal without an adapter of their own.
         self.shared = Selection(has=lambda s: s.principal not in self.lineages, behind=versions_behind(versions))
 
     def newest(self) -> int:
         """The newest version of any lineage, forgotten ones included (the shared history numbers above it too:
         a number is never reused, not even a forgotten principal's, whose adapter an engine may still hold)."""
-        return max(max((ln.versions.recorded_newest for ln in self.lineages.values()), default=0), self._floor())
+        return max(max((ln.versions.recorded_newest for ln in self.lineages.values()), default=0), self._floor(),
+                   self._on_disk)
 
     def _floor(self) -> int:
         """The newest version of the lineages forgotten so far (a bare number: `NUMBERS_FLOOR`)."""
@@ -164,11 +171,25 @@ class Lineages:
             self.monitors, versions, policy, self.pauses, home, lambda target, reason: learner.rollback(
                 target, reason=reason), interval=self.cfg.monitors.interval)
         lineage = self.lineages[principal] = Lineage(principal, key, policy, versions, learner, watch)
-        self.policy.principals[principal] = policy
-        lineage.tasks = (self.spawn(learner.run(), name=f"learner-{key}"),
+        lineage.tasks = (self.spawn(self._serve(lineage, publisher), name=f"learner-{key}"),
                          *(() if watch is None else (self.spawn(watch.run(), name=f"monitors-{key}"),)))
         log.info("principal %s: an adapter of their own (lineage %s, v%d)", key, key, policy.version)
         return lineage
+
+    async def _serve(self, lineage: Lineage, publisher: OwnAdapterPublisher) -> None:
+        """The lineage's learner, once its principal can be served their own adapter: a version found on disk is
+        loaded on the replicas first (an engine that came up before the lineage was found holds none of it), and
+        until then they are served the shared one."""
+        policy = lineage.policy
+        while policy.adapter is not None:
+            try:
+                await publisher.publish(policy.weights_dir, policy.version)
+                break
+            except EngineError as exc:
+                log.warning("lineage %s: v%d could not be loaded yet (retrying): %s", lineage.key, policy.version, exc)
+                await asyncio.sleep(WATCH_INTERVAL)
+        self.policy.principals[lineage.principal] = policy
+        await lineage.learner.run()
 
     def qualifies(self, principal: str) -> bool:
         """Whether the principal's samples (those the shared adapter trained on, and those waiting) reach
@@ -234,6 +255,18 @@ class Lineages:
                                                                Selection(lambda s, p=p: s.principal == p,
                                                                          versions_behind(ln.versions)))}
                                for p, ln in sorted(self.lineages.items())}}
+
+
+def _newest_on_disk(home: Path) -> int:
+    """The newest version a lineage directory names: in its history, or as a published directory."""
+    newest = 0
+    if (home / "versions.jsonl").is_file():
+        for line in (home / "versions.jsonl").read_text(errors="replace").splitlines():
+            try:
+                newest = max(newest, int(json.loads(line)["version"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn or damaged line: the history's own reading says so
+    return max(newest, max((v for v, _ in numbered(home / "weights", VERSION_DIR)), default=0))
 
 
 def _restored(home: Path, versions: Versions, gated: bool) -> Policy:
