@@ -49,6 +49,9 @@ questions before and after each run, the paired change of each arm and of rl bey
 held-out questions per arm with both answers. It passes when rl's solve rate rose and rose beyond the control's
 (both paired intervals above 0); writes bench/results/learning-compare.json. About 48 min for 2 seeds, --jobs 2.
 
+`--principals`: adapters per principal against one shared adapter, two users who want opposite things
+(bench/principals.py, its own flags and JSON).
+
 `--lora` trains LoRA adapters instead of the whole model (`[train.lora] rank`, 16 or `--lora-rank N`; the
 default alpha and target modules): the runs then take `--lr` as `[train.lora] lr` (default: ten times the profile's
 full fine-tune lr, the ratio at which SmolLM2's LoRA learnt in the demo), and the JSON records `lora_rank`.
@@ -551,6 +554,9 @@ def task_report(args: argparse.Namespace, done: dict[tuple[str, int], dict], pro
 
 
 def main() -> int:
+    if "--principals" in sys.argv[1:]:  # adapters per principal against one shared: bench/principals.py, its own flags
+        import principals
+        return principals.main([a for a in sys.argv[1:] if a != "--principals"])
     return asyncio.run(main_async(parse_args()))
 
 

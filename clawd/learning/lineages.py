@@ -121,7 +121,7 @@ class Lineages:
         self.on_step, self.on_publish, self.spawn, self.monitors = on_step, on_publish, spawn, monitors
         self.root = lineages_root(cfg.state_dir)
         self.lineages: dict[str, Lineage] = {}  # by principal
-        self.refused = 0  # principals who qualified beyond max_adapters (served the shared adapter)
+        self.refused: set[str] = set()  # principals who qualified beyond max_adapters (served the shared adapter)
         # Every lineage on disk counts for numbering from the start, found again or not: a principal named by the
         # `user` field is found only when their samples arrive, and the shared adapter may publish before.
         self._on_disk = max((_newest_on_disk(path) for path in self.root.iterdir() if path.is_dir())
@@ -209,8 +209,9 @@ class Lineages:
                     continue
                 if (self.root / self.versions.pseudonym(principal)).is_dir() or self.qualifies(principal):
                     if len(self.lineages) >= self.cfg.train.max_adapters:
-                        self.refused += 1
+                        self.refused.add(principal)
                         continue
+                    self.refused.discard(principal)
                     self.attach(principal)
             await asyncio.sleep(WATCH_INTERVAL)
 
@@ -222,6 +223,7 @@ class Lineages:
         """`clawctl forget`: the principal's adapter, its versions and checkpoints gone, and they are served the
         shared adapter again. What went, or None when they had none."""
         lineage = self.lineages.pop(principal, None)
+        self.refused.discard(principal)
         key = self.versions.pseudonym(principal)
         self.policy.principals.pop(principal, None)
         if lineage is not None and lineage.tasks:
@@ -247,7 +249,7 @@ class Lineages:
 
     def snapshot(self) -> dict:
         return {"adapters": len(self.lineages), "max_adapters": self.cfg.train.max_adapters,
-                "min_samples": self.cfg.train.adapter_min_samples, "refused": self.refused,
+                "min_samples": self.cfg.train.adapter_min_samples, "refused": len(self.refused),
                 "principals": {p: {"lineage": ln.key, "version": ln.policy.version, "adapter": ln.policy.adapter,
                                    "steps": ln.learner.stats.steps, "publishes": ln.learner.stats.publishes,
                                    "rollbacks": ln.learner.stats.rollbacks,

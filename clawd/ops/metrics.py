@@ -242,8 +242,8 @@ class SnapshotCollector(Collector):
                           "(retried with backoff).", adapters["failed_unloads"])
         if (lineages := snap.get("lineages")) is not None:  # adapters per principal
             yield gauge("clawd_principal_adapters", "Principals with an adapter of their own.", lineages["adapters"])
-            yield counter("clawd_principal_adapters_refused_total", "Times a principal qualified for an adapter of "
-                          "their own beyond [train] max_adapters (served the shared one).", lineages["refused"])
+            yield gauge("clawd_principal_adapters_refused", "Principals who qualified for an adapter of their own "
+                        "beyond [train] max_adapters (served the shared one).", lineages["refused"])
         if (trainer := snap["trainer"]) is not None:
             yield counter("clawd_trainer_restarts_total", "Trainer subprocess restarts.", trainer["restarts"])
             yield gauge("clawd_trainer_up", "1 while the trainer subprocess is alive.", trainer["alive"])

@@ -199,7 +199,10 @@ class Users:
     def __init__(self, base_url: str, personas: Sequence[Persona], *, seed: int = 0, concurrency: int = 4,
                  max_tokens: int = 64, temperature: float = 1.0, retries: int = 1, questions: tuple[int, int] = (1, 3),
                  tool_share: float = 0.25, stream_share: float = 0.25, api_key: str = "none", timeout: float = 600,
-                 keep_text: bool = False):
+                 keep_text: bool = False, principal_of: Callable[[Persona], str] | None = None):
+        """principal_of: the `user` field every request of a persona carries, its probes' included (one principal
+        per persona, with [auth] trust_user_field: adapters per principal); None: one per session, and probes
+        as "sim-probe"."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key, max_retries=0,
@@ -209,6 +212,7 @@ class Users:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.keep_text = keep_text
+        self.principal_of = principal_of
         self.plans = plan_sessions(self.personas, seed=seed, questions=questions, retries=retries,
                                    tool_share=tool_share, stream_share=stream_share)
         self.replies: list[Reply] = []
@@ -305,7 +309,8 @@ class Users:
     async def _ask(self, plan: SessionPlan, messages: list[dict[str, Any]], turn: int, *,
                    closing: bool = False) -> _Served:
         kwargs: dict[str, Any] = dict(
-            model="clawd", messages=messages, temperature=self.temperature, user=plan.user,
+            model="clawd", messages=messages, temperature=self.temperature,
+            user=plan.user if self.principal_of is None else self.principal_of(plan.persona),
             max_tokens=1 if closing else self.max_tokens, seed=plan.request_seed(turn),
             extra_headers=plan.headers(closing=closing))
         if plan.tools:
@@ -363,7 +368,8 @@ class Users:
         reply = await self.client.chat.completions.create(
             model="clawd", messages=[{"role": "user", "content": text}],
             temperature=0.0 if greedy else self.temperature,
-            max_tokens=self.max_tokens, seed=seed, user="sim-probe",
+            max_tokens=self.max_tokens, seed=seed,
+            user="sim-probe" if self.principal_of is None else self.principal_of(persona),
             extra_headers={"X-Clawd-No-Train": "1", "X-Turn-Type": "side"})
         content = reply.choices[0].message.content or ""
         grade = persona.grade(content, text)
