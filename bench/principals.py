@@ -1,9 +1,10 @@
 """Adapters per principal against one shared adapter: two users who want opposite things, on SmolLM2, LoRA.
 
 `bench/learning.py --principals` runs this (so does `.venv/bin/python bench/principals.py`). Two simulated users
-(clawd/tools/sim), each a principal of their own (the `user` field, `[auth] trust_user_field`): `form:terse`
-wants an answer of three words at most, `form:plain` a real answer of eight words or more without a list; the
-rules judge reads their thanks and corrections (rl). Two arms, the same seeds, users, judge and budget:
+(clawd/tools/sim), each a principal of their own (the `user` field, `[auth] trust_user_field`): `form:brief:8`
+wants an answer of fewer than eight words, `form:plain` a real answer of eight words or more without a list (the
+opposite lengths); the rules judge reads their thanks and corrections (rl). Two arms, the same seeds, users,
+judge and budget (gate and monitors off in both):
 
   shared         `[train] adapters = "shared"`: one LoRA adapter learns from both.
   per_principal  `[train] adapters = "per_principal"`, `adapter_min_samples = 1`: each user's samples train an
@@ -12,8 +13,9 @@ rules judge reads their thanks and corrections (rl). Two arms, the same seeds, u
 Per arm and seed, one fresh clawd (the CPU engine and trainer, one thread each): each user's held-out probes
 (`--probes` questions of their own pool never asked in the sessions, fixed sampling seeds, T `--temperature`,
 never trained, asked as that user so that they are served that user's adapter) before any step; the users talk
-until the learners together have taken `--steps` steps of `--batch` samples (learning then paused by the
-operator's command, so that no arm trains more); the probes again. Reported per user and arm: satisfaction
+until the learners together have published `--steps` versions from batches of `--batch` samples (a batch whose
+rewards all agree changes nothing and does not count), learning then paused by the operator's command so that no
+arm trains more (a step already under way lands); the probes again. Reported per user and arm: satisfaction
 before and after, the paired change over (seed, question) with its 95 % bootstrap interval
 (clawd/safety/paired.py), and per_principal's change beyond shared's, paired the same way (the same probes and
 draws in both arms). Target: per_principal beats shared for both users (that interval above 0).
@@ -45,17 +47,17 @@ from clawd.tools.sim.users import Users  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 ARMS = ("shared", "per_principal")
-PERSONAS = ("form:terse", "form:plain")
+PERSONAS = ("form:brief:8", "form:plain")  # fewer than 8 words; 8 words or more, without a list
 
 
 def principal_of(p) -> str:
     return f"user-{p.name}"
 
 
-def total_steps(status: dict) -> int:
-    """Steps of every learner: the shared adapter's and each principal's own."""
+def total(status: dict, what: str) -> int:
+    """`what` ("steps", "publishes") of every learner: the shared adapter's and each principal's own."""
     own = (status.get("lineages") or {}).get("principals") or {}
-    return status["learner"]["steps"] + sum(p["steps"] for p in own.values())
+    return status["learner"][what] + sum(p[what] for p in own.values())
 
 
 async def one_run(args, arm: str, seed: int, run_dir: Path) -> dict:
@@ -68,6 +70,7 @@ async def one_run(args, arm: str, seed: int, run_dir: Path) -> dict:
         "train": {"seed": seed, "checkpoint_every": 1000, "keep_versions": 2, "adapters": arm,
                   "adapter_min_samples": 1, "max_adapters": 4, "lora": {"rank": args.rank, "lr": args.lr}},
         "sessions": {"session_idle_timeout": 120.0, "sweep_interval": 2.0},
+        "gate": {"enabled": False}, "monitors": {"enabled": False},
     }, threads=1)
     users = None
     try:
@@ -77,7 +80,8 @@ async def one_run(args, arm: str, seed: int, run_dir: Path) -> dict:
                       principal_of=principal_of)
         before = await users.evaluate(args.probes, seed=1)
         driving = asyncio.create_task(users.run())
-        while total_steps(clawd.status()) < args.steps:
+        deadline = time.monotonic() + 60 * args.max_minutes  # a user whose rewards always agree never publishes
+        while total(clawd.status(), "publishes") < args.steps and time.monotonic() < deadline:
             if driving.done():
                 driving.result()
                 raise RuntimeError("the users stopped")
@@ -93,8 +97,8 @@ async def one_run(args, arm: str, seed: int, run_dir: Path) -> dict:
             await users.close()
         code = await clawd.stop()
     return {"before": [r.to_json() for r in before], "after": [r.to_json() for r in after], "exit": code,
-            "errors": users.errors if users else None, "steps": total_steps(status),
-            "learner": status["learner"]["steps"], "lineages": status.get("lineages"),
+            "errors": users.errors if users else None, "steps": total(status, "steps"),
+            "publishes": total(status, "publishes"), "learner": status["learner"], "lineages": status.get("lineages"),
             "policy": status["policy"]["version"]}
 
 
@@ -139,6 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
+    ap.add_argument("--max-minutes", type=float, default=40, help="the users stop after this long, budget met or not")
     ap.add_argument("--model", default=str(ROOT / "state/models/SmolLM2-135M-Instruct"))
     ap.add_argument("--out", default=str(RESULTS / "learning-principals.json"))
     args = ap.parse_args(argv)
@@ -170,7 +175,8 @@ async def run_all(args) -> dict:
             t0 = time.monotonic()
             runs[(arm, seed)] = await one_run(args, arm, seed, work / f"{arm}-{seed}")
             runs[(arm, seed)]["wall_s"] = round(time.monotonic() - t0, 1)
-            print(f"{arm} seed {seed}: {runs[(arm, seed)]['steps']} steps in {runs[(arm, seed)]['wall_s']:.0f} s",
+            run = runs[(arm, seed)]
+            print(f"{arm} seed {seed}: {run['publishes']} versions from {run['steps']} steps in {run['wall_s']:.0f} s",
                   flush=True)
     await asyncio.gather(*(job(a, s) for s in seeds for a in ARMS))
     return {"runs": {f"{a}-{s}": r for (a, s), r in runs.items()}, "report": report(runs, seeds), "work": str(work)}
@@ -188,15 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     clean = all(r["exit"] == 0 and not r["errors"] for r in res["runs"].values())
     met = all(paired.verdict(row["per_principal_beyond_shared"]) == "up" for row in res["report"].values())
     res["pass"] = clean and met
-    print(f"\n{Path(args.model_dir).name}, LoRA rank {args.rank} at {args.lr:g}, {args.steps} steps of {args.batch}, "
-          f"{args.seeds} seed(s), {args.probes} probes per user\n")
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"\n{Path(args.model_dir).name}, LoRA rank {args.rank} at {args.lr:g}, {args.steps} versions from batches of "
+          f"{args.batch}, {args.seeds} seed(s), {args.probes} probes per user\n")
     print(f"{'user':<8} {'arm':<14} {'before':>7} {'after':>7}  change (95 %)")
     for who, row in res["report"].items():
         for arm in ARMS:
             r = row[arm]
-            print(f"{who:<8} {arm:<14} {_pct(r['before']):>7} {_pct(r['after']):>7}  {_iv(r['change'])}")
+            print(f"{who:<8} {arm:<14} {_pct(r['before']):>7} {_pct(r['after']):>7}  {_iv(r)}")
         print(f"{who:<8} {'per_principal beyond shared':<31}  {_iv(row['per_principal_beyond_shared'])}")
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"\n{'PASS' if res['pass'] else 'FAIL'} in {res['wall_s']:.0f} s; wrote {args.out}")
     return 0 if res["pass"] else 1
 
