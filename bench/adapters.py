@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
-from lora import Engine, Measuring  # noqa: E402  (bench/lora.py: one CPU engine child, talked to with urllib)
+from lora import Engine, Measuring, model_dir  # noqa: E402  (bench/lora.py: a CPU engine child, talked to with urllib)
 
 RESULTS = ROOT / "bench" / "results"
 DEFAULT_MODEL = ROOT / "state/models/SmolLM2-135M-Instruct"
@@ -172,12 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.n_list = [int(x) for x in args.ns.split(",") if x.strip()]
     if not args.n_list or min(args.n_list) < 1 or min(args.rank, args.requests, args.batches) < 1:
         p.error("--ns, --rank, --requests and --batches must be at least 1")
-    if args.model == "tiny":
-        from clawd.tools.models import cached_tiny_model
-        args.model = cached_tiny_model(RESULTS / "tiny-model")
-    args.model = Path(args.model)
-    if not (args.model / "config.json").exists():
-        p.error(f"no model at {args.model} (make model)")
+    args.model = model_dir(p, args.model)
     return args
 
 

@@ -271,13 +271,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.rank, args.publishes, args.rounds) < 1:
         p.error("--rank, --publishes and --rounds must be at least 1")
-    if args.model == "tiny":
-        from clawd.tools.models import cached_tiny_model
-        args.model = cached_tiny_model(RESULTS / "tiny-model")
-    args.model = Path(args.model)
-    if not (args.model / "config.json").exists():
-        p.error(f"no model at {args.model} (make model)")
+    args.model = model_dir(p, args.model)
     return args
+
+
+def model_dir(p: argparse.ArgumentParser, model: str) -> Path:
+    """`--model`: a model directory, or `tiny` (the test model, cached under bench/results)."""
+    if model == "tiny":
+        from clawd.tools.models import cached_tiny_model
+        return cached_tiny_model(RESULTS / "tiny-model")
+    if not (Path(model) / "config.json").exists():
+        p.error(f"no model at {model} (make model)")
+    return Path(model)
 
 
 def main(argv: list[str] | None = None) -> int:

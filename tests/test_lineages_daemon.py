@@ -114,3 +114,46 @@ def test_a_principal_gets_their_own_adapter_and_loses_it_when_forgotten(tiny_mod
         assert not shared & {v.version for v in mine}, (shared, mine)
     finally:
         assert daemon.stop() == 0
+
+
+@pytest.mark.slow
+def test_principals_training_at_once_never_share_a_version_number(tiny_model, tmp_path):
+    """Two principals' learners step at the same moment: each version gets its own number (the engine names an
+    adapter by its number, so a number given twice would serve one principal the other's adapter)."""
+    import concurrent.futures
+
+    daemon = Daemon(tmp_path, {
+        "model": {"path": str(tiny_model), "max_tokens_cap": 4}, "engine": {"launch": "local"},
+        "auth": {"trust_user_field": True},
+        "learner": {"enabled": True, "rollout_batch_size": 2, "min_batch_size": 2, "max_staleness": 8},
+        "train": {"adapters": "per_principal", "adapter_min_samples": 1, "max_adapters": 4,
+                  "lora": {"rank": 4, "alpha": 8.0, "lr": 1e-2}}})
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+        for i in range(6):  # the shared learner may train the first ones: they wait once the two qualified
+            for user in ("alice", "bob"):
+                thanked(client, user, f"Hello {i}")
+            if len(status(daemon)["lineages"]["principals"]) == 2:
+                break
+            time.sleep(1.2)  # the watch looks every second
+        assert len(status(daemon)["lineages"]["principals"]) == 2
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both batches fill at about the same time
+            for _ in range(3):
+                list(pool.map(lambda user: thanked(client, user, f"More, {user}"), ("alice", "bob")))
+        mine = wait(daemon, lambda s: all(p["publishes"] >= 2 for p in s["lineages"]["principals"].values())
+                    and s["lineages"]["principals"])
+        histories = {p: {v.version for v in Versions(lineage_dir(tmp_path / "state", ln["lineage"]) / "versions.jsonl",
+                                                     key_path=tmp_path / "state" / "principal.key") if v.version}
+                     for p, ln in mine.items()}
+        shared = {v.version for v in Versions(tmp_path / "state" / "versions.jsonl") if v.version}
+        assert not histories["alice"] & histories["bob"], histories
+        assert not (histories["alice"] | histories["bob"]) & shared, (histories, shared)
+        assert clawctl(daemon, "pause").returncode == 0  # no version more while each is asked what serves them
+        time.sleep(2)  # a step under way lands
+        now = status(daemon)["lineages"]["principals"]
+        for user in ("alice", "bob"):
+            thanked(client, user, "Mine?")
+            assert served_version(daemon, user) == now[user]["version"]
+        assert now["alice"]["version"] != now["bob"]["version"]
+    finally:
+        assert daemon.stop() == 0

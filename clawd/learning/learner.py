@@ -86,9 +86,10 @@ class Learner:
                  versions: Versions | None = None, gate: PromotionGate | None = None, lora: bool = False,
                  max_sample_tokens: int = 8192, on_step: Callable[[int, Trained, list[Sample]], None] | None = None,
                  on_publish: Callable[[float, float], None] | None = None,
-                 numbered_with: Callable[[], int] = lambda: 0):
-        """numbered_with: the newest version of the histories numbered with this one (adapters per principal:
-        the principals' own), which a new version also goes above."""
+                 reserve: Callable[[int], int] = lambda version: version):
+        """reserve: takes the number this learner would give its next version and returns the one it gets
+        (adapters per principal: learners of several histories allot numbers at once, and one allotter keeps
+        every number given once, clawd.learning.lineages)."""
         self.cfg = cfg
         self.limits = BatchLimits(store, max_sample_tokens)  # what one step may hold: the trainer's memory
         self._control_rng = random.Random(control_seed)  # `[learner] control = "shuffle_rewards"` only
@@ -115,7 +116,7 @@ class Learner:
             self.versions.add(Version(policy.version, None, time.time(), "serving", detail="served at start"))
         self.promotion = None if gate is None else Promotion(gate, self.versions, publisher, policy, lora=lora)
         self._work = asyncio.Lock()  # a step, a promotion or a rollback: one at a time
-        self._numbered_with = numbered_with
+        self._reserve = reserve
 
     @property
     def paused(self) -> bool:
@@ -266,7 +267,7 @@ class Learner:
         return False
 
     def _next_version(self) -> int:
-        return max(self.policy.version, self.trainer.version, self.versions.newest, self._numbered_with()) + 1
+        return self._reserve(max(self.policy.version, self.trainer.version, self.versions.newest) + 1)
 
     async def _ack(self) -> None:
         """A checkpoint holds every step trained so far: their samples leave the journal. A journal write that
@@ -306,7 +307,7 @@ class Learner:
                                                                                   self._control_rng),
                                                timeout=self.cfg.train_timeout,
                                                # with groups, the directory is written off the critical path
-                                               deferred=self.publisher.groups is not None)
+                                               deferred=self.publisher.groups is not None, renumber=self._reserve)
         except TrainerError as exc:  # no step was kept for the batch (a fatal one restarts the trainer)
             self.stats.failed_steps += 1
             if isinstance(exc, HandlerError) and exc.kind == "oom":  # a bad batch: split, never sent whole again

@@ -122,18 +122,32 @@ class Lineages:
         self.root = lineages_root(cfg.state_dir)
         self.lineages: dict[str, Lineage] = {}  # by principal
         self.refused: set[str] = set()  # principals who qualified beyond max_adapters (served the shared adapter)
+        self._given = 0  # the newest number a learner was given (`reserve`)
         # Every lineage on disk counts for numbering from the start, found again or not: a principal named by the
         # `user` field is found only when their samples arrive, and the shared adapter may publish before.
-        self._on_disk = max((_newest_on_disk(path) for path in self.root.iterdir() if path.is_dir())
-                            if self.root.is_dir() else (), default=0)
-        # The shared learner's part: every principal without an adapter of their own.
-        self.shared = Selection(has=lambda s: s.principal not in self.lineages, behind=versions_behind(versions))
+        homes = [path for path in self.root.iterdir() if path.is_dir()] if self.root.is_dir() else []
+        self._on_disk = max((_newest_on_disk(path) for path in homes), default=0)
+        self._disk_keys = {path.name for path in homes}  # lineages on disk, found again or not
+        # The shared learner's part: every principal without an adapter of their own, and who is not about to get
+        # one: a qualified principal's samples wait for the watch to give them theirs.
+        self.shared = Selection(has=self._shared_has, behind=versions_behind(versions))
+        self._pseudonyms: dict[str, str] = {}
+        self._trained: dict[str, int] = {}  # samples the shared adapter trained, by pseudonym
+        self._trained_at = -1               # the history's length they were counted at
 
     def newest(self) -> int:
-        """The newest version of any lineage, forgotten ones included (the shared history numbers above it too:
-        a number is never reused, not even a forgotten principal's, whose adapter an engine may still hold)."""
+        """The newest version of any lineage, forgotten ones included, and the newest number given (a number is
+        never reused, not even a forgotten principal's, whose adapter an engine may still hold)."""
         return max(max((ln.versions.recorded_newest for ln in self.lineages.values()), default=0), self._floor(),
-                   self._on_disk)
+                   self._on_disk, self._given)
+
+    def reserve(self, version: int) -> int:
+        """The number a learner's next version gets: `version` (what its own history, trainer and policy say),
+        or above every number any learner was given. Learners step at once, and a version is recorded only once
+        trained: two that each read the histories before either recorded would both take the same number, and
+        the engine, finding its adapter's name loaded, would serve one principal the other's."""
+        self._given = max(version, self.versions.newest + 1, self.newest() + 1)
+        return self._given
 
     def _floor(self) -> int:
         """The newest version of the lineages forgotten so far (a bare number: `NUMBERS_FLOOR`)."""
@@ -145,14 +159,15 @@ class Lineages:
     def find(self, principals) -> None:
         """Lineages on disk for these principals (the configured API keys, at start) are attached again."""
         for principal in principals:
-            if principal not in self.lineages and (self.root / self.versions.pseudonym(principal)).is_dir():
+            if principal not in self.lineages and self.pseudonym(principal) in self._disk_keys:
                 self.attach(principal)
 
     def attach(self, principal: str) -> Lineage:
         """The principal's lineage: found on disk (its policy the newest version its history lets serve), or
         new (served the shared adapter until its first version)."""
-        key = self.versions.pseudonym(principal)
+        key = self.pseudonym(principal)
         home = self.root / key
+        self._disk_keys.add(key)
         home.mkdir(parents=True, exist_ok=True)
         versions = Versions(home / "versions.jsonl", key_path=self.versions.key_path,
                             numbered_with=lambda: max(self.versions.newest, self.newest()))
@@ -165,7 +180,7 @@ class Lineages:
         learner = Learner(self.cfg.learner, SelectedStore(self.store, own), LineageTrainer(self.trainer, key),
                           publisher, policy, home, control_seed=self.cfg.train.seed, pauses=self.pauses,
                           versions=versions, gate=self.gate(), lora=True, max_sample_tokens=self.cfg.max_sample_tokens,
-                          on_step=self.on_step, on_publish=self.on_publish)
+                          on_step=self.on_step, on_publish=self.on_publish, reserve=self.reserve)
         # Its own versions' monitors against its own clean versions; a halt or a rollback pauses learning for all.
         watch = None if self.monitors is None else Watch(
             self.monitors, versions, policy, self.pauses, home, lambda target, reason: learner.rollback(
@@ -191,23 +206,40 @@ class Lineages:
         self.policy.principals[lineage.principal] = policy
         await lineage.learner.run()
 
+    def pseudonym(self, principal: str) -> str:
+        if (key := self._pseudonyms.get(principal)) is None:
+            key = self._pseudonyms[principal] = self.versions.pseudonym(principal)
+        return key
+
     def qualifies(self, principal: str) -> bool:
-        """Whether the principal's samples (those the shared adapter trained on, and those waiting) reach
-        `adapter_min_samples`."""
+        """Whether the principal should have a lineage: one of theirs is on disk, or their samples (those the
+        shared adapter trained on, and those waiting) reach `adapter_min_samples`."""
         if principal in self.lineages or principal.startswith(PSEUDO_PRINCIPAL):
             return False
-        pseudonym = self.versions.pseudonym(principal)
-        trained = sum(v.principals.get(pseudonym, 0) for v in self.versions)
-        return trained + self.store.waiting_by_principal().get(principal, 0) >= self.cfg.train.adapter_min_samples
+        key = self.pseudonym(principal)
+        if key in self._disk_keys:
+            return True
+        if self._trained_at != len(self.versions):  # a version was recorded since: count again
+            counts: dict[str, int] = {}
+            for v in self.versions:
+                for k, n in v.principals.items():
+                    counts[k] = counts.get(k, 0) + n
+            self._trained, self._trained_at = counts, len(self.versions)
+        return self._trained.get(key, 0) + self.store.waiting_of(principal) >= self.cfg.train.adapter_min_samples
+
+    def _shared_has(self, sample) -> bool:
+        """The shared learner's samples: of principals without a lineage who will not get one (not qualified, or
+        no room left)."""
+        if sample.principal in self.lineages:
+            return False
+        return len(self.lineages) >= self.cfg.train.max_adapters or not self.qualifies(sample.principal)
 
     async def watch(self) -> None:
         """Forever (a task the daemon owns): principals with samples waiting get their lineage, found on disk or
         new once they qualify, within `max_adapters`."""
         while True:
             for principal in list(self.store.waiting_by_principal()):
-                if principal in self.lineages or principal.startswith(PSEUDO_PRINCIPAL):
-                    continue
-                if (self.root / self.versions.pseudonym(principal)).is_dir() or self.qualifies(principal):
+                if self.qualifies(principal):
                     if len(self.lineages) >= self.cfg.train.max_adapters:
                         self.refused.add(principal)
                         continue
@@ -224,7 +256,9 @@ class Lineages:
         shared adapter again. What went, or None when they had none."""
         lineage = self.lineages.pop(principal, None)
         self.refused.discard(principal)
-        key = self.versions.pseudonym(principal)
+        key = self.pseudonym(principal)
+        self._disk_keys.discard(key)
+        self._pseudonyms.pop(principal, None)
         self.policy.principals.pop(principal, None)
         if lineage is not None and lineage.tasks:
             for task in lineage.tasks:

@@ -58,7 +58,7 @@ class Learning(Stage):
                                control_seed=cfg.train.seed, pauses=pauses, versions=versions,
                                lora=cfg.train.lora.enabled, gate=gate(), max_sample_tokens=cfg.max_sample_tokens,
                                on_step=on_step, on_publish=on_publish,
-                               numbered_with=self.lineages.newest if self.lineages is not None else lambda: 0)
+                               reserve=self.lineages.reserve if self.lineages is not None else lambda version: version)
         if cfg.learner.control != "none":
             log.warning("learner control %r: training on a reward cut off from the replies (an experiment)",
                         cfg.learner.control)

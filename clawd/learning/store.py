@@ -133,6 +133,9 @@ class SampleStore:
     def waiting_by_principal(self) -> dict[str, int]:
         return dict(self._by_principal)
 
+    def waiting_of(self, principal: str) -> int:
+        return self._by_principal.get(principal, 0)
+
     def fresh(self, current_version: int, max_staleness: int, of: Selection | None = None) -> int:
         """Waiting samples within `max_staleness` versions of `current_version` (of the selection's, if given)."""
         if of is None:

@@ -8,7 +8,7 @@ made yet reads as a fresh one: no step, no version, its weights the shared adapt
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from clawd.samples import Sample
 from clawd.trainer.catalogue import Checkpointed, ForgetLineage, Ready, Trained
@@ -53,9 +53,9 @@ class LineageTrainer:
         return self.ready
 
     async def train(self, batch_id: str, version: int, samples: Sequence[Sample], *, timeout: float | None = None,
-                    deferred: bool = False) -> Trained:
+                    deferred: bool = False, renumber: Callable[[int], int] = lambda version: version) -> Trained:
         return await self.trainer.train(batch_id, version, samples, timeout=timeout, deferred=deferred,
-                                        lineage=self.key)
+                                        lineage=self.key, renumber=renumber)
 
     async def publish(self, version: int, timeout: float | None = None) -> str:
         return await self.trainer.publish(version, timeout, self.key)

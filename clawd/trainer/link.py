@@ -29,7 +29,7 @@ import signal
 import socket
 import time
 from multiprocessing.connection import Connection
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from clawd.samples import Sample
 from clawd.trainer import child
@@ -385,10 +385,12 @@ class TrainerSupervisor:
         return state["version"] if state is not None else 0
 
     async def train(self, batch_id: str, version: int, samples: Sequence[Sample], *,
-                    timeout: float | None = None, deferred: bool = False, lineage: str | None = None) -> Trained:
+                    timeout: float | None = None, deferred: bool = False, lineage: str | None = None,
+                    renumber: Callable[[int], int] = lambda version: version) -> Trained:
         """One training step on `samples`, producing weights `version`; retried across restarts. `deferred`: its
         directory is written off the critical path (`written` waits for it). `lineage`: the principal's adapter
-        it trains (adapters per principal; None: the shared one)."""
+        it trains (adapters per principal; None: the shared one). `renumber`: the caller's allotter of numbers, for
+        the new one a retry needs when a restarted child already holds `version`."""
         msg = message(Train(batch_id, version, list(samples), deferred))
         if lineage is not None:
             msg["lineage"] = lineage
@@ -398,7 +400,7 @@ class TrainerSupervisor:
         for attempt in range(1, self.attempts + 1):
             link = await self._live_link()
             if (held := self.version_of(lineage)) >= head["version"]:  # a restarted child may have published it
-                head = {**head, "version": held + 1}
+                head = {**head, "version": renumber(held + 1)}
                 frames = [retitled(frames[0], version=head["version"]), *frames[1:]]
             try:
                 reply = await link.request(head, timeout, frames=frames)
