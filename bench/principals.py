@@ -42,12 +42,19 @@ sys.path.insert(0, str(ROOT))
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 from clawd.safety import paired  # noqa: E402
 from clawd.tools.sim.launch import Clawd  # noqa: E402
-from clawd.tools.sim.personas import persona  # noqa: E402
+from clawd.tools.sim.personas import TIPS, form_only, persona  # noqa: E402
 from clawd.tools.sim.users import Users  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 ARMS = ("shared", "per_principal")
-PERSONAS = ("form:brief:8", "form:plain")  # fewer than 8 words; 8 words or more, without a list
+PERSONAS = ("form:brief:8", "form:plain")  # fewer than 8 words (facts); 8 words or more, without a list (tips)
+# --same-questions: both ask the same tips questions (and are probed on the same held-out ones), so that one
+# adapter cannot satisfy both by telling their topics apart: `short` wants fewer than 8 words, `plain` 8 or more.
+SAME = (form_only("short", "under_words", 8, TIPS), persona("form:plain"))
+
+
+def users_of(args) -> list:
+    return list(SAME) if args.same_questions else [persona(p) for p in PERSONAS]
 
 
 def principal_of(p) -> str:
@@ -75,7 +82,7 @@ async def one_run(args, arm: str, seed: int, run_dir: Path) -> dict:
     users = None
     try:
         await clawd.start()
-        users = Users(clawd.url, [persona(p) for p in PERSONAS], seed=seed, concurrency=args.concurrency,
+        users = Users(clawd.url, users_of(args), seed=seed, concurrency=args.concurrency,
                       max_tokens=args.max_tokens, temperature=args.temperature, keep_text=True,
                       principal_of=principal_of)
         before = await users.evaluate(args.probes, seed=1)
@@ -107,11 +114,11 @@ def satisfied(run: dict, when: str, who: str) -> dict[int, bool]:
     return {r["question"]: bool(r["satisfied"]) for r in run[when] if r["persona"] == who}
 
 
-def report(runs: dict[tuple[str, int], dict], seeds: list[int]) -> dict:
+def report(runs: dict[tuple[str, int], dict], seeds: list[int], names: list[str]) -> dict:
     """Per user: each arm's paired change (before -> after, by (seed, question)), and per_principal's change
     beyond shared's, paired the same way."""
     out: dict = {}
-    for who in (persona(p).name for p in PERSONAS):
+    for who in names:
         row: dict = {}
         changes: dict[str, dict] = {}
         for arm in ARMS:
@@ -144,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
     ap.add_argument("--max-minutes", type=float, default=40, help="the users stop after this long, budget met or not")
+    ap.add_argument("--same-questions", action="store_true",
+                    help="both users ask the same questions (short vs plain on the tips pool): no topic to tell them by")
     ap.add_argument("--model", default=str(ROOT / "state/models/SmolLM2-135M-Instruct"))
     ap.add_argument("--out", default=str(RESULTS / "learning-principals.json"))
     args = ap.parse_args(argv)
@@ -179,14 +188,15 @@ async def run_all(args) -> dict:
             print(f"{arm} seed {seed}: {run['publishes']} versions from {run['steps']} steps in {run['wall_s']:.0f} s",
                   flush=True)
     await asyncio.gather(*(job(a, s) for s in seeds for a in ARMS))
-    return {"runs": {f"{a}-{s}": r for (a, s), r in runs.items()}, "report": report(runs, seeds), "work": str(work)}
+    return {"runs": {f"{a}-{s}": r for (a, s), r in runs.items()}, "work": str(work),
+            "report": report(runs, seeds, [p.name for p in users_of(args)])}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     res: dict = {"provenance": provenance.stamp(), "model": str(args.model_dir), "cores": os.cpu_count(),
-                 "personas": list(PERSONAS), "args": {k: str(v) if isinstance(v, Path) else v
+                 "personas": [p.name for p in users_of(args)], "args": {k: str(v) if isinstance(v, Path) else v
                                                       for k, v in vars(args).items()}}
     t0 = time.monotonic()
     res.update(asyncio.run(run_all(args)))
