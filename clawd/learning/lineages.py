@@ -88,9 +88,14 @@ class SelectedStore:
 
 
 def versions_behind(versions: Versions) -> Callable[[int, int], int]:
-    """How many of this history's versions lie after a sample's version, up to the current one."""
+    """How many of this history's versions lie after a sample's version, up to the current one. Asked for every
+    waiting sample at every look for a batch: the sorted numbers are kept until a version is added."""
+    cache: list = [-1, []]  # [the history's length, its numbers sorted]
+
     def count(sample_version: int, current: int) -> int:
-        numbers = versions.numbers()
+        if cache[0] != len(versions):
+            cache[:] = [len(versions), versions.numbers()]
+        numbers = cache[1]
         return max(0, bisect.bisect_right(numbers, current) - bisect.bisect_right(numbers, sample_version))
     return count
 
