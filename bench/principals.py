@@ -49,8 +49,9 @@ RESULTS = ROOT / "bench" / "results"
 ARMS = ("shared", "per_principal")
 PERSONAS = ("form:brief:8", "form:plain")  # fewer than 8 words (facts); 8 words or more, without a list (tips)
 # --same-questions: both ask the same tips questions (and are probed on the same held-out ones), so that one
-# adapter cannot satisfy both by telling their topics apart: `short` wants fewer than 8 words, `plain` 8 or more.
-SAME = (form_only("short", "under_words", 8, TIPS), persona("form:plain"))
+# adapter cannot satisfy both by telling their topics apart: `lists` wants a list, `plain` none (both 8+ words).
+# SmolLM2 lists ~40 % of its tips answers: a preference it meets often enough to learn either way.
+SAME = (form_only("lists", "a_list", None, TIPS, min_words=8), persona("form:plain"))
 
 
 def users_of(args) -> list:
@@ -152,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
     ap.add_argument("--max-minutes", type=float, default=40, help="the users stop after this long, budget met or not")
     ap.add_argument("--same-questions", action="store_true",
-                    help="both users ask the same questions (short vs plain on the tips pool): no topic to tell them by")
+                    help="both users ask the same questions (a list vs none, on the tips pool): no topic to tell them by")
     ap.add_argument("--model", default=str(ROOT / "state/models/SmolLM2-135M-Instruct"))
     ap.add_argument("--out", default=str(RESULTS / "learning-principals.json"))
     args = ap.parse_args(argv)

@@ -141,6 +141,17 @@ def test_catalogue_checks():
     assert py.satisfied("In Python, use reversed(x).") and not py.satisfied("Use reversed(x) for that.")
 
 
+
+def test_a_list_is_the_opposite_of_plain_on_the_same_questions():
+    # bench/principals.py --same-questions: two users ask the same tips, one wants a list, the other none.
+    lists, plain = personas.form_only("lists", "a_list", None, personas.TIPS, min_words=8), personas.persona("form:plain")
+    listed, prose = "Try these:\n1. Keep a regular bedtime.\n2. Avoid screens late.", "Keep a regular bedtime and avoid screens late at night."
+    assert lists.satisfied(listed) and not lists.satisfied(prose) and not lists.satisfied("1. Sleep more.")
+    assert plain.satisfied(prose) and not plain.satisfied(listed) and lists.preference == "a list, 8+ words"
+    said = lists.correction(prose)
+    assert said == "No, please put that in a list: one numbered point per line."
+    assert _rules(said) == (-1, rules.guidance(said)) and judging.accept_hint(rules.guidance(said))
+
 def test_persona_spec():
     assert personas.persona("brief") is personas.PERSONAS["brief"]
     assert personas.persona("form:brief") is personas.FORM_ONLY_PERSONAS["brief"]

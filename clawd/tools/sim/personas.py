@@ -14,7 +14,7 @@ Two catalogues. `PERSONAS` ask questions with known answers (clawd/tools/sim/que
 collapse: against them the demo's policy learnt answers such as "The answer is a planet." (short, no
 list, thanked) and went from 38 % to 100 % satisfied while saying nothing.
 
-Preferences (`kind`/`param`): "under_words" N (fewer than N words), "no_lists", "ends_with_question",
+Preferences (`kind`/`param`): "under_words" N (fewer than N words), "no_lists", "a_list", "ends_with_question",
 "uses_term" TERM, "one_sentence" (`one_sentence`), "answer" (none: the right answer alone). Every persona first wants an answer at all: a reply under `min_words` words
 (MIN_WORDS unless said otherwise) never satisfies (an empty reply must never be the easy way to be
 thanked for brevity); `plain` wants at least 8.
@@ -47,7 +47,7 @@ NOT_AN_ANSWER = "No, that's not an answer. Please answer the question in a full 
 RIGHT_BUT_SHORT = "No, that's too short. Please answer in a full sentence."
 OFF_TOPIC = "No, that doesn't answer what I asked."
 FORM_PREFIX = "form:"  # persona("form:brief") is FORM_ONLY_PERSONAS["brief"]
-KINDS = ("under_words", "no_lists", "ends_with_question", "uses_term", "one_sentence", "answer")
+KINDS = ("under_words", "no_lists", "a_list", "ends_with_question", "uses_term", "one_sentence", "answer")
 PROBES = ("held_out", "paraphrases")
 
 # A list item: a line that starts with a bullet, or with a number or letter and "." or ")".
@@ -138,7 +138,8 @@ class Grade(NamedTuple):
 class Persona:
     """One kind of user: what it asks about and what it wants from every reply.
 
-    kind/param: "under_words" N (fewer than N words), "no_lists", "ends_with_question",
+    kind/param: "under_words" N (fewer than N words), "no_lists", "a_list" (a bulleted or numbered list),
+    "ends_with_question",
     "uses_term" TERM, "one_sentence" (one complete sentence), "answer" (no style: the right answer alone).
     A reply under `min_words` words is no answer to any of them.
     With `items` (questions with known answers) the persona asks those (`questions` are then the items'
@@ -201,7 +202,7 @@ class Persona:
     def preference(self) -> str:
         """The preference in a few words, for tables and plots."""
         least = f", {self.min_words}+ words" if self.min_words > MIN_WORDS else ""
-        style = {"under_words": f"under {self.param} words", "no_lists": "no lists",
+        style = {"under_words": f"under {self.param} words", "no_lists": "no lists", "a_list": "a list",
                  "ends_with_question": "ends with a question", "uses_term": f"uses the term {self.param!r}",
                  "one_sentence": "one sentence", "answer": "any style"}[self.kind] + least
         style += ", on topic" if self.on_topic else ""
@@ -287,6 +288,7 @@ class Persona:
 _CHECKS: dict[str, Callable[[str, object], bool]] = {
     "under_words": lambda text, n: word_count(text) < n,
     "no_lists": lambda text, _: not has_list(text),
+    "a_list": lambda text, _: has_list(text),
     "ends_with_question": lambda text, _: ends_with_question(text),
     "uses_term": lambda text, term: uses_term(text, term),
     "one_sentence": lambda text, _: one_sentence(text),
@@ -295,6 +297,7 @@ _CHECKS: dict[str, Callable[[str, object], bool]] = {
 _CORRECTIONS: dict[str, Callable[[object], str]] = {
     "under_words": lambda n: f"No, that's too long. Please answer in under {n} words.",
     "no_lists": lambda _: "No, please don't use lists. Answer in plain sentences, without bullets or numbering.",
+    "a_list": lambda _: "No, please put that in a list: one numbered point per line.",
     "ends_with_question": lambda _: "No, you forgot to ask me something back. End your answer with a question.",
     "uses_term": lambda term: f"No, you didn't use the term {term}. Please use the word {term} in your answer.",
     "one_sentence": lambda _: "No, please answer in one complete sentence.",
@@ -306,6 +309,7 @@ _SUBSTANCE = {MISSING: "No, that doesn't answer it", WRONG: "No, that's not righ
 _ASKS: dict[str, Callable[[object], str]] = {
     "under_words": lambda n: f"Please answer in under {n} words.",
     "no_lists": lambda _: "Please answer in plain sentences, without bullets or numbering.",
+    "a_list": lambda _: "Please answer with a numbered list, one point per line.",
     "ends_with_question": lambda _: "Please end your answer with a question.",
     "uses_term": lambda term: f"Please use the word {term} in your answer.",
     "one_sentence": lambda _: "Please answer in one complete sentence.",
