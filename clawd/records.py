@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from clawd import faults
+from clawd import faults, jsoncodec
 from clawd.turns import FinishedTurn
 
 log = logging.getLogger("clawd.records")
@@ -57,7 +57,7 @@ class RecordWriter:
         if self._held is not None:
             self._held.append((record, now))
             return True
-        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        line = jsoncodec.dumps(record) + b"\n"  # compact UTF-8, as json.dumps(ensure_ascii=False) writes it
         start = None
         try:
             day = time.strftime("%Y-%m-%d", time.gmtime(now))

@@ -26,9 +26,12 @@ def head() -> "bench_all.Head":
 
 
 def serve_result(prov: dict | None, throughput: float = 1.0, added_ms: float = 0.2) -> dict:
-    cell = {"throughput_ratio": throughput, "added_p50_ms": added_ms}
-    out = {"judged_delays": ["0.02"], "targets": {"added_p50_ms": 1.0, "throughput_ratio": 0.8},
-           "results": {"0.02": {"non-stream": dict(cell), "stream": dict(cell)}}, "pass": True}
+    cell = {"vs_direct": {"main": {"throughput_ratio": throughput, "added_p50_ms": added_ms}}}
+    cpu = {"per_request_ms": {"non-stream": {"main": 0.3, "side": 0.2}}, "per_token_over_floor": {"main": 1.5}}
+    out = {"judged_delays": ["0.02"], "targets": {"added_p50_ms": 1.0, "throughput_ratio": 0.8,
+                                                  "cpu_ms": {"main": 0.35, "side": 0.25}, "token_over_floor": 2.0},
+           "results": {"0.02": {"modes": {"non-stream": dict(cell), "stream": dict(cell)}}, "0": {"cpu": cpu}},
+           "pass": True}
     if prov is not None:
         out["provenance"] = prov
     return out

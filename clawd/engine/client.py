@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import dataclasses
 import uuid
@@ -29,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
+
+from clawd import jsoncodec
 
 log = logging.getLogger("clawd.engine")
 
@@ -157,9 +158,7 @@ class EngineClient:
         self._admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else self._headers
         self._timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout, 5.0), sock_connect=connect_timeout)
-        self._request_timeout = request_timeout
-        self._first_byte = first_byte_timeout
-        self._idle = idle_timeout
+        self._request_timeout, self._first_byte, self._idle = request_timeout, first_byte_timeout, idle_timeout
         self._incremental = incremental_stream
         self._session: aiohttp.ClientSession | None = None
         self._refusing: str | None = None
@@ -178,7 +177,7 @@ class EngineClient:
     async def start(self) -> None:
         # Engines are addressed by IP literal, so aiohttp never calls its threaded resolver.
         connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=False)
-        self._session = aiohttp.ClientSession(connector=connector, json_serialize=json.dumps)
+        self._session = aiohttp.ClientSession(connector=connector, json_serialize=jsoncodec.dumps_text)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -305,7 +304,7 @@ class EngineClient:
                 self._answered()
                 await self._check(resp)
                 async with resp:
-                    return await resp.json(content_type=None)
+                    return jsoncodec.loads(await resp.read())
         except EngineTimeout as exc:
             if resp is not None:
                 resp.close()  # half read: the connection cannot be reused, and the engine sees the hang-up
@@ -359,7 +358,7 @@ class EngineClient:
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         return
-                    obj = json.loads(data)
+                    obj = jsoncodec.loads(data)
                     if "error" in obj:  # SGLang's ValueErrors inside a started stream carry their 400
                         err = obj["error"]
                         if isinstance(err, dict) and err.get("code") == 400:
@@ -405,7 +404,7 @@ class EngineClient:
                 if resp.status != 200:
                     raise EngineError(f"{path} answered {resp.status}: {(await resp.text())[:300]}")
                 try:
-                    answer = json.loads(await resp.read())
+                    answer = jsoncodec.loads(await resp.read())
                 except ValueError:
                     return None
                 return answer if isinstance(answer, dict) else None
@@ -439,7 +438,7 @@ class EngineClient:
                                         timeout=self._short) as resp:
                 if resp.status != 200:
                     raise EngineError(f"/v1/models answered {resp.status}: {(await resp.text())[:300]}")
-                cards = (json.loads(await resp.read()) or {}).get("data") or []
+                cards = (jsoncodec.loads(await resp.read()) or {}).get("data") or []
         except (aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(f"/v1/models: {exc}") from None
         except asyncio.TimeoutError:

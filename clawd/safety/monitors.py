@@ -110,6 +110,9 @@ def _refusal_words(text: str) -> list[str]:
 
 _PHRASES = tuple(tuple(_refusal_words(p)) for p in REFUSAL_PHRASES)
 _LONGEST = max(map(len, _PHRASES))
+_BY_FIRST: dict[str, tuple[tuple[str, ...], ...]] = {}  # the phrases by their first word: a word starts few
+for _p in _PHRASES:
+    _BY_FIRST[_p[0]] = _BY_FIRST.get(_p[0], ()) + (_p,)
 
 
 def is_refusal(text: str) -> bool:
@@ -118,7 +121,8 @@ def is_refusal(text: str) -> bool:
     with it ("Sorry, I can't help with that", "Thanks for asking, but I cannot assist"), while an answer
     that apologises later ("Paris is the capital of France. I'm sorry, but I ...") still answered."""
     head = _refusal_words(text.lstrip()[:TEXT_CHARS])[:REFUSAL_WITHIN - 1 + _LONGEST]
-    return any(tuple(head[i:i + len(p)]) == p for i in range(min(REFUSAL_WITHIN, len(head))) for p in _PHRASES)
+    return any(tuple(head[i:i + len(p)]) == p for i in range(min(REFUSAL_WITHIN, len(head)))
+               for p in _BY_FIRST.get(head[i], ()))
 
 
 # --- tool-call errors ----------------------------------------------------------------------------

@@ -15,7 +15,6 @@ it (`system_fingerprint`, the turn's versions).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -265,7 +264,7 @@ class ChatService:
             raise ApiError(503, "The model engine aborted the request; retry it", code="engine_aborted",
                            retry_after=1)
         out.close()
-        return web.json_response(out.completion(), dumps=json.dumps)
+        return web.Response(body=out.completion_body(), content_type="application/json", charset="utf-8")
 
     async def _on_replica(self, route: Attempt, method: str, payload: dict):
         """The engine client's `method` on the request's replica, tried once more elsewhere where that is safe;

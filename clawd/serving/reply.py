@@ -4,11 +4,11 @@ parsed (content, reasoning, tool calls), and the response out: whole (`completio
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
 
+from clawd import jsoncodec
 from clawd.engine.client import Chunk
 from clawd.engine.replicas import Attempt, Replicas
 from clawd.served import Policy
@@ -48,6 +48,8 @@ class ReplyBuilder:
         self.calls: list[ToolCall] = []
         self.failed = False
         self.served_as = served_as
+        # Log-probs are the only floats a reply holds: while all are finite, orjson writes it as `json` would.
+        self.finite = True
 
     @property
     def weight_version(self) -> str | None:
@@ -78,6 +80,8 @@ class ReplyBuilder:
         self.logprobs += chunk.logprobs
         self.logprob_ids += chunk.logprob_ids
         self.top_ids += chunk.top_ids
+        if self.finite and chunk.logprobs:
+            self.finite = jsoncodec.finite_throughout(chunk.logprobs)
         if chunk.meta:
             self.meta = chunk.meta
         if chunk.finish is not None:
@@ -145,7 +149,11 @@ class ReplyBuilder:
                               "finish_reason": finish}]}
         if self.req.include_usage:
             chunk["usage"] = None
-        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+        return b"data: " + jsoncodec.dumps(chunk, finite=self.finite) + b"\n\n"
+
+    def completion_body(self) -> bytes:
+        """The whole reply's JSON (`completion`)."""
+        return jsoncodec.dumps(self.completion(), finite=self.finite)
 
     def usage_chunk(self) -> dict:
         return {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,

@@ -6,11 +6,11 @@ slot is released, and the rest is written under the connection's write deadline.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
+from clawd import jsoncodec
 from clawd.engine.client import Chunk, EngineError
 from clawd.serving.errors import ApiError
 from clawd.serving.reply import ReplyBuilder
@@ -38,11 +38,11 @@ async def pump(first: Chunk | None, chunks: AsyncIterator[Chunk], out: ReplyBuil
     except EngineError as exc:
         out.failed = True
         err = ApiError(502, f"The model engine failed mid-stream: {exc}", code="engine_error").body()
-        outbox.put_nowait((b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n", False))
+        outbox.put_nowait((b"data: " + jsoncodec.dumps(err) + b"\n\ndata: [DONE]\n\n", False))
         return True
     tail.append(out.sse({}, finish=out.finish_reason))
     if include_usage:
-        tail.append(b"data: " + json.dumps(out.usage_chunk()).encode() + b"\n\n")
+        tail.append(b"data: " + jsoncodec.dumps(out.usage_chunk(), finite=True) + b"\n\n")  # no floats
     tail.append(b"data: [DONE]\n\n")
     # Tokens the detokenizer held back to the end arrive in the tail: their first one is written there.
     outbox.put_nowait((b"".join(tail), bool(out.ids)))
@@ -50,10 +50,29 @@ async def pump(first: Chunk | None, chunks: AsyncIterator[Chunk], out: ReplyBuil
 
 
 async def deliver(resp: web.StreamResponse, outbox: asyncio.Queue, on_token: Callable[[], None] | None) -> None:
-    """A streamed reply's writer: each part as it comes, until None; then the end of the response."""
-    while (part := await outbox.get()) is not None:
-        await resp.write(part[0])
-        if part[1] and on_token is not None:  # once: the client has its first token
+    """A streamed reply's writer: the parts as they come, until None; then the end of the response. Parts that
+    are already waiting when it writes go out in the same write (one send, not one per token, when the engine
+    runs ahead of the socket), and the last ones with the end of the response."""
+    end = False
+    while not end:
+        part = await outbox.get()
+        if part is None:
+            break
+        data, token = [part[0]], part[1]
+        while not outbox.empty():
+            more = outbox.get_nowait()
+            if more is None:
+                end = True
+                break
+            data.append(more[0])
+            token = token or more[1]
+        joined = data[0] if len(data) == 1 else b"".join(data)
+        if end:
+            await resp.write_eof(joined)
+        else:
+            await resp.write(joined)
+        if token and on_token is not None:  # once: the client has its first token
             on_token()
             on_token = None
-    await resp.write_eof()
+    if not end:
+        await resp.write_eof()
