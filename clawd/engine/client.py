@@ -20,16 +20,16 @@ scheduler is making progress, for waits no byte of ours can judge (a non-streame
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import dataclasses
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 import aiohttp
 
 from clawd import jsoncodec
+from clawd.engine.sse import LineTooLong, sse_lines
 
 log = logging.getLogger("clawd.engine")
 
@@ -107,43 +107,48 @@ def _error_text(body: Any) -> str:
 NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                     "repetition_penalty": 1.0, "min_new_tokens": 0}
 
-# One SSE line may hold a whole reply: SGLang's default (cumulative) chunks repeat everything so far with
-# its log-probs, about 30 bytes a token. aiohttp's line reader raises LineTooLong past 512 KiB (3.14);
-# clawd splits lines itself, up to this bound.
-MAX_SSE_LINE = 64 * 1024 * 1024
-
-
-class _LineTooLong(ValueError):
-    pass
-
-
-async def _sse_lines(read: Callable[[], Awaitable[bytes]]) -> AsyncIterator[bytes]:
-    """The stripped lines of a response body, read in chunks of any size (a long line is joined once);
-    `read` returns the next bytes, b"" at the end."""
-    parts: list[bytes] = []  # the current line's pieces, so far without a newline
-    size = 0
-    while chunk := await read():
-        if b"\n" not in chunk:
-            parts.append(chunk)
-            size += len(chunk)
-            if size > MAX_SSE_LINE:
-                raise _LineTooLong(f"engine sent a stream line over {MAX_SSE_LINE} bytes")
-            continue
-        first, *lines, rest = chunk.split(b"\n")
-        yield b"".join([*parts, first]).strip()
-        for line in lines:
-            yield line.strip()
-        parts, size = [rest], len(rest)
-    if size:
-        yield b"".join(parts).strip()
-
-
 class _Call:
     """One generation call: the epochs it began in, to tell whether it was abandoned or overlapped a publish."""
     __slots__ = ("abandon_epoch", "control_epoch")
 
     def __init__(self, abandon_epoch: int, control_epoch: int):
         self.abandon_epoch, self.control_epoch = abandon_epoch, control_epoch
+
+
+class _Deadline:
+    """`EngineClient._deadline`: asyncio's timeout around one wait on the engine, registered among the client's
+    waits (the hang evidence), its expiry an EngineTimeout saying `what`. A class, not a generator-based context
+    manager: a stream enters one per chunk it reads."""
+    __slots__ = ("client", "call", "when", "what", "timeout")
+
+    def __init__(self, client: EngineClient, call: _Call, when: float, what: str):
+        self.client, self.call, self.when, self.what = client, call, when, what
+
+    async def __aenter__(self) -> None:
+        client = self.client
+        if self.call.abandon_epoch != client._abandon_epoch:
+            raise EngineTimeout(f"engine call abandoned: {client._abandoned}")
+        self.timeout = asyncio.timeout_at(self.when)
+        await self.timeout.__aenter__()
+        if not client._waits:  # the engine owes nothing until now: the quiet starts here
+            client._progress_at = asyncio.get_running_loop().time()
+        client._waits.add(self.timeout)
+
+    async def __aexit__(self, kind, exc, tb) -> None:
+        self.client._waits.discard(self.timeout)
+        try:
+            await self.timeout.__aexit__(kind, exc, tb)  # our expiry: the task's cancellation as TimeoutError
+        except TimeoutError:
+            self._expired()
+        if kind is not None and issubclass(kind, TimeoutError):  # aiohttp's total (request_timeout)
+            self._expired()
+
+    def _expired(self) -> None:
+        client = self.client
+        if self.call.abandon_epoch != client._abandon_epoch:
+            raise EngineTimeout(f"engine call abandoned: {client._abandoned}") from None
+        raise EngineTimeout(f"engine sent {self.what}" if self.timeout.expired() else
+                            f"engine call ran past request_timeout ({client._request_timeout:g}s)") from None
 
 
 class EngineClient:
@@ -224,25 +229,9 @@ class EngineClient:
     def _begin(self) -> _Call:
         return _Call(self._abandon_epoch, self._control_epoch)
 
-    @contextlib.asynccontextmanager
-    async def _deadline(self, call: _Call, when: float, what: str):
+    def _deadline(self, call: _Call, when: float, what: str) -> _Deadline:
         """The body's waits end by loop time `when`, or at once when the call is abandoned: EngineTimeout."""
-        if call.abandon_epoch != self._abandon_epoch:
-            raise EngineTimeout(f"engine call abandoned: {self._abandoned}")
-        try:
-            async with asyncio.timeout_at(when) as deadline:
-                if not self._waits:  # the engine owes nothing until now: the quiet starts here
-                    self._progress_at = asyncio.get_running_loop().time()
-                self._waits.add(deadline)
-                try:
-                    yield
-                finally:
-                    self._waits.discard(deadline)
-        except TimeoutError:  # ours, or aiohttp's total (request_timeout)
-            if call.abandon_epoch != self._abandon_epoch:
-                raise EngineTimeout(f"engine call abandoned: {self._abandoned}") from None
-            raise EngineTimeout(f"engine sent {what}" if deadline.expired() else
-                                f"engine call ran past request_timeout ({self._request_timeout:g}s)") from None
+        return _Deadline(self, call, when, what)
 
     def _answered(self) -> None:
         self.stalls = 0
@@ -352,7 +341,7 @@ class EngineClient:
 
             seen = 0
             async with resp:
-                async for line in _sse_lines(read):
+                async for line in sse_lines(read):
                     if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
@@ -380,7 +369,7 @@ class EngineClient:
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise EngineDisconnected(f"engine connection lost mid-stream: {exc}") from None
-        except _LineTooLong as exc:
+        except LineTooLong as exc:
             raise EngineError(str(exc)) from None
         except ValueError:
             raise EngineError("engine sent a stream chunk that is not JSON") from None
