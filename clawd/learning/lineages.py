@@ -24,6 +24,7 @@ import asyncio
 import bisect
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -273,7 +274,12 @@ class Lineages:
         if lineage is not None:  # before its history goes: numbers stay above it
             self.root.mkdir(parents=True, exist_ok=True)
             atomic_write(self.root / NUMBERS_FLOOR, f"{max(self.newest(), lineage.versions.recorded_newest)}\n".encode())
-        removed = await LineageTrainer(self.trainer, key).forget(timeout) if self.trainer.alive else False
+        if self.trainer.alive:  # the trainer holds the adapter: it deletes it and then its files, in order
+            removed = await LineageTrainer(self.trainer, key).forget(timeout)
+        else:  # none to ask (starting, restarting): nothing holds the lineage, its files go from here
+            removed = (self.root / key).is_dir()
+            if removed:
+                shutil.rmtree(self.root / key)
         if lineage is not None and lineage.policy.adapter is not None:
             self.shared_publisher.retire(lineage.policy.adapter)  # unloaded once no request carries it
         if lineage is None and not removed:

@@ -48,7 +48,8 @@ class ReplyBuilder:
         self.calls: list[ToolCall] = []
         self.failed = False
         self.served_as = served_as
-        # Log-probs are the only floats a reply holds: while all are finite, orjson writes it as `json` would.
+        # Log-probs are the only floats a reply holds (when asked for): while all are finite, orjson writes it
+        # as `json` would.
         self.finite = True
 
     @property
@@ -80,7 +81,7 @@ class ReplyBuilder:
         self.logprobs += chunk.logprobs
         self.logprob_ids += chunk.logprob_ids
         self.top_ids += chunk.top_ids
-        if self.finite and chunk.logprobs:
+        if self.finite and self.req.logprobs and chunk.logprobs:  # unasked, no float reaches the client
             self.finite = jsoncodec.finite_throughout(chunk.logprobs)
         if chunk.meta:
             self.meta = chunk.meta
