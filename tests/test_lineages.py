@@ -3,6 +3,7 @@ adapter, starts as a copy of the shared one, publishes a standard PEFT adapter, 
 checkpoint, and is forgotten whole; requests name their lineage on the wire."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -168,3 +169,23 @@ async def test_the_daemon_drives_each_lineage_through_one_supervisor(tiny_model,
     finally:
         await sup.stop()
         run.cancel()
+
+
+async def test_once_the_drain_begins_the_watch_attaches_no_lineage(tmp_path):
+    """A principal who qualified while the daemon drained got a lineage whose learner nobody stopped: the daemon
+    never exited (seen once in three runs of a live test). `stop` closes the watch first."""
+    from clawd.config.loading import config_from_dict
+    from clawd.learning.lineages import Lineages
+
+    class Waiting:  # the sample store, as the watch reads it: one principal's samples waiting
+        def waiting_by_principal(self):
+            return {"alice": 64}
+
+    cfg = config_from_dict({"state": {"dir": str(tmp_path)}, "train": {"adapters": "per_principal",
+                                                                       "lora": {"rank": 4}}})
+    lineages = Lineages(cfg, store=Waiting(), trainer=None, publisher=None, policy=None, versions=None, pauses=None,
+                        gate=lambda: None, on_step=None, on_publish=None, spawn=None)
+    lineages.qualifies = lambda principal: pytest.fail("the watch looked for a lineage to attach after the drain")
+    await lineages.stop(timeout=1.0)
+    await asyncio.wait_for(lineages.watch(), timeout=2.0)  # it returns: no look, no lineage
+    assert lineages.lineages == {}

@@ -128,6 +128,7 @@ class Lineages:
         self.root = lineages_root(cfg.state_dir)
         self.lineages: dict[str, Lineage] = {}  # by principal
         self.refused: set[str] = set()  # principals who qualified beyond max_adapters (served the shared adapter)
+        self.closed = False  # the drain began (`stop`): the watch attaches no lineage more
         self._given = 0  # the newest number a learner was given (`reserve`)
         # Every lineage on disk counts for numbering from the start, found again or not: a principal named by the
         # `user` field is found only when their samples arrive, and the shared adapter may publish before.
@@ -241,9 +242,9 @@ class Lineages:
         return len(self.lineages) >= self.cfg.train.max_adapters or not self.qualifies(sample.principal)
 
     async def watch(self) -> None:
-        """Forever (a task the daemon owns): principals with samples waiting get their lineage, found on disk or
-        new once they qualify, within `max_adapters`."""
-        while True:
+        """Until `stop` (a task the daemon owns): principals with samples waiting get their lineage, found on disk
+        or new once they qualify, within `max_adapters`."""
+        while not self.closed:  # from the drain on, no lineage more: one attached then would never be stopped
             for principal in list(self.store.waiting_by_principal()):
                 if self.qualifies(principal):
                     if len(self.lineages) >= self.cfg.train.max_adapters:
@@ -287,7 +288,8 @@ class Lineages:
         return {"lineage": key, "versions": versions, "adapter": lineage.policy.adapter if lineage else None}
 
     async def stop(self, timeout: float) -> None:
-        for lineage in self.lineages.values():
+        self.closed = True  # first: the watch may run while the learners below stop
+        for lineage in list(self.lineages.values()):
             await lineage.learner.stop(timeout)
             for task in lineage.tasks:
                 task.cancel()
