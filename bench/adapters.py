@@ -57,7 +57,7 @@ import torch
 from pathlib import Path
 from transformers import AutoModelForCausalLM
 from clawd.config.train import TrainConfig, LoraConfig
-from clawd.trainer import adapters
+from clawd.trainer.worker import adapters
 cfg = TrainConfig(lora=LoraConfig(rank={rank})).lora
 model = adapters.wrap(AutoModelForCausalLM.from_pretrained({str(model)!r}, dtype=torch.float32), cfg.rank, cfg.alpha,
                       cfg.target_modules)

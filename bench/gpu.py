@@ -1,6 +1,6 @@
 """clawd's real Trainer on a GPU: training throughput and MFU on a Qwen2.5-0.5B-shaped model, then one
 publish in the base model's dtype (bf16) and one checkpoint. `--shape 4b --recompute on` runs a 4B-shaped
-model with layer recompute instead, and every run records the memory plan (clawd.trainer.memory) beside
+model with layer recompute instead, and every run records the memory plan (clawd.trainer.worker.memory) beside
 the peak it measured.
 
     python3 bench/gpu.py            # CUDA only (refuses to run without it); minutes on an H200, bounded by --time-budget
@@ -8,7 +8,7 @@ the peak it measured.
 
 A randomly initialised Qwen2 with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocabulary 151,936, tied embeddings) is saved as a bf16 base directory without a
-tokenizer (the trainer needs none), and `clawd.trainer.step.Trainer` (`[train.world] device = "cuda"`) trains
+tokenizer (the trainer needs none), and `clawd.trainer.worker.step.Trainer` (`[train.world] device = "cuda"`) trains
 on synthetic samples: `--samples` of total length spread over [--min-len, --max-len], 20–60 % response,
 temperatures 1 / 0.7, half with a teacher hint (mode combine: the OPD term and the T = 1 log-probs run).
 One warm-up step (its micro-batch budget halved on out-of-memory), then `--steps` timed ones.
@@ -155,7 +155,7 @@ def flash_check(trainer, samples) -> dict:
 def chunk_check(trainer, samples) -> dict:
     """The trainer's chunked log-probs and entropy beside losses.token_logprobs/entropy on full logits."""
     import torch
-    from clawd.trainer import losses
+    from clawd.trainer.worker import losses
 
     mb = trainer._micro_batches(samples)[0]
     with torch.no_grad():
@@ -249,12 +249,12 @@ def publish_and_checkpoint(trainer, checkpoint: bool) -> dict:
 
 
 def publish_broadcast(trainer, bucket_mb: int = 512) -> dict:
-    """The trainer's side of a publish over a weight-update group (clawd.trainer.weight_sender): every bucket
+    """The trainer's side of a publish over a weight-update group (clawd.trainer.worker.weight_sender): every bucket
     gathered, cast to the published dtype and packed on the device, then broadcast, in a group of this process
     alone (NCCL on CUDA, gloo on CPU): the broadcast itself moves nothing, so this is the sender's own cost, set
     beside `publish` (the directory write). The wire to an engine needs a second GPU and SGLang: unmeasured."""
     import socket
-    from clawd.trainer.weight_sender import WeightSender
+    from clawd.trainer.worker.weight_sender import WeightSender
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -280,8 +280,8 @@ def publish_broadcast(trainer, bucket_mb: int = 512) -> dict:
 def run(args, result: dict) -> None:
     import torch
     from clawd.config.train import OptimizerConfig, TrainConfig, WorldConfig
-    from clawd.trainer import memory, recompute
-    from clawd.trainer.step import Trainer
+    from clawd.trainer.worker import memory, recompute
+    from clawd.trainer.worker.step import Trainer
 
     device = torch.device("cpu" if args.smoke else "cuda")
     t_start = time.monotonic()

@@ -4,7 +4,7 @@ them, launched as clawd launches it.
 
 Node 0 runs in namespace A as `python bench/hosts.py node0 ...`: it builds a Config with `[train.world] nnodes`,
 `rdzv_endpoint`, and spawns the trainer child through the daemon's own `TrainerLink(trainer_options(cfg))`,
-whose coordinator (clawd/trainer/world.py) starts torchrun for node 0. Node 1 runs in namespace B with the
+whose coordinator (clawd/trainer/worker/world.py) starts torchrun for node 0. Node 1 runs in namespace B with the
 torchrun line `bin/clawd --plan` prints for `clawd-trainer@1` (`world_launches`; this machine's interpreter in
 place of the plan's `python3`). The same driver, outside the namespaces with `nnodes = 1, nproc_per_node = 2`,
 is the one-host world it is compared with: the same batches, the same seed, the same two ranks.
@@ -157,7 +157,7 @@ def weights_checksum(weights_dir: str) -> str:
 
 def node1_argv(cfg) -> list[str]:
     """`clawd-trainer@1`'s torchrun line as `bin/clawd --plan` prints it, run by this machine's interpreter."""
-    from clawd.trainer.world import world_launches
+    from clawd.trainer.worker.world import world_launches
 
     launch = world_launches(cfg)[1]
     return [sys.executable, *launch.argv[1:]]

@@ -90,7 +90,7 @@ def worker(model: Path, state: Path, arm: str, rank: int, publishes: int, out: P
     import torch
 
     from clawd.config.train import LoraConfig, TrainConfig
-    from clawd.trainer.step import Trainer
+    from clawd.trainer.worker.step import Trainer
     from trainer_memory import batch
 
     torch.set_num_threads(1)

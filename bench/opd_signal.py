@@ -3,7 +3,7 @@
 The chain is clawd's own: a simulated user's correction of a wrong answer (clawd/tools/sim/personas.py,
 the `brief` persona names the right answer) → the rules judge's hint (clawd/scoring/rules.py) → the
 teacher prompt → the frozen model's T = 1 log-probs of the reply under it → the OPD term → one trainer step
-(clawd/trainer/step.py). Fact questions of the bank with a distractor; each reply is "<opening> the answer
+(clawd/trainer/worker/step.py). Fact questions of the bank with a distractor; each reply is "<opening> the answer
 is X." with three openings: none ("The answer is X."), and two of the register a teacher shown feedback
 may prefer ("You're right, …", "I'm sorry, …").
 
@@ -126,7 +126,7 @@ def sample(i: int, prompt: list[int], reply: list[int], teacher: list[float], to
 
 
 def measure(model_dir: Path, n_items: int, lr: float, state: Path, n_steps: int = 1) -> dict:
-    from clawd.trainer.step import Trainer  # torch and transformers: loaded once the arguments are good
+    from clawd.trainer.worker.step import Trainer  # torch and transformers: loaded once the arguments are good
     tok = ChatTokenizer(model_dir)
     items = [it for it in questions.listed_facts() if it.distractors and it.answers[0] in it.fact][:n_items]
     if len(items) < n_items:

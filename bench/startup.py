@@ -4,7 +4,7 @@ off while torch, transformers and the model load, then the loaded objects frozen
 Side by side in one run, alternating, `--rounds` times each:
   engine   `python -m clawd.engine.local --model M` (the entry point clawd launches), its process CPU
            (user + system, from /proc) when it logs `loaded ...`: imports, model load, listener
-  trainer  clawd.trainer.child.main's start-up in a process of its own: clawd.trainer.handler's import
+  trainer  clawd.trainer.child.main's start-up in a process of its own: clawd.trainer.worker.handler's import
            and `make(options)` with the options a daemon on the same model passes (trainer_options)
 "Without" is the same code with clawd.startup's two calls made no-ops in that process. Each start also
 reports what one full collection (`gc.collect()`) costs once it is ready: the serving and training
@@ -49,7 +49,7 @@ runpy.run_module("clawd.engine.local", run_name="__main__")
 TRAINER = """{patch}import gc, json, time
 from clawd import startup
 startup.loading()
-from clawd.trainer.handler import make
+from clawd.trainer.worker.handler import make
 from clawd.config.loading import config_from_dict
 from clawd.trainer.options import trainer_options
 cfg = config_from_dict({{"model": {{"path": {model!r}}}, "state": {{"dir": {state!r}}}}})

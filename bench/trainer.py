@@ -55,8 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clawd.config.train import TrainConfig, WorldConfig
 from clawd.samples import Sample  # noqa: E402
-from clawd.trainer.batches import pack  # noqa: E402
-from clawd.trainer.step import Trainer  # noqa: E402
+from clawd.trainer.worker.batches import pack  # noqa: E402
+from clawd.trainer.worker.step import Trainer  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: this script's folder is on sys.path)
 
 RESULTS = ROOT / "bench" / "results"

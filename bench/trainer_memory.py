@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from clawd.samples import Sample  # noqa: E402
 from clawd.config.train import LoraConfig, OptimizerConfig, TrainConfig, WorldConfig
-from clawd.trainer import sharded_load, sharding  # noqa: E402
-from clawd.trainer.step import Trainer  # noqa: E402
+from clawd.trainer.worker import sharded_load, sharding  # noqa: E402
+from clawd.trainer.worker.step import Trainer  # noqa: E402
 
 
 def batch(n: int = 8, length: int = 64, response: int = 16) -> list[Sample]:

@@ -8,7 +8,7 @@
 
 No torch: the daemon uses `restored_weights` at start to launch the policy engine on what the
 trainer will resume from, so a restart serves the newest checkpointed version again instead of
-the base model. The trainer (clawd.trainer.checkpoints) and the model builder (clawd.tools.models)
+the base model. The trainer (clawd.trainer.worker.checkpoints) and the model builder (clawd.tools.models)
 write their directories with `atomic_dir` (docs/ARCHITECTURE.md §6, §7), after `check_free`.
 """
 from __future__ import annotations

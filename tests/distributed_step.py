@@ -23,8 +23,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from clawd.config.train import LoraConfig, LossConfig, OptimizerConfig, TrainConfig
-from clawd.trainer import recompute, sharding  # noqa: E402
-from clawd.trainer.step import Trainer  # noqa: E402
+from clawd.trainer.worker import recompute, sharding  # noqa: E402
+from clawd.trainer.worker.step import Trainer  # noqa: E402
 from tests.test_trainer import sample  # noqa: E402
 
 startup.loaded()
@@ -284,7 +284,7 @@ def _tiny_variants(work: Path) -> list[Path]:
 
 
 def _startup(model_dir: Path, work: Path, world) -> dict | None:
-    """The world's start-up (clawd/trainer/sharded_load.py): every rank builds on the meta device and only rank 0
+    """The world's start-up (clawd/trainer/worker/sharded_load.py): every rank builds on the meta device and only rank 0
     reads the weights (from_pretrained calls counted per rank). Every gathered parameter and every buffer,
     the non-persistent rotary ones included, against the model `from_pretrained` loads plainly, bit for bit,
     for the tests' model through the Trainer and for a tiny Llama and Qwen3 through the loader itself."""
@@ -292,7 +292,7 @@ def _startup(model_dir: Path, work: Path, world) -> dict | None:
 
     from transformers import AutoModelForCausalLM
 
-    from clawd.trainer import sharded_load
+    from clawd.trainer.worker import sharded_load
 
     saved, calls = AutoModelForCausalLM.__dict__["from_pretrained"], []
 

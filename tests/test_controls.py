@@ -79,7 +79,7 @@ def test_a_zero_reward_batch_leaves_the_weights_exactly_as_they_were(tiny_model,
     """The zero-reward control through the real trainer: no advantage anywhere, so no update at all
     (AdamW's first step from zero gradients is zero); the same batch with its rewards moves them."""
     from clawd.config.train import OptimizerConfig, TrainConfig
-    from clawd.trainer.step import Trainer
+    from clawd.trainer.worker.step import Trainer
     import torch
 
     b = [dataclasses.replace(s, tokens=[100 + i + j for j in range(len(s.tokens))]) for i, s in enumerate(batch())]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from clawd.trainer.sharding import split_by_tokens
+from clawd.trainer.worker.sharding import split_by_tokens
 from tests.test_learner import until
 from tests.test_trainer_writes import learning, ledger, put
 

@@ -1,4 +1,4 @@
-"""Adapters beside one another in one trainer process (clawd.trainer.lineages): each lineage trains only its own
+"""Adapters beside one another in one trainer process (clawd.trainer.worker.lineages): each lineage trains only its own
 adapter, starts as a copy of the shared one, publishes a standard PEFT adapter, resumes exactly from its own
 checkpoint, and is forgotten whole; requests name their lineage on the wire."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from clawd.config.train import LoraConfig, TrainConfig
 from clawd.trainer import child
-from clawd.trainer.handler import TrainerHandler
-from clawd.trainer.lineages import LineageHandlers, adapter_of, handler_for as make
+from clawd.trainer.worker.handler import TrainerHandler
+from clawd.trainer.worker.lineages import LineageHandlers, adapter_of, handler_for as make
 from clawd.weights import lineage_dir
 
 from .test_trainer import sample

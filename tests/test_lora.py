@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from clawd.config.train import LoraConfig, LossConfig, OptimizerConfig, TrainConfig
-from clawd.trainer.step import Trainer
+from clawd.trainer.worker.step import Trainer
 
 from .harness import Daemon
 from .load import load_until_published, publish_windows

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from clawd.config.train import LossConfig
-from clawd.trainer import head, losses
+from clawd.trainer.worker import head, losses
 
 F64 = torch.float64
 NAN, INF = math.nan, math.inf

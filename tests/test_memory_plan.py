@@ -1,4 +1,4 @@
-"""The trainer's memory plan (clawd.trainer.memory): its parameter counts are the models', its activation
+"""The trainer's memory plan (clawd.trainer.worker.memory): its parameter counts are the models', its activation
 bytes are what torch saves for the backward (measured here on Qwen2 shapes, float32 and bf16 autocast, with
 and without recompute), and `--check-config` / `--plan` print it and refuse a layout that cannot fit."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from clawd.config.train import LoraConfig, TrainConfig, WorldConfig, overlay
-from clawd.trainer import recompute
-from clawd.trainer.memory import GIB, Shape, activation_bytes_per_token_layer, plan, problem
+from clawd.trainer.worker import recompute
+from clawd.trainer.worker.memory import GIB, Shape, activation_bytes_per_token_layer, plan, problem
 
 QWEN = dict(vocab_size=512, hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2)
 

@@ -35,7 +35,7 @@ from clawd.scoring import judging, rules
 from clawd.tokenizer import ChatTokenizer
 from clawd.tools.sim import questions
 from clawd.tools.sim.personas import PERSONAS
-from clawd.trainer.step import Trainer
+from clawd.trainer.worker.step import Trainer
 
 PREFIX = "The answer is"
 REGISTER = "You're right,"

@@ -142,7 +142,7 @@ def test_plan_shows_the_trainer_worlds_torchrun_lines_for_every_host(tmp_path):
     assert here["devices"] == there["devices"] == [3, 4] and here["env"]["CUDA_VISIBLE_DEVICES"] == "3,4"
     for node, p in enumerate((here, there)):
         argv = p["argv"]
-        assert argv[1:3] == ["-m", "torch.distributed.run"] and argv[-4:] == ["-m", "clawd.trainer.rank",
+        assert argv[1:3] == ["-m", "torch.distributed.run"] and argv[-4:] == ["-m", "clawd.trainer.worker.rank",
                                                                              "--collective-timeout", "120.0"]
         flags = dict(zip(argv[3:-4:2], argv[4:-4:2]))
         assert flags == {"--nnodes": "2", "--nproc-per-node": "2", "--node-rank": str(node), "--rdzv-backend": "static",

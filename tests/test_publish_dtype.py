@@ -11,9 +11,9 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
 from clawd.config.train import OptimizerConfig, TrainConfig
-from clawd.trainer import checkpoints
-from clawd.trainer.handler import TrainerHandler
-from clawd.trainer.step import Trainer
+from clawd.trainer.worker import checkpoints
+from clawd.trainer.worker.handler import TrainerHandler
+from clawd.trainer.worker.step import Trainer
 from tests.test_trainer import mixed_batch, weights
 
 

@@ -101,7 +101,7 @@ def test_rejected_samples_are_kept_for_inspection(tmp_path):
 
 @pytest.fixture
 def make(tiny_model, tmp_path):
-    from clawd.trainer.step import Trainer
+    from clawd.trainer.worker.step import Trainer
 
     return lambda name="state", **cfg: Trainer(tiny_model, tmp_path / name, flat_config(**{"lr": 1e-3, **cfg}))
 

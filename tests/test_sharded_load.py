@@ -1,4 +1,4 @@
-"""The sharded start-up's parts that need no world (clawd/trainer/sharded_load.py): a model built on the meta
+"""The sharded start-up's parts that need no world (clawd/trainer/worker/sharded_load.py): a model built on the meta
 device and given storage gets its non-persistent buffers back exactly as `from_pretrained` computes them, a
 buffer nothing knows how to rebuild raises, and PEFT's adapters on a meta model take the dtypes they take on a
 loaded one (float32 over a bf16 base). The world itself: tests/test_distributed_trainer.py."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clawd.config.train import LoraConfig, TrainConfig
-from clawd.trainer import adapters, sharded_load
+from clawd.trainer.worker import adapters, sharded_load
 
 
 def meta_model(model_dir, dtype=torch.float32):

@@ -435,7 +435,7 @@ def test_the_trainer_world_unit_runs_the_line_the_plan_prints_for_its_host():
     import shlex
 
     from clawd.config.train import TrainConfig, WorldConfig
-    from clawd.trainer.world import world_argv
+    from clawd.trainer.worker.world import world_argv
 
     unit = _directives(TRAINER_UNIT.read_text())
     assert unit["Restart"] == ["always"] and unit["User"] == ["clawd"]

@@ -19,11 +19,11 @@ import torch
 from clawd.config.train import (REGROUPED, LoraConfig, LossConfig, OptimizerConfig, TrainConfig, WorldConfig,
                                 regroup)
 from clawd.samples import Sample
-from clawd.trainer import losses
-from clawd.trainer.handler import train_config
-from clawd.trainer.batches import mini_batches, pack
-from clawd.trainer.step import Trainer, TrainingPaused
-from clawd.trainer.losses import warmup_lr
+from clawd.trainer.worker import losses
+from clawd.trainer.worker.handler import train_config
+from clawd.trainer.worker.batches import mini_batches, pack
+from clawd.trainer.worker.step import Trainer, TrainingPaused
+from clawd.trainer.worker.losses import warmup_lr
 from clawd.weights import restored_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -239,7 +239,7 @@ def test_layer_recompute_leaves_the_step_alike_and_keeps_a_fraction_of_the_activ
     weights equal those without it (asserted: 1e-6 relative; measured exactly equal on CPU), parameter names
     are unchanged (checkpoints, publishes and adapters alike), and the tensors autograd saves for the
     backward shrink (measured on the same micro-batch: the layers' intermediates are gone)."""
-    from clawd.trainer import recompute
+    from clawd.trainer.worker import recompute
 
     lr = {"lora_rank": lora, "lora_lr": 1e-3} if lora else {}
     runs = {}
@@ -270,7 +270,7 @@ def test_a_step_out_of_memory_is_reported_as_such_and_fatal_only_once_the_weight
     fatal, restarted from the checkpoint. The wire says "oom" either way, so the daemon splits the batch."""
     from clawd import faults
     from clawd.trainer.child import error_reply
-    from clawd.trainer.failures import OutOfMemory
+    from clawd.trainer.worker.failures import OutOfMemory
 
     trainer = make(ppo_mini_batches=2)
     before = weights(trainer)

@@ -362,7 +362,8 @@ async def main(d):
         await asyncio.sleep(0.02)
     threads.append(threading.active_count())
     print(json.dumps({"child": sup.pid, "restarts": sup.restarts, "threads": threads,
-                      "torch": "torch" in sys.modules, "handler": "clawd.trainer.handler" in sys.modules}), flush=True)
+                      "torch": "torch" in sys.modules, "handler": "clawd.trainer.worker.handler" in sys.modules}),
+          flush=True)
     await asyncio.sleep(3600)
 
 asyncio.run(main(sys.argv[1]))

@@ -28,10 +28,10 @@ from clawd.learning.publisher import Publisher
 from clawd.learning.store import SampleStore
 from clawd.pauses import DISK
 from clawd.served import Policy
-from clawd.trainer import checkpoints
+from clawd.trainer.worker import checkpoints
 from clawd.trainer.link import TrainerSupervisor
 from clawd.trainer.options import trainer_options
-from clawd.trainer.step import Trainer
+from clawd.trainer.worker.step import Trainer
 from clawd.weights import Ledger, checkpointed_samples, is_published, lineage, read_ledger
 from tests.fake_sglang import FakeSGLang
 from tests.test_learner import until

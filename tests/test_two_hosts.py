@@ -21,7 +21,7 @@ hosts = load_bench("hosts", "bench_hosts")
 def test_gloo_listens_where_node_0_is_reached_and_leaves_a_one_host_world_alone():
     """The interface gloo listens on across hosts: the one the route to node 0 leaves by, never the loopback
     (where a host's own name often resolves, which the other hosts cannot reach); none for a world of one host."""
-    from clawd.trainer.sharding import gloo_interface
+    from clawd.trainer.worker.sharding import gloo_interface
 
     assert gloo_interface("") is None
     assert gloo_interface("127.0.0.1") is None and gloo_interface("localhost") is None
@@ -33,12 +33,12 @@ def test_gloo_listens_where_node_0_is_reached_and_leaves_a_one_host_world_alone(
 
 
 # One rank of a bare world: sharding.join as clawd's ranks call it, then a sum over both ranks.
-# As clawd.trainer.rank ends: the group destroyed before the interpreter exits (gloo's threads still running
+# As clawd.trainer.worker.rank ends: the group destroyed before the interpreter exits (gloo's threads still running
 # at exit end the process with "terminate called without an active exception", SIGABRT, now and then).
 RANK = """
 import json, os, torch
 import torch.distributed as dist
-from clawd.trainer.sharding import join
+from clawd.trainer.worker.sharding import join
 world = join(20.0)
 total = world.all_sum(torch.tensor([float(world.rank + 1)]))
 print(json.dumps({"rank": world.rank, "sum": float(total), "interface": os.environ.get("GLOO_SOCKET_IFNAME")}))

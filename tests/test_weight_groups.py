@@ -161,7 +161,7 @@ async def test_the_engine_serves_a_version_pushed_before_its_directory_is_writte
 def test_the_sender_sends_a_tied_embedding_once_as_save_pretrained_stores_it(tied):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from clawd.trainer.weight_sender import WeightSender
+    from clawd.trainer.worker.weight_sender import WeightSender
 
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied))

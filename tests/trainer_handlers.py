@@ -64,7 +64,7 @@ class Scripted:
         if action == "raise":
             raise ValueError("scripted failure")
         if action in ("oom", "oom_fatal"):  # the trainer's own exception (torch imported only here)
-            from clawd.trainer.failures import OutOfMemory
+            from clawd.trainer.worker.failures import OutOfMemory
             raise OutOfMemory(f"scripted out of memory on {len(samples)} sample(s)", fatal=action == "oom_fatal")
         if action == "retryable":
             raise RetryableError("scripted transient failure")

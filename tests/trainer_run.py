@@ -27,7 +27,7 @@ torch.use_deterministic_algorithms(True)
 
 from clawd.config.train import LossConfig, OptimizerConfig, TrainConfig
 from clawd.samples import Sample  # noqa: E402
-from clawd.trainer.step import Trainer  # noqa: E402
+from clawd.trainer.worker.step import Trainer  # noqa: E402
 
 CONFIG = TrainConfig(micro_batch_tokens=48, optimizer=OptimizerConfig(lr=1e-3), loss=LossConfig(eps_clip_high=0.28))
 

@@ -75,7 +75,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """[train.loss]: what `clawd.trainer.losses.total_loss` and the advantages read."""
+    """[train.loss]: what `clawd.trainer.worker.losses.total_loss` and the advantages read."""
     eps_clip: float = 0.2                # PPO's clip below 1: the ratio's range is [1 - eps_clip, 1 + eps_clip_high]
     eps_clip_high: float = 0.28          # and above it (clip-higher)
     tis_cap: float = 2.0                 # truncated importance sampling's cap on π_old / π_rollout, at least 1

@@ -5,7 +5,7 @@ With `[train] adapters = "per_principal"` (LoRA), a principal whose samples reac
 the shared adapter trained on, and those waiting) gets an adapter of their own, for at most `max_adapters`
 principals; active rollouts never get one. Their *lineage* is everything that adapter owns, under
 state/lineages/<pseudonym>/ (the keyed pseudonym of clawd.safety.versions: no name on disk): the trainer's
-lineage (clawd.trainer.lineages: the adapter, its optimizer, checkpoints and versions' directories), its version
+lineage (clawd.trainer.worker.lineages: the adapter, its optimizer, checkpoints and versions' directories), its version
 history (versions.jsonl there, numbered with the shared one: a number is never reused), and its `Policy`,
 served to that principal alone (`Policy.principals`, clawd.served). Each lineage has a `Learner` of its own,
 the shared adapter's learner given the lineage's parts: its trainer (`LineageTrainer`), history, policy,

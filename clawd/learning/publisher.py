@@ -5,7 +5,7 @@ group with the trainer (clawd.learning.weight_groups) or else loads the director
 continues; the engine's own word on the weight_version it serves confirms it. LoRA mode: each replica
 loads the adapter beside the base, nothing paused. The learner moves the policy only once every replica
 in rotation has confirmed and the version's directory is on disk: with groups the trainer writes it off
-the critical path (clawd.trainer.publishing), and whatever reads it from disk waits for it (`_on_disk`).
+the critical path (clawd.trainer.worker.publishing), and whatever reads it from disk waits for it (`_on_disk`).
 """
 from __future__ import annotations
 

@@ -29,6 +29,6 @@ def export_model(cfg: Config, version: int, dest: Path) -> Path:
         raise ExportError(f"{dest} already exists")
     if not is_adapter(source):
         return atomic_dir(dest, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
-    from clawd.trainer.adapters import export_merged  # torch, transformers and peft: only for this command
+    from clawd.trainer.worker.adapters import export_merged  # torch, transformers and peft: only for this command
 
     return export_merged(cfg.model_path, source, dest, model_dtype(cfg.model_path, cfg.model.dtype))

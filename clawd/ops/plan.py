@@ -3,7 +3,7 @@
 Built by the same functions that start them (`clawd.engine.launch.engine_launch`,
 `clawd.trainer.link.trainer_launch`, `world_launches`), so the plan is what runs. It needs neither SGLang nor a GPU,
 only the configuration and the base model's config.json (for the dtype, and the trainer's memory plan:
-`clawd.trainer.memory`). No secret appears in it:
+`clawd.trainer.worker.memory`). No secret appears in it:
 engine keys travel in a file only clawd can read, and `env` lists what clawd sets (a value) or
 removes (null), never what it inherits.
 """
@@ -18,8 +18,8 @@ from clawd.devices import Launch
 from clawd.engine.launch import engine_launch, keys_file_path
 from clawd.config.train import recompute_on
 from clawd.trainer.options import trainer_launch
-from clawd.trainer.memory import MemoryPlan, Shape, describe, plan, problem
-from clawd.trainer.world import world_launches
+from clawd.trainer.worker.memory import MemoryPlan, Shape, describe, plan, problem
+from clawd.trainer.worker.world import world_launches
 from clawd.weights import restored_weights
 
 

@@ -58,7 +58,7 @@ TEXTS_KEPT = 512       # reply texts a tally keeps per version: enough for stabl
 TEXT_CHARS = 1000      # of each kept text (stripped): ~170 words hold its opening, its phrases, its template
 VERSIONS_KEPT = 64     # versions `Monitors` keeps tallies for, least recently observed dropped first
 REFUSAL_WITHIN = 6     # a refusal phrase counts only when it starts among a reply's first 6 words
-KL_KEY, ENTROPY_KEY = "loss_kl", "entropy"  # the trainer's step metrics (clawd.trainer.step._epoch)
+KL_KEY, ENTROPY_KEY = "loss_kl", "entropy"  # the trainer's step metrics (clawd.trainer.worker.step._epoch)
 ACTION_RANK = {"alarm": 1, "halt": 2, "rollback": 3}
 _UIDS = itertools.count()  # tells a tally from a later one of the same version (a cache key, not a clock)
 
@@ -253,7 +253,7 @@ class Tally:
         self.reward_sum += reward
 
     def add_step(self, metrics: Mapping[str, Any]) -> None:
-        """One trainer step's metrics (clawd.trainer.step): "loss_kl" (the sampled KL to the reference,
+        """One trainer step's metrics (clawd.trainer.worker.step): "loss_kl" (the sampled KL to the reference,
         present when kl_coef > 0) and "entropy" (per token), each when a finite number."""
         self.steps += 1
         kl, ent = metrics.get(KL_KEY), metrics.get(ENTROPY_KEY)

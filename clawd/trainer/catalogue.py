@@ -69,7 +69,7 @@ class LeaveGroup:
 
 @dataclass(frozen=True)
 class ForgetLineage:
-    key: str               # a principal's lineage (clawd.trainer.lineages): its adapter and directory deleted
+    key: str               # a principal's lineage (clawd.trainer.worker.lineages): its adapter and directory deleted
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Ready:
     step: int
     version: int          # the newest version the trainer has published: new ones go above it
     weights_version: int  # the version whose weights it holds (its checkpoint's); 0: the base model
-    world_size: int = 1   # the trainer's ranks (clawd.trainer.world)
+    world_size: int = 1   # the trainer's ranks (clawd.trainer.worker.world)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The daemon spawns `main(conn, factory, options)` with the `spawn` context and ta
 one socket-pair `Connection`, in the format of `clawd.trainer.wire`. The daemon imports this
 module to name the spawn target, so it imports no torch. `factory` is the handler's factory, a
 top-level function pickled by reference (unpickling it imports its module, in the child), or
-None for the real trainer, `clawd.trainer.lineages.handler_for`, which imports torch and is imported
+None for the real trainer, `clawd.trainer.worker.lineages.handler_for`, which imports torch and is imported
 here, in the child only.
 
 The handler: `factory(options)` returns an object with `step`, `version` (the newest version ever
@@ -76,7 +76,7 @@ def error_reply(batch_id, exc: BaseException, handler=None) -> dict:
 
 def handle(handler, msg: dict) -> dict:
     """The reply to one request, with the state of the handler it was for: the lineage it names (a handler of
-    adapters per principal, clawd.trainer.lineages; its key then in the state too), else the handler's own.
+    adapters per principal, clawd.trainer.worker.lineages; its key then in the state too), else the handler's own.
     Handler exceptions become `error` replies."""
     key = msg.get("lineage")
     try:
@@ -148,12 +148,12 @@ def ready_message(handler) -> dict:
 
 def main(conn, factory: Factory | None, options: dict) -> None:
     """The child's entry point: handshake, then one reply per request until shutdown or EOF. With a
-    trainer world of several ranks, the coordinator's (`clawd.trainer.world`) instead."""
+    trainer world of several ranks, the coordinator's (`clawd.trainer.worker.world`) instead."""
     die_with_spawner()
     world = getattr(options.get("train"), "world", None)  # a TrainConfig's; the tests' handlers have none
     if factory is None and world is not None and world.size > 1:
         logging.basicConfig(level=str(options.get("log_level", "info")).upper(), stream=sys.stderr, format=LOG_FORMAT)
-        from clawd.trainer.world import coordinate
+        from clawd.trainer.worker.world import coordinate
 
         return coordinate(conn, options)
     for name, value in options.get("env", {}).items():  # its GPUs: set before torch initialises CUDA
@@ -166,7 +166,7 @@ def main(conn, factory: Factory | None, options: dict) -> None:
     try:
         if factory is None:
             startup.loading()  # until the handler has loaded the model
-            from clawd.trainer.lineages import handler_for as factory
+            from clawd.trainer.worker.lineages import handler_for as factory
         handler = factory(options)
         ready = ready_message(handler)
         startup.loaded()

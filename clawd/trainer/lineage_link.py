@@ -1,6 +1,6 @@
 """One principal's lineage of a trainer that holds adapters per principal, as a learner sees a trainer.
 
-The trainer child (clawd.trainer.lineages) holds the shared adapter and one per principal who has their own; the
+The trainer child (clawd.trainer.worker.lineages) holds the shared adapter and one per principal who has their own; the
 daemon drives each lineage with a learner of its own (clawd.learning.lineages), and every learner speaks to the
 one trainer. `LineageTrainer` is what such a learner is given: the supervisor's calls with the lineage named, and
 the lineage's own state (its step, versions, owed writes) in place of the trainer's. A lineage the child has not

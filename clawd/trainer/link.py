@@ -14,7 +14,7 @@ still holds the samples, nothing is dropped silently. Every reply's `state` (the
 newest version and owed writes; `clawd.trainer.wire`) is kept as `link.state`.
 
 What the real trainer is spawned with is `clawd.trainer.options`. The handler is the child's business: a
-link given no factory runs `clawd.trainer.lineages.handler_for`, imported in the child only.
+link given no factory runs `clawd.trainer.worker.lineages.handler_for`, imported in the child only.
 """
 from __future__ import annotations
 

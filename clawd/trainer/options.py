@@ -11,8 +11,8 @@ from clawd.devices import Launch, child_env, device_set
 
 
 def trainer_options(cfg: Config) -> dict:
-    """The options the real trainer (`clawd.trainer.lineages.handler_for`) is spawned with, for a daemon run by cfg.
-    `env`: what the child changes in its inherited environment before torch starts CUDA (its GPUs)."""
+    """The options the real trainer (`clawd.trainer.worker.lineages.handler_for`) is spawned with, for a daemon
+    run by cfg. `env`: what the child changes in its inherited environment before torch starts CUDA (its GPUs)."""
     return {"mode": cfg.scoring.mode, "model_dir": str(cfg.model_path.resolve()),
             "state_dir": str(cfg.state_dir.resolve()), "train": cfg.train, "dtype": cfg.model.dtype,
             "min_free_bytes": cfg.state.min_free_bytes, "keep_checkpoints": cfg.versions.rollback_depth + 2,

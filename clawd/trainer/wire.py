@@ -33,11 +33,11 @@ every request gets exactly one reply, in order:
                                           engine receives each; refused unless they are `version`)
     leave_group{name}                  -> left{name}
     forget_lineage{key}                -> lineage_forgotten{key, removed} (adapters per principal: the lineage's
-                                          adapter and directory deleted; clawd.trainer.lineages)
+                                          adapter and directory deleted; clawd.trainer.worker.lineages)
     ping{n}                            -> pong{n, state}
     shutdown{}                         -> no reply: the child exits 0
 
-With adapters per principal (clawd.trainer.lineages) a request may name its lineage, `lineage` beside its
+With adapters per principal (clawd.trainer.worker.lineages) a request may name its lineage, `lineage` beside its
 fields (absent: the shared one); its reply's `state` is then that lineage's, with `lineage` in it, and `ready`
 carries `lineages`: each principal's lineage the child resumed, by key, its state.
 

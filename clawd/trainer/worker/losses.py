@@ -30,7 +30,7 @@ One optimizer step in the trainer, sketched:
         loss.backward()        # micro-batch losses and gradients add up to the whole batch's
     metrics = loss_metrics(...) | {"grad_norm": grad_norm(model.parameters())}
 
-The trainer takes lp_new, the entropy and lp_old_t1 from one `clawd.trainer.head.head_logprobs` call on the
+The trainer takes lp_new, the entropy and lp_old_t1 from one `clawd.trainer.worker.head.head_logprobs` call on the
 decoder's hidden states: the same values as the functions above on the full logits, computed a chunk of
 positions at a time, so the [B, T, V] logits never exist (152k entries a position for Qwen).
 """
@@ -413,7 +413,7 @@ def loss_metrics(lp_new: Tensor, lp_old: Tensor, lp_rollout: Tensor, adv: Tensor
 def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
     """The L2 norm of all gradients taken together (parameters without one are skipped). Inf or
     NaN when a gradient is not finite: the trainer's signal to skip the step. One process; a
-    trainer world sums `squared_norm` over every rank's shards (`clawd.trainer.sharding`)."""
+    trainer world sums `squared_norm` over every rank's shards (`clawd.trainer.worker.sharding`)."""
     squares = [squared_norm(p.grad.detach()) for p in parameters if p.grad is not None]
     return float(torch.stack(squares).sum().sqrt()) if squares else 0.0  # one read-back
 

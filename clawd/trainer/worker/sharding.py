@@ -1,7 +1,7 @@
 """The trainer world: one step on N ranks equals the step on one (docs/ARCHITECTURE.md §13).
 
 Runs in the trainer's ranks only (torch). `World` is this rank's place in the process group that
-`clawd.trainer.rank` joined under torchrun; `clawd.trainer.step.Trainer` takes one and asks it
+`clawd.trainer.worker.rank` joined under torchrun; `clawd.trainer.worker.step.Trainer` takes one and asks it
 for everything that differs from a single process:
 
 - **Sharding** (`shard`): FSDP2, one `fully_shard` per decoder layer, then the root (which holds
@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from clawd.trainer.batches import micro_batch, pack
+from clawd.trainer.worker.batches import micro_batch, pack
 
 
 def split_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
@@ -195,7 +195,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def grad_norm(params: list[torch.nn.Parameter], world: World) -> float:
     """The L2 norm of the whole gradient: each rank's local squared norms (float64), summed over ranks."""
-    from clawd.trainer.losses import squared_norm
+    from clawd.trainer.worker.losses import squared_norm
 
     squares = [squared_norm(local(p.grad).detach()) for p in params if p.grad is not None]
     sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=world.device)

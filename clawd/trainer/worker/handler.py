@@ -1,7 +1,7 @@
 """The real trainer's handler: the messages of `clawd.trainer.wire` -> `Trainer` calls.
 
 Imported only in the spawned trainer process (`clawd.trainer.child` imports it when the link
-was given no factory): it imports torch through `clawd.trainer.step`.
+was given no factory): it imports torch through `clawd.trainer.worker.step`.
 
 A train message takes the optimizer step once, then tries its writes: the weights directory of the
 version the daemon asked for, then a checkpoint when one is due. The step and its writes are
@@ -30,9 +30,9 @@ from clawd.config.loading import config_from_dict
 from clawd.config.train import TrainConfig
 from clawd.samples import Sample
 from clawd.trainer.catalogue import Trained
-from clawd.trainer.failures import StepFailed
-from clawd.trainer.step import Trainer
-from clawd.trainer.weight_sender import SyncRefused, WeightSender
+from clawd.trainer.worker.failures import StepFailed
+from clawd.trainer.worker.step import Trainer
+from clawd.trainer.worker.weight_sender import SyncRefused, WeightSender
 from clawd.weights import Ledger, ledger_path, version_dir, write_failure_kind
 
 log = logging.getLogger("clawd.trainer")
@@ -52,7 +52,7 @@ class TrainerHandler:
     def __init__(self, options: dict, world=None, *, beside: TrainerHandler | None = None, adapter: str | None = None):
         """world: this rank's `sharding.World` when the trainer is several ranks (every rank has a handler
         and runs every request; rank 0 keeps the ledger and replies). beside, adapter: a lineage's handler, its
-        adapter `adapter` on `beside`'s model (clawd.trainer.lineages)."""
+        adapter `adapter` on `beside`'s model (clawd.trainer.worker.lineages)."""
         self.mode = options["mode"]
         self.trainer = Trainer(Path(options["model_dir"]), Path(options["state_dir"]),
                                train_config(options.get("train")), dtype=options.get("dtype", "auto"),

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from clawd import faults
-from clawd.trainer.checkpoints import copy_model_files
+from clawd.trainer.worker.checkpoints import copy_model_files
 from clawd.weights import atomic_dir
 
 
@@ -51,7 +51,7 @@ def peft_quietly():
 
 def beside(scorer, name: str, source: str, lora: bool, world):
     """`scorer` (a loaded model and its head) with adapter `name` added beside `source` (`add_copy`): one process
-    training several adapters on one base (clawd.trainer.lineages)."""
+    training several adapters on one base (clawd.trainer.worker.lineages)."""
     if world is not None or not lora:
         raise ValueError("adapters beside one another: LoRA in one trainer process only")
     add_copy(scorer.model, name, source)

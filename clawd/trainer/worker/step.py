@@ -1,7 +1,7 @@
 """The policy-gradient trainer: one step per batch (docs/ARCHITECTURE.md §3, §6).
 
-Runs in the trainer process only; `clawd.trainer.handler` calls it with decoded `Sample`s, plain Python in and
-out. Packing is `clawd.trainer.batches`, writes `clawd.trainer.checkpoints`, settings `TrainConfig`.
+Runs in the trainer process only; `clawd.trainer.worker.handler` calls it with decoded `Sample`s, plain Python in and
+out. Packing is `clawd.trainer.worker.batches`, writes `clawd.trainer.worker.checkpoints`, settings `TrainConfig`.
 
 One step (ppo_epochs = 1): per micro-batch, forward → log-probs at each sample's temperature →
 advantages → `losses.total_loss_terms` with the whole batch's normaliser → backward; then the
@@ -43,10 +43,10 @@ import torch
 from clawd import faults
 from clawd.config.train import TrainConfig
 from clawd.samples import MODES, Sample
-from clawd.trainer import adapters, checkpoints, head, losses, publishing, sharded_load, sharding
-from clawd.trainer.batches import MicroBatch, mini_batches
-from clawd.trainer.failures import OutOfMemory, StepFailed, TrainingPaused, out_of_memory
-from clawd.trainer.sharding import World
+from clawd.trainer.worker import adapters, checkpoints, head, losses, publishing, sharded_load, sharding
+from clawd.trainer.worker.batches import MicroBatch, mini_batches
+from clawd.trainer.worker.failures import OutOfMemory, StepFailed, TrainingPaused, out_of_memory
+from clawd.trainer.worker.sharding import World
 from clawd.weights import check_free, model_dtype, remove_temporaries, version_dir
 
 log = logging.getLogger("clawd.trainer")
@@ -70,7 +70,7 @@ class Trainer:
         world: this rank's place in a trainer world of several ranks (`sharding.World`), None alone;
         keep_checkpoints: complete checkpoints kept (the rollback targets among them).
         beside, adapter (LoRA, one process): the adapter `adapter` on `beside`'s model, with its own optimizer,
-        counters and state_dir (clawd.trainer.lineages); a new one starts as `beside`'s adapter is now."""
+        counters and state_dir (clawd.trainer.worker.lineages); a new one starts as `beside`'s adapter is now."""
         from transformers.utils import logging as hf_logging
 
         if problems := cfg.check():
@@ -377,7 +377,7 @@ class Trainer:
     # --- publishing and checkpoints ---------------------------------------------------------
 
     def publish(self, version: int, *, deferred: bool = False) -> Path:
-        """Write the current weights as weights/v{version:06d} in publish_dtype (`clawd.trainer.publishing`) and
+        """Write the current weights as weights/v{version:06d} in publish_dtype (`clawd.trainer.worker.publishing`) and
         keep the newest keep_versions. Versions must increase. `deferred` (full weights): the weights are copied
         to the host now and written on a thread; they are `version` at once (a group may push them), and
         `settle` waits for the directory."""

@@ -5,7 +5,7 @@ The daemon spawns one trainer child, as always (`clawd.trainer.child.main`), and
 its socket pair. With more than one rank (`[train.world]`) that child does not train. It starts torch's own
 launcher, `python -m torch.distributed.run` (torchrun's elastic agent; across hosts a static
 rendezvous with this host as node 0 and its master, on one host `--standalone`), which starts the
-local ranks (`clawd.trainer.rank`); other hosts join the same rendezvous with the same torchrun
+local ranks (`clawd.trainer.worker.rank`); other hosts join the same rendezvous with the same torchrun
 line and their node rank (`clawd-trainer@N`, `world_argv(..., node_rank=N)`). Rank 0 is on this host and connects back to a Unix socket the
 coordinator listens on; the coordinator sends it the trainer's options first, then relays every
 message of `clawd.trainer.wire`, both ways, unchanged but for `ready`, which gets the coordinator's
@@ -57,7 +57,7 @@ def world_argv(train, *, node_rank: int = 0, endpoint: str = "", python: str = s
     return [python, "-m", "torch.distributed.run", "--nnodes", str(train.world.nnodes),
             "--nproc-per-node", str(train.world.ranks_per_node), "--node-rank", str(node_rank), *rendezvous,
             "--max-restarts", "0", "--monitor-interval", "0.5",
-            "-m", "clawd.trainer.rank", "--collective-timeout", str(train.world.collective_timeout)]
+            "-m", "clawd.trainer.worker.rank", "--collective-timeout", str(train.world.collective_timeout)]
 
 
 def world_launches(cfg) -> list[Launch]:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from clawd import faults
 from clawd.engine import weight_group
-from clawd.trainer import sharding
+from clawd.trainer.worker import sharding
 
 log = logging.getLogger("clawd.trainer")
 

@@ -1,5 +1,5 @@
-"""One rank of the trainer world, as torchrun starts it: `python -m clawd.trainer.rank`
-(docs/ARCHITECTURE.md §13; the coordinator and the torchrun line: `clawd.trainer.world`).
+"""One rank of the trainer world, as torchrun starts it: `python -m clawd.trainer.worker.rank`
+(docs/ARCHITECTURE.md §13; the coordinator and the torchrun line: `clawd.trainer.worker.world`).
 
 Every rank joins the process group, gets the trainer's options (rank 0 from the coordinator's
 socket, the others by broadcast: a host running `clawd-trainer@N` needs no configuration but the
@@ -23,14 +23,14 @@ from multiprocessing.connection import Connection
 from clawd import faults, startup
 from clawd.trainer import child
 from clawd.trainer.wire import recv_message, send_message
-from clawd.trainer.world import RELAY_ENV, out_of_memory_marker
+from clawd.trainer.worker.world import RELAY_ENV, out_of_memory_marker
 from clawd.lifetime import die_with_parent
 
 log = logging.getLogger("clawd.trainer")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m clawd.trainer.rank", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m clawd.trainer.worker.rank", description=__doc__.splitlines()[0])
     parser.add_argument("--collective-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     die_with_parent()  # dies with torchrun
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level="INFO", stream=sys.stderr, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
 
     startup.loading()  # until the handler has loaded its shard of the model
-    from clawd.trainer import sharding  # torch, from here on
-    from clawd.trainer.handler import make
+    from clawd.trainer.worker import sharding  # torch, from here on
+    from clawd.trainer.worker.handler import make
 
     world = sharding.join(args.collective_timeout)
     conn = _coordinator() if world.writer else None

@@ -58,7 +58,7 @@ def publish_weights(model, model_dir: Path, dest: Path, dtype: str = "float32", 
 
 def host_copy(model, dtype: str, world=None) -> dict[str, torch.Tensor]:
     """What `publish_weights` writes, copied to the host now (rank 0's; {} on the others): a later step cannot
-    change it, so `write_published` may write it on a thread (clawd.trainer.publishing)."""
+    change it, so `write_published` may write it on a thread (clawd.trainer.worker.publishing)."""
     target = getattr(torch, dtype)
     if world is not None:
         return gathered_state_dict(model, target, world, copy=True)

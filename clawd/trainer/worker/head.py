@@ -3,7 +3,7 @@
 The trainer's log-probs come from here: the decoder's hidden states at the response positions go through the
 output layer and the log-softmax in chunks, and the backward recomputes a chunk's logits, so the [b, R, V]
 logits never exist (Qwen's vocabulary: 0.6 MB a position in float32). Per position the values are those of
-`clawd.trainer.losses.token_logprobs` and `entropy` on full logits; `ResponseScorer` is the model's forward
+`clawd.trainer.worker.losses.token_logprobs` and `entropy` on full logits; `ResponseScorer` is the model's forward
 that ends in them. Runs in the trainer process only.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from clawd.trainer.memory import HEAD_CHUNK_ELEMENTS
+from clawd.trainer.worker.memory import HEAD_CHUNK_ELEMENTS
 
 
 

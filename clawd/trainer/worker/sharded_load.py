@@ -1,6 +1,6 @@
 """The trainer's policy at start-up: loaded whole in one process, built sharded in a world (docs/ARCHITECTURE.md §13).
 
-Runs in the trainer's ranks only (torch). `load` is what `clawd.trainer.step.Trainer` holds as its scorer.
+Runs in the trainer's ranks only (torch). `load` is what `clawd.trainer.worker.step.Trainer` holds as its scorer.
 
 - **One process** (no world, or a world of one rank): `from_pretrained` on the host, LoRA adapters after
   `torch.manual_seed(seed)`, layer recompute, then the whole model to the device, or FSDP2 over the one rank.
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from clawd.config.train import TrainConfig
-from clawd.trainer import adapters, head, recompute, sharding
-from clawd.trainer.sharding import World
+from clawd.trainer.worker import adapters, head, recompute, sharding
+from clawd.trainer.worker.sharding import World
 
 log = logging.getLogger("clawd.trainer")
 

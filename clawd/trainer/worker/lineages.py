@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import shutil
 
-from clawd.trainer.handler import TrainerHandler
+from clawd.trainer.worker.handler import TrainerHandler
 from clawd.weights import lineage_dir, lineages_root
 
 LINEAGE_KEY = re.compile(r"p-[0-9a-f]{16}")
@@ -37,7 +37,7 @@ def check_key(key: str) -> str:
 
 def handler_for(options: dict, world=None):
     """The trainer child's handler (clawd.trainer.child): with `lineages` in the options an adapter per principal
-    beside the shared one (one process), else `clawd.trainer.handler.make`'s."""
+    beside the shared one (one process), else `clawd.trainer.worker.handler.make`'s."""
     if options.get("lineages"):
         if world is not None:
             raise ValueError("adapters per principal: a trainer of one process")

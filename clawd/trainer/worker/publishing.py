@@ -9,7 +9,7 @@ copy is kept until the directory is on disk, so a write that failed is written a
 from weights a later step changed. The trainer settles a pending write before anything that needs it or would
 race it: the next step, a checkpoint, a restore, another publish.
 
-The thread is the trainer process's, never the daemon's (one event loop, no threads): only `clawd.trainer.step`
+The thread is the trainer process's, never the daemon's (one event loop, no threads): only `clawd.trainer.worker.step`
 imports this module, in the child (tests/test_layout.py checks that the daemon imports nothing that starts one).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from clawd.trainer import adapters, checkpoints
+from clawd.trainer.worker import adapters, checkpoints
 from clawd.weights import check_free
 
 log = logging.getLogger("clawd.trainer")

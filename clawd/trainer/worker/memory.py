@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-HEAD_CHUNK_ELEMENTS = 1 << 28   # logits per output-layer chunk (clawd.trainer.head): 1 GiB a float32 buffer
+HEAD_CHUNK_ELEMENTS = 1 << 28   # logits per output-layer chunk (clawd.trainer.worker.head): 1 GiB a float32 buffer
 MARGIN = 0.9                    # the plan must fit in this share of the memory it is checked against
 GIB = 1 << 30
 
