@@ -43,6 +43,16 @@ def lineage_dir(state_dir: Path, key: str) -> Path:
     return lineages_root(state_dir) / key
 
 
+def remove_lineage(state_dir: Path, key: str) -> bool:
+    """A principal's own adapter's directory deleted (`clawctl forget`; by the trainer, or by the daemon when no
+    trainer holds it): whether there was one."""
+    path = lineage_dir(state_dir, key)
+    if not path.is_dir():
+        return False
+    shutil.rmtree(path)
+    return True
+
+
 def numbered(parent: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
     """(number, path) of the entries of parent whose name matches pattern, oldest first."""
     if not parent.is_dir():

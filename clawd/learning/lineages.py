@@ -24,7 +24,6 @@ import asyncio
 import bisect
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -44,7 +43,7 @@ from clawd.safety.versions import Versions
 from clawd.served import Policy
 from clawd.trainer.lineage_link import LineageTrainer
 from clawd.trainer.link import TrainerSupervisor
-from clawd.weights import VERSION_DIR, atomic_write, lineages_root, numbered, restored_weights
+from clawd.weights import VERSION_DIR, atomic_write, lineages_root, numbered, remove_lineage, restored_weights
 
 log = logging.getLogger("clawd.lineages")
 
@@ -278,9 +277,7 @@ class Lineages:
         if self.trainer.alive:  # the trainer holds the adapter: it deletes it and then its files, in order
             removed = await LineageTrainer(self.trainer, key).forget(timeout)
         else:  # none to ask (starting, restarting): nothing holds the lineage, its files go from here
-            removed = (self.root / key).is_dir()
-            if removed:
-                shutil.rmtree(self.root / key)
+            removed = remove_lineage(self.cfg.state_dir, key)
         if lineage is not None and lineage.policy.adapter is not None:
             self.shared_publisher.retire(lineage.policy.adapter)  # unloaded once no request carries it
         if lineage is None and not removed:

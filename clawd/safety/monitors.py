@@ -110,9 +110,8 @@ def _refusal_words(text: str) -> list[str]:
 
 _PHRASES = tuple(tuple(_refusal_words(p)) for p in REFUSAL_PHRASES)
 _LONGEST = max(map(len, _PHRASES))
-_BY_FIRST: dict[str, tuple[tuple[str, ...], ...]] = {}  # the phrases by their first word: a word starts few
-for _p in _PHRASES:
-    _BY_FIRST[_p[0]] = _BY_FIRST.get(_p[0], ()) + (_p,)
+# The phrases by their first word: a reply's word starts few of them.
+_BY_FIRST = {first: tuple(p for p in _PHRASES if p[0] == first) for first in {p[0] for p in _PHRASES}}
 
 
 def is_refusal(text: str) -> bool:

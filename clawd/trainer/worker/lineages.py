@@ -16,10 +16,9 @@ no principal's name reaches the trainer or its files. Forgetting a lineage delet
 from __future__ import annotations
 
 import re
-import shutil
 
 from clawd.trainer.worker.handler import TrainerHandler
-from clawd.weights import lineage_dir, lineages_root
+from clawd.weights import lineage_dir, lineages_root, remove_lineage
 
 LINEAGE_KEY = re.compile(r"p-[0-9a-f]{16}")
 
@@ -81,8 +80,5 @@ class LineageHandlers:
             handler.trainer.settle(abandon=True)
             self.shared.trainer.activate()  # PEFT warns when the adapter it deletes is the active one
             self.shared.trainer.model.delete_adapter(adapter_of(key))
-        path = lineage_dir(self.options["state_dir"], key)
-        existed = path.is_dir()
-        if existed:
-            shutil.rmtree(path)
+        existed = remove_lineage(self.options["state_dir"], key)
         return handler is not None or existed
