@@ -15,7 +15,7 @@ Per arm and seed, one fresh clawd (the CPU engine and trainer, one thread each):
 never trained, asked as that user so that they are served that user's adapter) before any step; the users talk
 until the learners together have published `--steps` versions from batches of `--batch` samples (a batch whose
 rewards all agree changes nothing and does not count), learning then paused by the operator's command so that no
-arm trains more (a step already under way lands); the probes again. Reported per user and arm: satisfaction
+arm trains more (a step already under way lands first: `busy` in status); the probes again. Reported per user and arm: satisfaction
 before and after, the paired change over (seed, question) with its 95 % bootstrap interval
 (clawd/safety/paired.py), and per_principal's change beyond shared's, paired the same way (the same probes and
 draws in both arms). Target: per_principal beats shared for both users (that interval above 0).
@@ -25,6 +25,7 @@ JSON (bench/results/learning-principals.json) carries `provenance`, each run's a
 
     .venv/bin/python bench/learning.py --principals                 # ~50 min on 2 cores (--jobs 2)
     .venv/bin/python bench/principals.py --seeds 1 --steps 2 --probes 8 --batch 8   # a quick look
+    .venv/bin/python bench/principals.py --same-questions --seeds 4 --resume --out F  # seeds F lacks, beside its own
 """
 from __future__ import annotations
 
@@ -62,6 +63,12 @@ def principal_of(p) -> str:
     return f"user-{p.name}"
 
 
+def busy(status: dict) -> bool:
+    """A learner (the shared adapter's or a principal's) has a step, promotion or rollback under way."""
+    own = (status.get("lineages") or {}).get("principals") or {}
+    return status["learner"]["busy"] or any(p["busy"] for p in own.values())
+
+
 def total(status: dict, what: str) -> int:
     """`what` ("steps", "publishes") of every learner: the shared adapter's and each principal's own."""
     own = (status.get("lineages") or {}).get("principals") or {}
@@ -97,8 +104,9 @@ async def one_run(args, arm: str, seed: int, run_dir: Path) -> dict:
         clawd.command("pause")  # no arm trains beyond the budget: what is queued stays queued
         users.stop()
         await driving
-        await asyncio.sleep(2.0)  # a publish under way lands
-        status = clawd.status()
+        settle = time.monotonic() + 600  # a step under way lands before the probes: they see one version each
+        while busy(status := clawd.status()) and time.monotonic() < settle:
+            await asyncio.sleep(0.5)
         after = await users.evaluate(args.probes, seed=1)
     finally:
         if users is not None:
@@ -107,7 +115,7 @@ async def one_run(args, arm: str, seed: int, run_dir: Path) -> dict:
     return {"before": [r.to_json() for r in before], "after": [r.to_json() for r in after], "exit": code,
             "errors": users.errors if users else None, "steps": total(status, "steps"),
             "publishes": total(status, "publishes"), "learner": status["learner"], "lineages": status.get("lineages"),
-            "policy": status["policy"]["version"]}
+            "policy": status["policy"]["version"], "settled": not busy(status)}
 
 
 def satisfied(run: dict, when: str, who: str) -> dict[int, bool]:
@@ -154,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-minutes", type=float, default=40, help="the users stop after this long, budget met or not")
     ap.add_argument("--same-questions", action="store_true",
                     help="both users ask the same questions (a list vs none, on the tips pool): no topic to tell them by")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the runs --out already holds whose settings match; run only the missing seeds")
     ap.add_argument("--model", default=str(ROOT / "state/models/SmolLM2-135M-Instruct"))
     ap.add_argument("--out", default=str(RESULTS / "learning-principals.json"))
     args = ap.parse_args(argv)
@@ -174,11 +184,38 @@ def _iv(d: dict) -> str:
             f"{d['better']} up, {d['worse']} down)") if d["n"] else "-"
 
 
+# Settings a saved run must share with this invocation for --resume to reuse it.
+_RUN_SETTINGS = ("steps", "batch", "probes", "lr", "rank", "max_tokens", "temperature", "concurrency", "max_minutes",
+                 "same_questions", "model")
+
+
+def settings_of(args: dict) -> dict:
+    return {k: args.get(k) for k in _RUN_SETTINGS}
+
+
+def saved_runs(args) -> dict[tuple[str, int], dict]:
+    """--resume: the runs of --out made under the same settings, by (arm, seed)."""
+    path = Path(args.out)
+    if not (args.resume and path.exists()):
+        return {}
+    old = json.loads(path.read_text())
+    if settings_of(old["args"]) != settings_of({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}):
+        print(f"--resume: {path} was made under other settings; running every seed", flush=True)
+        return {}
+    runs = {}
+    for key, run in old["runs"].items():
+        arm, _, seed = key.rpartition("-")
+        runs[(arm, int(seed))] = run
+    return runs
+
+
 async def run_all(args) -> dict:
     seeds = list(range(1, args.seeds + 1))
     work = Path(tempfile.mkdtemp(prefix="principals-", dir=RESULTS))
     limit = asyncio.Semaphore(args.jobs)
-    runs: dict[tuple[str, int], dict] = {}
+    runs = {key: run for key, run in saved_runs(args).items() if key[1] in seeds}
+    if runs:
+        print(f"--resume: reusing {', '.join(f'{a} seed {s}' for a, s in sorted(runs))}", flush=True)
 
     async def job(arm: str, seed: int) -> None:
         async with limit:
@@ -188,7 +225,7 @@ async def run_all(args) -> dict:
             run = runs[(arm, seed)]
             print(f"{arm} seed {seed}: {run['publishes']} versions from {run['steps']} steps in {run['wall_s']:.0f} s",
                   flush=True)
-    await asyncio.gather(*(job(a, s) for s in seeds for a in ARMS))
+    await asyncio.gather(*(job(a, s) for s in seeds for a in ARMS if (a, s) not in runs))
     return {"runs": {f"{a}-{s}": r for (a, s), r in runs.items()}, "work": str(work),
             "report": report(runs, seeds, [p.name for p in users_of(args)])}
 

@@ -19,6 +19,7 @@ from clawd.learning.publisher import Publisher
 from clawd.safety.versions import ROLLED_BACK
 from clawd.served import Policy
 from clawd.learning.store import SampleStore
+from clawd.pauses import OPERATOR
 from clawd.trainer.link import TrainerSupervisor
 from tests.fake_sglang import FakeSGLang
 from tests.trainer_handlers import build, calls, make_sample
@@ -163,6 +164,21 @@ async def test_stop_lets_the_step_finish_and_checkpoints_so_its_samples_are_acke
         await learner.stop(10)
         assert store.depth == 0 and learner.paused
         assert json.loads((tmp_path / "checkpoint.json").read_text()) == {"step": 1, "version": 1}
+
+
+async def test_busy_says_a_step_is_under_way_and_a_pause_lets_it_finish(tmp_path):
+    # What an operator (or a bench) reads before measuring after a pause: one version, not one landing meanwhile.
+    async with learning(tmp_path, script={"1": "slow"}) as (learner, store, fake, trainer):
+        assert not learner.busy
+        await put(store, 0, 2)
+        await until(lambda: len(calls(tmp_path)) == 1)  # the step trains (1.5 s)
+        assert learner.busy
+        learner.pauses.hold(OPERATOR, "test")
+        await until(lambda: not learner.busy)
+        assert learner.policy.version == 1  # the step under way landed, then nothing more
+        await put(store, 2, 2, version=1)
+        await asyncio.sleep(0.3)
+        assert not learner.busy and len(calls(tmp_path)) == 1
 
 
 RESTART_SECTIONS = {"engine": {"launch": "local"},

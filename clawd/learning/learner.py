@@ -123,6 +123,11 @@ class Learner:
         return self._stopping or self.pauses.learning
 
     @property
+    def busy(self) -> bool:
+        """A step, promotion or rollback is in progress (a pause lets it finish)."""
+        return not self._idle.is_set()
+
+    @property
     def pause_reason(self) -> str | None:
         if self._stopping:
             return "stopping"

@@ -97,7 +97,7 @@ class Learning(Stage):
         state = trainer.state or {}
         groups = learner.publisher.groups
         return {"learner": {**dataclasses.asdict(learner.stats), "control": cfg.learner.control,
-                            "limits": learner.limits.snapshot(),
+                            "busy": learner.busy, "limits": learner.limits.snapshot(),
                             "weight_sync": groups and dataclasses.asdict(groups.stats)},
                 "trainer": {"alive": trainer.alive, "pid": trainer.pid, "restarts": trainer.restarts,
                             "world_size": trainer.ready.world_size if trainer.ready else cfg.train.world.size,
