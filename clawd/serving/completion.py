@@ -36,7 +36,7 @@ from clawd.scoring.feedback import Ratings
 from clawd.serving.capture import Capture, captured_turn
 from clawd.serving.payload import engine_sampling
 from clawd.serving.reply import ReplyBuilder
-from clawd.serving.stream import deliver, pump
+from clawd.serving.stream import Sender, pump
 from clawd.served import Policy
 from clawd.serving.sessions import SessionTable
 from clawd.tokenizer import ChatTokenizer, TemplateError
@@ -309,33 +309,33 @@ class ChatService:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(ex.request)
-        # This handler reads the engine into `outbox`, (bytes, carries a token) parts then None; the writer
-        # task, which it alone owns, writes them. A client that stops reading stalls only the writer: the
-        # engine's stream is read to its end, the slot released, the rest written under write_timeout. The
-        # outbox holds at most one reply: max_new_tokens (at most the context) events of a few hundred bytes
-        # (~1 kB with log-probs), one per token, plus the role, finish, usage and [DONE] events.
-        outbox: asyncio.Queue[tuple[bytes, bool] | None] = asyncio.Queue()
-        outbox.put_nowait((out.sse({"role": "assistant", "content": ""}), False))
+        # This handler reads the engine and hands each event to the sender, which writes it at once while the
+        # client keeps up, else through a writer task that it alone owns (clawd.serving.stream). A client that
+        # stops reading stalls only that writer: the engine's stream is read to its end, the slot released, the
+        # rest written under write_timeout. Its queue holds at most one reply: max_new_tokens (at most the
+        # context) events of a few hundred bytes (~1 kB with log-probs), one per token, plus the role, finish,
+        # usage and [DONE] events.
         first_token = self.on_first_token
-        writer = asyncio.create_task(deliver(
-            resp, outbox, None if first_token is None else lambda: first_token(time.monotonic() - ex.started)))
+        sender = Sender(resp, ex.request.transport,
+                        None if first_token is None else lambda: first_token(time.monotonic() - ex.started))
         try:
             try:
-                if await pump(first, chunks, out, outbox, writer, include_usage=ex.req.include_usage):
+                await sender.send(out.sse({"role": "assistant", "content": ""}), False)
+                last, token = await pump(first, chunks, out, sender, include_usage=ex.req.include_usage)
+                if out.failed:
                     self.stats.engine_errors += 1
             finally:
                 await chunks.aclose()
-            outbox.put_nowait(None)
             ex.release()
-            await writer  # a failed write (the client left) raises here: the abort path in _serve
+            await sender.end(last, token)  # a failed write (the client left) raises here: the abort path in _serve
         finally:
-            if not writer.done():  # this request is ending another way (cancelled): the writer goes with it
-                writer.cancel()
+            writer = sender.cancel()  # this request ending another way (cancelled): the writer goes with it
+            if writer is not None:
                 await asyncio.wait([writer])
-            if writer.done() and not writer.cancelled():
-                # Read, so asyncio does not log it as never retrieved: a write that failed as the client left,
-                # while this request is already ending by its own exception (which says so).
-                writer.exception()
+                if not writer.cancelled():
+                    # Read, so asyncio does not log it as never retrieved: a write that failed as the client left,
+                    # while this request is already ending by its own exception (which says so).
+                    writer.exception()
         return resp
 
     # ---- the captured turn ---------------------------------------------------------
