@@ -69,6 +69,44 @@ async def test_a_stream_that_stops_mid_way_ends_at_its_idle_deadline():
             await client.close()
 
 
+async def test_a_stream_waiting_mid_way_ends_at_the_idle_deadline_not_the_first_bytes_and_at_once_when_abandoned():
+    # A stream's reads share one timer, armed first for the first byte's deadline (long here): the idle one,
+    # shorter, must still end a wait once the stream has started; and abandon must reach a wait under way.
+    async with FakeSGLang(token_delay=0.02, incremental_streaming_output=True) as fake:
+        client = EngineClient(fake.url, first_byte_timeout=30, idle_timeout=0.5, incremental_stream=True)
+        await client.start()
+        loop = asyncio.get_running_loop()
+        try:
+            stream = client.stream(PROMPT)
+            await anext(stream)
+            fake.stick()
+            began = loop.time()
+            with pytest.raises(EngineTimeout, match=r"nothing for 0\.5s mid-stream"):
+                async for _ in stream:
+                    pass
+            assert loop.time() - began < 5  # not the first byte's 30 s
+            assert client.stalls == 1 and client.quiet_for() == 0.0  # no wait left registered
+            fake.unstick()
+
+            slow = EngineClient(fake.url, first_byte_timeout=30, idle_timeout=30, incremental_stream=True)
+            await slow.start()
+            try:
+                stream = slow.stream({**PROMPT, "rid": "r-2"})
+                await anext(stream)
+                fake.stick()
+                rest = asyncio.create_task(_drain(stream))
+                await _until(lambda: slow.quiet_for() > 0.1)  # waiting on the stuck engine
+                slow.abandon("the policy engine is hung")
+                with pytest.raises(EngineTimeout, match="abandoned: the policy engine is hung"):
+                    await asyncio.wait_for(rest, 5)
+                assert slow.stalls == 0 and slow.quiet_for() == 0.0
+            finally:
+                await slow.close()
+        finally:
+            fake.unstick()
+            await client.close()
+
+
 async def test_a_slow_consumer_is_not_an_idle_engine():
     """The idle deadline times the waits for the engine only: a reader that takes longer than it between chunks
     (a slow chat client) still gets the whole stream."""

@@ -29,49 +29,12 @@ from typing import Any, AsyncIterator
 import aiohttp
 
 from clawd import jsoncodec
+from clawd.engine.deadlines import Call, Deadline, StreamDeadline
+from clawd.engine.errors import (EngineDisconnected, EngineError, EngineRejected, EngineTimeout,  # noqa: F401
+                                 EngineUnavailable, EngineUnresponsive)  # (their home: callers import them here too)
 from clawd.engine.sse import LineTooLong, sse_lines
 
 log = logging.getLogger("clawd.engine")
-
-
-class EngineError(Exception):
-    """The engine could not serve a request. `status` is what the client sees."""
-
-    def __init__(self, message: str, status: int = 502, retry_after: int | None = None):
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
-
-
-class EngineUnavailable(EngineError):
-    """The engine cannot be reached at all (refused, timed out connecting)."""
-
-    def __init__(self, message: str, retry_after: int = 2):
-        super().__init__(message, status=503, retry_after=retry_after)
-
-
-class EngineUnresponsive(EngineUnavailable):
-    """A status call (/model_info, /server_info) got no answer in time: the engine may be hung, not gone."""
-
-
-class EngineTimeout(EngineError):
-    """An engine call ran past a deadline (first byte, idle, total) or was abandoned as the engine's hang was
-    noticed. 503 with Retry-After, like a busy engine; not EngineUnavailable, which marks a remote engine down
-    after a single call."""
-
-    def __init__(self, message: str, retry_after: int = 2):
-        super().__init__(message, status=503, retry_after=retry_after)
-
-
-class EngineDisconnected(EngineError):
-    """The connection to the engine failed under a call (reset, closed): the engine died or restarted. 502."""
-
-
-class EngineRejected(EngineError):
-    """The engine answered 400: the request itself is at fault."""
-
-    def __init__(self, message: str):
-        super().__init__(message, status=400)
 
 
 @dataclass(frozen=True)
@@ -107,50 +70,6 @@ def _error_text(body: Any) -> str:
 NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                     "repetition_penalty": 1.0, "min_new_tokens": 0}
 
-class _Call:
-    """One generation call: the epochs it began in, to tell whether it was abandoned or overlapped a publish."""
-    __slots__ = ("abandon_epoch", "control_epoch")
-
-    def __init__(self, abandon_epoch: int, control_epoch: int):
-        self.abandon_epoch, self.control_epoch = abandon_epoch, control_epoch
-
-
-class _Deadline:
-    """`EngineClient._deadline`: asyncio's timeout around one wait on the engine, registered among the client's
-    waits (the hang evidence), its expiry an EngineTimeout saying `what`. A class, not a generator-based context
-    manager: a stream enters one per chunk it reads."""
-    __slots__ = ("client", "call", "when", "what", "timeout")
-
-    def __init__(self, client: EngineClient, call: _Call, when: float, what: str):
-        self.client, self.call, self.when, self.what = client, call, when, what
-
-    async def __aenter__(self) -> None:
-        client = self.client
-        if self.call.abandon_epoch != client._abandon_epoch:
-            raise EngineTimeout(f"engine call abandoned: {client._abandoned}")
-        self.timeout = asyncio.timeout_at(self.when)
-        await self.timeout.__aenter__()
-        if not client._waits:  # the engine owes nothing until now: the quiet starts here
-            client._progress_at = asyncio.get_running_loop().time()
-        client._waits.add(self.timeout)
-
-    async def __aexit__(self, kind, exc, tb) -> None:
-        self.client._waits.discard(self.timeout)
-        try:
-            await self.timeout.__aexit__(kind, exc, tb)  # our expiry: the task's cancellation as TimeoutError
-        except TimeoutError:
-            self._expired()
-        if kind is not None and issubclass(kind, TimeoutError):  # aiohttp's total (request_timeout)
-            self._expired()
-
-    def _expired(self) -> None:
-        client = self.client
-        if self.call.abandon_epoch != client._abandon_epoch:
-            raise EngineTimeout(f"engine call abandoned: {client._abandoned}") from None
-        raise EngineTimeout(f"engine sent {self.what}" if self.timeout.expired() else
-                            f"engine call ran past request_timeout ({client._request_timeout:g}s)") from None
-
-
 class EngineClient:
     def __init__(self, url: str, *, api_key: str = "", admin_api_key: str = "", connect_timeout: float = 5.0,
                  request_timeout: float = 600.0, first_byte_timeout: float = 120.0, idle_timeout: float = 60.0,
@@ -176,7 +95,7 @@ class EngineClient:
         self._paused = False  # a pause was sent and the continue after it has not finished
         self._abandon_epoch = 0
         self._abandoned = ""
-        self._waits: set[asyncio.Timeout] = set()  # the deadlines of calls waiting on the engine now
+        self._waits: set[asyncio.Timeout | StreamDeadline] = set()  # the deadlines of calls waiting on the engine now
         self._progress_at = 0.0  # loop time of the last byte from any call, or of a wait begun when none was
 
     async def start(self) -> None:
@@ -226,18 +145,18 @@ class EngineClient:
             return 0.0
         return asyncio.get_running_loop().time() - self._progress_at
 
-    def _begin(self) -> _Call:
-        return _Call(self._abandon_epoch, self._control_epoch)
+    def _begin(self) -> Call:
+        return Call(self._abandon_epoch, self._control_epoch)
 
-    def _deadline(self, call: _Call, when: float, what: str) -> _Deadline:
+    def _deadline(self, call: Call, when: float, what: str) -> Deadline:
         """The body's waits end by loop time `when`, or at once when the call is abandoned: EngineTimeout."""
-        return _Deadline(self, call, when, what)
+        return Deadline(self, call, when, what)
 
     def _answered(self) -> None:
         self.stalls = 0
         self._progress_at = asyncio.get_running_loop().time()
 
-    def _stalled(self, call: _Call, exc: EngineTimeout) -> None:
+    def _stalled(self, call: Call, exc: EngineTimeout) -> None:
         """A timed-out call is evidence of a hang unless it was abandoned or a publish overlapped it."""
         if call.abandon_epoch != self._abandon_epoch or self.publishing or call.control_epoch != self._control_epoch:
             return
@@ -319,21 +238,23 @@ class EngineClient:
         call = self._begin()
         loop = asyncio.get_running_loop()
         first_by = loop.time() + self._first_byte
-        resp = None
+        first_what, idle_what = f"no first byte in {self._first_byte:g}s", f"nothing for {self._idle:g}s mid-stream"
+        resp = deadline = None
         try:
-            async with self._deadline(call, first_by, f"no first byte in {self._first_byte:g}s"):
+            async with self._deadline(call, first_by, first_what):
                 resp = await self._post("/generate", {**self._priority, **payload, "stream": True}, self._timeout)
                 if resp.status != 200:
                     self._answered()
                 await self._check(resp)
+            deadline = StreamDeadline(self, call)
             started = False
 
             async def read() -> bytes:
                 nonlocal started
-                when, what = ((loop.time() + self._idle, f"nothing for {self._idle:g}s mid-stream") if started
-                              else (first_by, f"no first byte in {self._first_byte:g}s"))
-                async with self._deadline(call, when, what):
-                    data = await resp.content.readany()
+                if started:
+                    data = await deadline.read(resp.content, loop.time() + self._idle, idle_what)
+                else:
+                    data = await deadline.read(resp.content, first_by, first_what)
                 if data:
                     started = True
                     self._answered()
@@ -373,6 +294,9 @@ class EngineClient:
             raise EngineError(str(exc)) from None
         except ValueError:
             raise EngineError("engine sent a stream chunk that is not JSON") from None
+        finally:
+            if deadline is not None:
+                deadline.close()
 
     async def probe(self, timeout: float) -> None:
         """A one-token generation, for an engine whose HTTP front end answers while its scheduler may not."""
