@@ -35,15 +35,16 @@ def loads(data: bytes | str) -> Any:
         return json.loads(data)
 
 
-def dumps(obj: Any, *, finite: bool = False) -> bytes:
-    """Compact UTF-8 JSON of `obj`; `finite`: the caller knows it holds no NaN or infinity."""
+def dumps(obj: Any, *, finite: bool = False, sort_keys: bool = False) -> bytes:
+    """Compact UTF-8 JSON of `obj`; `finite`: the caller knows it holds no NaN or infinity; `sort_keys`: keys in
+    order (orjson's order, by UTF-8 bytes, where `json` falls back: by code point; the same for ASCII keys)."""
     try:
-        out = orjson.dumps(obj)
+        out = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS) if sort_keys else orjson.dumps(obj)
     except orjson.JSONEncodeError:
-        return _stdlib(obj)
+        return _stdlib(obj, sort_keys)
     if finite or b"null" not in out or finite_throughout(obj):
         return out
-    return _stdlib(obj)  # a NaN or an infinity, which orjson wrote as null
+    return _stdlib(obj, sort_keys)  # a NaN or an infinity, which orjson wrote as null
 
 
 def finite_throughout(obj: Any) -> bool:
@@ -66,9 +67,9 @@ def dumps_text(obj: Any, *, finite: bool = False) -> str:
     return dumps(obj, finite=finite).decode()
 
 
-def _stdlib(obj: Any) -> bytes:
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def _stdlib(obj: Any, sort_keys: bool = False) -> bytes:
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), sort_keys=sort_keys)
     try:
         return text.encode()
     except UnicodeEncodeError:  # a lone surrogate: escaped, as `json` does by default
-        return json.dumps(obj, separators=(",", ":")).encode()
+        return json.dumps(obj, separators=(",", ":"), sort_keys=sort_keys).encode()

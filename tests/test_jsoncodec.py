@@ -53,6 +53,15 @@ def test_dumps_is_compact_utf8_and_a_nan_stays_a_nan():
     assert jsoncodec.dumps_text({"a": "é"}) == '{"a":"é"}'
 
 
+@pytest.mark.parametrize("obj", [{"b": 1, "a": {"d": None, "c": "é"}}, {"z": math.nan, "y": None}, {"s": "\ud800"},
+                                 {"k": 2 ** 70}, {2: "x", 1: "y"}])
+def test_dumps_with_sorted_keys_writes_what_json_writes_with_them(obj):
+    want = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    got = jsoncodec.dumps(obj, sort_keys=True)
+    assert got == (want.encode() if "\ud800" not in want else json.dumps(obj, sort_keys=True,
+                                                                          separators=(",", ":")).encode())
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_model):
     return ChatTokenizer(tiny_model)

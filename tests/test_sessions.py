@@ -389,3 +389,16 @@ def test_a_turn_larger_than_max_bytes_closes_its_own_session():
     _, t, _, c = serve(table, [{"role": "user", "content": "a"}], asst("A"), 1.0)
     assert c == [FinishedTurn(t, None, turns.EVICTED, 1.0)]
     assert len(table) == 0 and table.retained_bytes == 0 and table.pending_count == 0
+
+
+def test_hashes_tell_apart_what_json_would_and_never_fail_on_what_orjson_refuses():
+    # The canonical form is encoded with orjson where it writes what `json` writes: a NaN (orjson: null) and a lone
+    # surrogate (orjson: refused) take `json`'s spelling, so these messages neither collide nor raise.
+    def args(value):
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": value}}}]}
+    nan, null = prefix_hashes("a", [args(float("nan"))]), prefix_hashes("a", [args(None)])
+    assert nan[1] != null[1]
+    lone = prefix_hashes("a", [{"role": "user", "content": "hi \ud800"}])
+    assert lone[1] != prefix_hashes("a", [{"role": "user", "content": "hi"}])[1]
+    assert prefix_hashes("a", [{"role": "user", "content": "hi \ud800"}]) == lone  # the same, every time

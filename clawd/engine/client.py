@@ -37,9 +37,10 @@ from clawd.engine.sse import LineTooLong, sse_lines
 log = logging.getLogger("clawd.engine")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Chunk:
-    """New output since the previous chunk; `finish` is set on the last one."""
+    """New output since the previous chunk; `finish` is set on the last one. (Not frozen: a frozen dataclass's
+    `__init__` sets each field through `object.__setattr__`, ~1 us more per chunk, one chunk a token.)"""
 
     ids: list[int]
     logprobs: list[float | None]

@@ -59,6 +59,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Returns whatever is still held (an incomplete character decodes to U+FFFD)."""
+        if self._read == len(self._ids):  # nothing held (a whole reply's one push emitted it all): no decode
+            return ""
         prefix = self._decode(self._ids[:self._read])
         text = self._decode(self._ids)
         self._ids = self._ids[self._read:]

@@ -25,11 +25,11 @@ active idle sessions holding a turn are closed (EVICTED), as beyond
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from clawd import jsoncodec
 from clawd.messages import content_parts, tool_arguments
 from clawd.tokenizer import turn_bytes
 from clawd.turns import (EVICTED, IDLE_TIMEOUT, MAX_TURNS, REGENERATED, SESSION_DONE,
@@ -59,8 +59,9 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _encode(obj: Any) -> bytes:
-    # ensure_ascii: lone surrogates from clients must not break hashing
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    # Sorted keys, and what orjson would write otherwise (a NaN as null, a lone surrogate) written by `json`:
+    # distinct messages stay distinct. Hashes live in memory only, so the encoding may change between versions.
+    return jsoncodec.dumps(obj, sort_keys=True)
 
 
 def root_hash(principal: str) -> bytes:
