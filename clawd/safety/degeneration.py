@@ -64,9 +64,14 @@ def distinct_n(texts: Iterable[str], n: int) -> float | None:
     replies. None when there is no n-gram at all (no replies, or none with n words): undefined, not 0
     or 1. Not rounded. Falls as a set grows, so compare sets of similar size (the evaluation set: the
     same prompts on both sides)."""
+    return _distinct([words(text) for text in texts], n)
+
+
+def _distinct(tokenised: list[list[str]], n: int) -> float | None:
+    """`distinct_n` of texts already split into `words`."""
     if n < 1:
         raise ValueError(f"n must be at least 1, not {n}")
-    grams = [g for text in texts for g in ngrams(words(text), n)]
+    grams = [g for tokens in tokenised for g in ngrams(tokens, n)]
     return len(set(grams)) / len(grams) if grams else None
 
 
@@ -117,8 +122,8 @@ def summarise(texts: Iterable[str], *, k: int = OPENING_WORDS, top: int = TOP) -
         "empty_share": _ratio(sum(1 for t in texts if not t.strip()), n),
         "one_word_share": _ratio(sum(1 for t in tokenised if len(t) <= 1), n),
         "repeated_opening_share": _ratio(sum(c for c in openings.values() if c >= 2), n),
-        "distinct_1": _round(distinct_n(texts, 1)),
-        "distinct_2": _round(distinct_n(texts, 2)),
+        "distinct_1": _round(_distinct(tokenised, 1)),  # each text split once (the watch runs this every check)
+        "distinct_2": _round(_distinct(tokenised, 2)),
         "top_reply_share": _ratio(top_replies[0][1] if top_replies else 0, n),
         "opening_words": k,
         "top_openings": _repeated(openings, top),
