@@ -1,13 +1,17 @@
 """The engine client's own contract, against the fake SGLang server."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
 from clawd.engine.client import EngineClient, EngineUnavailable
+from clawd.engine.sse import LineSplitter
+from clawd.engine import sse
 from tests.fake_sglang import FakeSGLang
 from tests.harness import serving
 
@@ -37,7 +41,6 @@ async def test_refuse_fails_new_calls_at_once_and_lets_calls_in_flight_finish():
 async def test_a_cumulative_stream_line_longer_than_aiohttp_reads_is_read_whole():
     """SGLang's default cumulative chunks repeat the whole reply with its log-probs on each SSE line: a long
     reply is one line of megabytes, past aiohttp's line reader (which raises). clawd splits lines itself."""
-    from aiohttp import web
 
     n = 60_000  # ~1.7 MB in the last line
     ids = [i % 4096 for i in range(n)]
@@ -91,3 +94,36 @@ async def test_a_client_with_a_priority_names_it_on_every_generate_unless_the_ca
             finally:
                 await client.close()
         assert [r.get("priority", "none") for r in fake.requests] == [0, -100, 0, "none", -100, "none"]
+
+
+def test_the_line_splitter_gives_each_chunk_the_lines_it_completes_whatever_the_cut():
+    lines = LineSplitter(limit=16)
+    assert lines.feed(b"data: {\"a\"") == []
+    assert lines.feed(b": 1}\n\ndata: 2\n\nda") == [b'data: {"a": 1}', b"", b"data: 2", b""]
+    assert lines.feed(b"ta: 3\r\n") == [b"data: 3"]
+    assert lines.feed(b"tail") == [] and lines.end() == [b"tail"] and lines.end() == []
+    with pytest.raises(sse.LineTooLong):
+        LineSplitter(limit=16).feed(b"x" * 17)
+
+
+async def test_chunks_of_one_read_say_more_but_the_last():
+    """`more`: the engine already sent the next chunk (it came in the same read), so a writer may wait for it."""
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        event = b'data: {"output_ids": [%d], "meta_info": {"finish_reason": null}}\n\n'
+        await resp.write(event % 1 + event % 2)  # one write: one read for the client here
+        await asyncio.sleep(0.2)
+        await resp.write(event % 3 + b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    async with serving(app) as url:
+        client = EngineClient(url, incremental_stream=True)
+        await client.start()
+        try:
+            got = [(c.ids, c.more) async for c in client.stream({"input_ids": [1]})]
+            assert got == [([1], True), ([2], False), ([3], True)]  # [DONE] came with the third
+        finally:
+            await client.close()

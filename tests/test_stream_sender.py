@@ -10,12 +10,13 @@ from aiohttp import web
 
 from clawd.serving.stream import Sender
 
-PARTS = 64
-SLOW_PART = b"x" * 65536  # past the transport's high-water mark in a few parts: the socket stops taking them
+PARTS = 256
+SLOW_PART = b"x" * 16384  # under the transport's high-water mark (64 KiB): the socket's buffer fills part by part
 
 
-async def serve(part: bytes):
-    """An app whose one handler sends PARTS numbered parts through a Sender; yields (port, what it saw)."""
+async def serve(part: bytes, parts: int = PARTS):
+    """An app whose one handler sends `parts` numbered parts through a Sender; returns (runner, port, what it
+    saw)."""
     seen: dict = {"tokens": 0}
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -24,7 +25,7 @@ async def serve(part: bytes):
         sender = Sender(resp, request.transport, lambda: seen.__setitem__("tokens", seen["tokens"] + 1))
         loop = asyncio.get_running_loop()
         started = loop.time()
-        for i in range(PARTS):
+        for i in range(parts):
             await sender.send(b"%d:" % i + part + b"\n", True)
         seen["send_seconds"] = loop.time() - started  # the handler's sends, whatever the client does
         seen["writer"] = sender.writer is not None
@@ -68,6 +69,21 @@ async def test_a_client_that_keeps_up_is_written_to_by_the_handler_itself():
         await runner.cleanup()
 
 
+async def test_a_part_past_the_high_water_mark_goes_to_a_writer_even_for_a_client_that_keeps_up():
+    # Written directly, a part larger than the high-water mark could pause the transport and make aiohttp's write
+    # wait on the client: a burst of many tokens at once (a real daemon test caught the handler held that way).
+    big = b"y" * (256 << 10)
+    runner, port, seen = await serve(big, parts=2)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await body_of(reader) == b"0:" + big + b"\n1:" + big + b"\nend\n"
+        assert seen["writer"] is True and seen["tokens"] == 1
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_client_that_stops_reading_gets_a_writer_and_the_sends_never_wait():
     runner, port, seen = await serve(SLOW_PART)
     try:
@@ -89,3 +105,49 @@ async def test_a_client_that_stops_reading_gets_a_writer_and_the_sends_never_wai
         writer.close()
     finally:
         await runner.cleanup()
+
+
+class Recorder:
+    """A Sender's face to pump: what it was handed, write by write."""
+
+    def __init__(self):
+        self.writes: list[tuple[bytes, bool]] = []
+
+    async def send(self, data: bytes, token: bool) -> None:
+        self.writes.append((data, token))
+
+
+async def test_pump_writes_once_per_engine_read_and_the_rest_with_the_tail(tiny_model):
+    import json
+
+    from clawd.engine.client import Chunk
+    from clawd.served import Policy
+    from clawd.serving.reply import ReplyBuilder
+    from clawd.serving.request import Limits, parse_chat_request
+    from clawd.serving.stream import pump
+    from clawd.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer(tiny_model)
+    req = parse_chat_request(json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode(),
+                             {}, Limits(max_messages=10, max_message_chars=100))
+    out = ReplyBuilder(req, "r1", tok=tok, model="m", policy=Policy(version=1, weight_version="1"), replicas=None,
+                       tool_parser="none", reasoning_parser="none")
+    ids = tok.encode(" one two three four five")
+
+    def chunk(i: int, more: bool, finish=None) -> Chunk:
+        return Chunk(ids=[ids[i]], logprobs=[-0.1], logprob_ids=[ids[i]], finish=finish, meta={}, more=more)
+
+    async def rest():
+        for c in (chunk(1, True), chunk(2, False), chunk(3, True), chunk(4, True, {"type": "stop"})):
+            yield c
+
+    sent = Recorder()
+    last, token = await pump(chunk(0, False), rest(), out, sent, include_usage=False)
+    events = [[e for e in data.split(b"\n\n") if e] for data, _ in sent.writes]
+    assert [len(e) for e in events] == [1, 2]  # the first read's chunk, then the second read's two together
+    assert all(t for _, t in sent.writes) and token
+    # The third read's chunks (the engine's last, [DONE] with them) go with the tail: one write for the end.
+    assert last.count(b"chat.completion.chunk") == 2 + 1 and last.endswith(b"data: [DONE]\n\n")
+    text = b"".join(d for d, _ in sent.writes) + last
+    assert "".join(json.loads(e[6:])["choices"][0]["delta"].get("content", "")
+                   for e in text.split(b"\n\n") if e.startswith(b"data: {")) == tok.tokenizer.decode(ids)

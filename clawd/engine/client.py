@@ -32,7 +32,7 @@ from clawd import jsoncodec
 from clawd.engine.deadlines import Call, Deadline, StreamDeadline
 from clawd.engine.errors import (EngineDisconnected, EngineError, EngineRejected, EngineTimeout,  # noqa: F401
                                  EngineUnavailable, EngineUnresponsive)  # (their home: callers import them here too)
-from clawd.engine.sse import LineTooLong, sse_lines
+from clawd.engine.sse import LineSplitter, LineTooLong
 
 log = logging.getLogger("clawd.engine")
 
@@ -48,6 +48,7 @@ class Chunk:
     finish: dict[str, Any] | None
     meta: dict[str, Any]
     top_ids: list[list[int]] = dataclasses.field(default_factory=list)  # with top_logprobs_num: each token's top-k
+    more: bool = False  # the engine already sent the next chunk (the same read held it): a writer may wait for it
 
 
 def top_ids(rows: Any) -> list[list[int]]:
@@ -262,28 +263,34 @@ class EngineClient:
                 return data
 
             seen = 0
+            lines = LineSplitter()
             async with resp:
-                async for line in sse_lines(read):
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
+                while True:
+                    data = await read()
+                    # The events of one read come out together: all but the last say `more`.
+                    events = [line[5:].strip() for line in (lines.feed(data) if data else lines.end())
+                              if line.startswith(b"data:")]
+                    for i, event in enumerate(events):
+                        if event == b"[DONE]":
+                            return
+                        obj = jsoncodec.loads(event)
+                        if "error" in obj:  # SGLang's ValueErrors inside a started stream carry their 400
+                            err = obj["error"]
+                            if isinstance(err, dict) and err.get("code") == 400:
+                                raise EngineRejected(_error_text(obj))
+                            raise EngineError(f"engine stream error: {_error_text(obj)}")
+                        ids = obj.get("output_ids") or []
+                        meta = obj.get("meta_info") or {}
+                        lps = meta.get("output_token_logprobs") or []
+                        tops = meta.get("output_top_logprobs") or []
+                        if not self._incremental:  # cumulative chunks: keep only what is new
+                            ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
+                        seen += len(ids)
+                        yield Chunk(ids=ids, logprobs=[e[0] for e in lps], logprob_ids=[e[1] for e in lps],
+                                    finish=meta.get("finish_reason"), meta=meta, top_ids=top_ids(tops),
+                                    more=i < len(events) - 1)
+                    if not data:
                         return
-                    obj = jsoncodec.loads(data)
-                    if "error" in obj:  # SGLang's ValueErrors inside a started stream carry their 400
-                        err = obj["error"]
-                        if isinstance(err, dict) and err.get("code") == 400:
-                            raise EngineRejected(_error_text(obj))
-                        raise EngineError(f"engine stream error: {_error_text(obj)}")
-                    ids = obj.get("output_ids") or []
-                    meta = obj.get("meta_info") or {}
-                    lps = meta.get("output_token_logprobs") or []
-                    tops = meta.get("output_top_logprobs") or []
-                    if not self._incremental:  # cumulative chunks: keep only what is new
-                        ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
-                    seen += len(ids)
-                    yield Chunk(ids=ids, logprobs=[e[0] for e in lps], logprob_ids=[e[1] for e in lps],
-                                finish=meta.get("finish_reason"), meta=meta, top_ids=top_ids(tops))
         except EngineTimeout as exc:
             if resp is not None:
                 resp.close()

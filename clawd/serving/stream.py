@@ -3,10 +3,11 @@ turns them into server-sent events; a `Sender` writes them to the client. A clie
 only the writer: the engine's stream still ends and the request's slot is released, and the rest is written
 under the connection's write deadline.
 
-While the client keeps up, the handler writes each event itself: nothing waits in the socket's buffer, so the
-write cannot wait either, and a token costs no hand-off to another task. The first time a part finds bytes
-still buffered (a slow reader, or a burst the socket did not take), the Sender starts a writer task, and from
-then on every part goes through its queue, in order; the handler never waits on the client.
+While the client keeps up, the handler writes each event itself: nothing waits in the socket's buffer, so a
+write no larger than the transport's high-water mark cannot wait either, and a token costs no hand-off to another
+task. The first time a part finds bytes still buffered (a slow reader, or a burst the socket did not take) or is
+larger than that, the Sender starts a writer task, and from then on every part goes through its queue, in order;
+the handler never waits on the client.
 """
 from __future__ import annotations
 
@@ -30,21 +31,24 @@ class Sender:
         self.resp, self.transport, self.on_token = resp, transport, on_token
         self.outbox: asyncio.Queue[tuple[bytes, bool] | None] | None = None  # once a part had to wait
         self.writer: asyncio.Task | None = None
+        self.high = transport.get_write_buffer_limits()[1] if transport is not None else 0
 
-    def _direct(self) -> bool:
-        """No writer yet and nothing buffered: a write now goes straight to the socket (aiohttp's drain waits
-        only while the transport is paused, which needs buffered bytes past its high-water mark)."""
+    def _direct(self, size: int) -> bool:
+        """No writer yet, nothing buffered, and a part no larger than the transport's high-water mark: a write now
+        cannot wait (aiohttp's drain waits only while the transport is paused, which takes more than that many
+        bytes buffered). A larger part (a burst of many tokens) could, so it goes to the writer."""
         if self.outbox is not None:
             return False
         transport = self.transport
-        if transport is not None and not transport.is_closing() and not transport.get_write_buffer_size():
+        if (transport is not None and not transport.is_closing() and not transport.get_write_buffer_size()
+                and size <= self.high):
             return True
         self.outbox = asyncio.Queue()
         self.writer = asyncio.create_task(deliver(self.resp, self.outbox, self.on_token))
         return False
 
     async def send(self, data: bytes, token: bool) -> None:
-        if self._direct():
+        if self._direct(len(data)):
             await self.resp.write(data)
             if token and self.on_token is not None:
                 self.on_token()
@@ -56,7 +60,7 @@ class Sender:
 
     async def end(self, data: bytes, token: bool) -> None:
         """The last part, then the end of the response; returns once it is written."""
-        if self._direct():
+        if self._direct(len(data)):
             await self.resp.write_eof(data)
             if token and self.on_token is not None:
                 self.on_token()
@@ -77,25 +81,28 @@ async def pump(first: Chunk | None, chunks: AsyncIterator[Chunk], out: ReplyBuil
     """The engine's chunks, from `first` to the end, as SSE events to `send`; returns the reply's last part and
     whether it carries a token. When the engine failed mid-stream (`out.failed`), that part is an error event and
     [DONE]; else the text the detokenizer held back, the finish, the usage when asked for, and [DONE]."""
+    events: list[bytes] = []  # written once the engine has no chunk already waiting: one write per read
     try:
         chunk = first
         while chunk is not None:
             deltas, logprobs = out.add(chunk)
             if logprobs and not deltas:
                 deltas = [{}]  # log-probs of tokens whose text is still held back
-            if len(deltas) == 1:  # one write per engine chunk, however many events it makes
-                await send.send(out.sse(deltas[0], logprobs=logprobs), True)
-            elif deltas:
-                await send.send(b"".join(out.sse(d, logprobs=logprobs if i == len(deltas) - 1 else None)
-                                         for i, d in enumerate(deltas)), True)
+            for i, delta in enumerate(deltas):
+                events.append(out.sse(delta, logprobs=logprobs if i == len(deltas) - 1 else None))
+            if events and not chunk.more:
+                await send.send(b"".join(events), True)
+                events.clear()
             chunk = await anext(chunks, None)
         if out.engine_finish == "abort":
             raise EngineError("the engine aborted the request")
-        events = [out.sse(piece) for piece in out.close()]
+        events += [out.sse(piece) for piece in out.close()]
     except EngineError as exc:
         out.failed = True
         err = ApiError(502, f"The model engine failed mid-stream: {exc}", code="engine_error").body()
-        return b"data: " + jsoncodec.dumps(err) + b"\n\ndata: [DONE]\n\n", False
+        tokens = bool(events)  # token events of the engine's last read, not yet written
+        events.append(b"data: " + jsoncodec.dumps(err) + b"\n\ndata: [DONE]\n\n")
+        return b"".join(events), tokens
     events.append(out.sse({}, finish=out.finish_reason))
     if include_usage:
         events.append(b"data: " + jsoncodec.dumps(out.usage_chunk(), finite=True) + b"\n\n")  # no floats
