@@ -100,3 +100,23 @@ def test_finite_throughout_walks_what_orjson_writes():
     record["response_logprobs"][1] = math.nan
     assert jsoncodec.dumps(record) == json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
     assert b"NaN" in jsoncodec.dumps(record)
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_an_sse_event_is_its_chunk_as_dumps_writes_it(tok, usage):
+    # `sse` writes from a head it keeps: byte for byte what encoding the whole chunk gives, whatever the delta.
+    req = parse_chat_request(json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                         "stream": True, "stream_options": {"include_usage": usage}}).encode(), {},
+                             Limits(max_messages=10, max_message_chars=100))
+    out = ReplyBuilder(req, "r\u00e91", tok=tok, model="m\"x", policy=Policy(version=4, weight_version="4"),
+                       replicas=None, tool_parser="none", reasoning_parser="none")
+    lps = [{"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": []}]
+    for delta, finish, logprobs in [({"role": "assistant", "content": ""}, None, None),
+                                    ({"content": "é\n\"\\"}, None, lps),
+                                    ({"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                                      "function": {"name": "f", "arguments": "{}"}}]}, None, None),
+                                    ({}, "stop", None)]:
+        assert out.sse(delta, finish=finish, logprobs=logprobs) == \
+            b"data: " + jsoncodec.dumps(out.sse_chunk(delta, finish=finish, logprobs=logprobs)) + b"\n\n"
+    out.meta = {"weight_version": "5"}  # a new fingerprint mid-reply: a new head
+    assert b'"system_fingerprint":"clawd-v5"' in out.sse({"content": "x"})

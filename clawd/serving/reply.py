@@ -51,6 +51,7 @@ class ReplyBuilder:
         # Log-probs are the only floats a reply holds (when asked for): while all are finite, orjson writes it
         # as `json` would.
         self.finite = True
+        self._head, self._head_of = b"", ""  # the start of every SSE event, and the fingerprint it names
 
     @property
     def weight_version(self) -> str | None:
@@ -143,14 +144,31 @@ class ReplyBuilder:
                 "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice],
                 "usage": self.usage()}
 
-    def sse(self, delta: dict, *, finish: str | None = None, logprobs: list[dict] | None = None) -> bytes:
+    def sse_chunk(self, delta: dict, *, finish: str | None = None, logprobs: list[dict] | None = None) -> dict:
+        """One `chat.completion.chunk`, as `sse` writes it."""
         chunk = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
                  "model": self.model, "system_fingerprint": self.fingerprint,
                  "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
                               "finish_reason": finish}]}
         if self.req.include_usage:
             chunk["usage"] = None
-        return b"data: " + jsoncodec.dumps(chunk, finite=self.finite) + b"\n\n"
+        return chunk
+
+    def sse(self, delta: dict, *, finish: str | None = None, logprobs: list[dict] | None = None) -> bytes:
+        """`sse_chunk` as one server-sent event, byte for byte as `jsoncodec.dumps` writes it, from a head that
+        stays the same through a reply (until its fingerprint changes): a stream writes one event a token."""
+        fingerprint = self.fingerprint
+        if fingerprint != self._head_of:
+            head = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "system_fingerprint": fingerprint}
+            self._head = b"data: " + jsoncodec.dumps(head, finite=True)[:-1] + b',"choices":[{"index":0,"delta":'
+            self._head_of = fingerprint
+        if not self.finite:  # a NaN or an infinity among the log-probs: all of it as `json` writes it
+            return b"data: " + jsoncodec.dumps(self.sse_chunk(delta, finish=finish, logprobs=logprobs)) + b"\n\n"
+        return b"".join((self._head, jsoncodec.dumps(delta, finite=True),
+                         b',"logprobs":', jsoncodec.dumps({"content": logprobs}, finite=True) if logprobs else b"null",
+                         b',"finish_reason":', jsoncodec.dumps(finish, finite=True) if finish else b"null",
+                         b'}],"usage":null}\n\n' if self.req.include_usage else b"}]}\n\n"))
 
     def completion_body(self) -> bytes:
         """The whole reply's JSON (`completion`)."""
