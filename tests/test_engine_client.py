@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -38,6 +39,20 @@ async def test_refuse_fails_new_calls_at_once_and_lets_calls_in_flight_finish():
             await client.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})
 
 
+@contextlib.asynccontextmanager
+async def engine_at(generate, **client):
+    """An engine whose /generate is `generate`, and a started client of it: yields (url, client)."""
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    async with serving(app) as url:
+        engine = EngineClient(url, **client)
+        await engine.start()
+        try:
+            yield url, engine
+        finally:
+            await engine.close()
+
+
 async def test_a_cumulative_stream_line_longer_than_aiohttp_reads_is_read_whole():
     """SGLang's default cumulative chunks repeat the whole reply with its log-probs on each SSE line: a long
     reply is one line of megabytes, past aiohttp's line reader (which raises). clawd splits lines itself."""
@@ -57,26 +72,19 @@ async def test_a_cumulative_stream_line_longer_than_aiohttp_reads_is_read_whole(
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    async with serving(app) as url:
-        client = EngineClient(url, incremental_stream=False)
-        await client.start()
-        try:
-            got, logprobs, finish = [], [], None
-            async for chunk in client.stream({"input_ids": [1], "sampling_params": {"max_new_tokens": n}}):
-                got += chunk.ids
-                logprobs += chunk.logprobs
-                finish = chunk.finish or finish
-            assert got == ids and logprobs == [-0.5] * n and finish == {"type": "length", "length": n}
-            # The control: aiohttp's own line iteration cannot read that line.
-            async with aiohttp.ClientSession() as session:
-                async with session.post(url + "/generate", json={}) as resp:
-                    with pytest.raises(LineTooLong):
-                        async for _ in resp.content:
-                            pass
-        finally:
-            await client.close()
+    async with engine_at(generate, incremental_stream=False) as (url, client):
+        got, logprobs, finish = [], [], None
+        async for chunk in client.stream({"input_ids": [1], "sampling_params": {"max_new_tokens": n}}):
+            got += chunk.ids
+            logprobs += chunk.logprobs
+            finish = chunk.finish or finish
+        assert got == ids and logprobs == [-0.5] * n and finish == {"type": "length", "length": n}
+        # The control: aiohttp's own line iteration cannot read that line.
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/generate", json={}) as resp:
+                with pytest.raises(LineTooLong):
+                    async for _ in resp.content:
+                        pass
 
 
 async def test_a_client_with_a_priority_names_it_on_every_generate_unless_the_call_names_its_own():
@@ -117,13 +125,6 @@ async def test_chunks_of_one_read_say_more_but_the_last():
         await resp.write(event % 3 + b"data: [DONE]\n\n")
         return resp
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    async with serving(app) as url:
-        client = EngineClient(url, incremental_stream=True)
-        await client.start()
-        try:
-            got = [(c.ids, c.more) async for c in client.stream({"input_ids": [1]})]
-            assert got == [([1], True), ([2], False), ([3], True)]  # [DONE] came with the third
-        finally:
-            await client.close()
+    async with engine_at(generate, incremental_stream=True) as (_, client):
+        got = [(c.ids, c.more) async for c in client.stream({"input_ids": [1]})]
+        assert got == [([1], True), ([2], False), ([3], True)]  # [DONE] came with the third
