@@ -482,14 +482,16 @@ async def _metric_reaches(port: int, name: str, value: float, within: float) -> 
 @pytest.mark.slow
 async def test_clients_that_stop_reading_hold_connections_not_request_slots(tiny_model, tmp_path, caplog):
     # Replies far larger than the socket buffers (a Linux loopback takes about 2 MB of a reply nobody reads):
-    # 12,000 tokens with log-probs make about 3.6 MB of events.
+    # 12,000 of the model's longest token with log-probs, one engine event each, make about 5 MB of events (the
+    # tokens of one engine read share a reply event: the engine paces them so that most reads hold one).
     tokens, write_timeout = 12000, 6.0
     cut = 'clawd_connections_closed_total{reason="write_timeout"}'
     tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
-    word = tok.encode("word ", add_special_tokens=False).ids
-    script = (word * tokens)[:tokens - 1] + [eos]
-    async with FakeSGLang(lambda ids, sp: script, eos_id=eos, incremental_streaming_output=True) as fake, \
+    longest = max(range(tok.get_vocab_size()), key=lambda i: len(tok.decode([i])))
+    script = [longest] * (tokens - 1) + [eos]
+    async with FakeSGLang(lambda ids, sp: script, eos_id=eos, incremental_streaming_output=True,
+                          token_delay=0.0001) as fake, \
             daemon(tiny_model, tmp_path, caplog, fake.url, model={"context_length": 16384},
                    engine={"incremental_streaming_output": True},
                    server={"max_concurrent_requests": 2, "write_timeout": write_timeout}) as port:

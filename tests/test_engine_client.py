@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
-from clawd.engine.client import EngineClient, EngineUnavailable
+from clawd.engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable, chunk_of
 from clawd.engine.sse import LineSplitter
 from clawd.engine import sse
 from tests.fake_sglang import FakeSGLang
@@ -114,17 +114,35 @@ def test_the_line_splitter_gives_each_chunk_the_lines_it_completes_whatever_the_
         LineSplitter(limit=16).feed(b"x" * 17)
 
 
-async def test_chunks_of_one_read_say_more_but_the_last():
-    """`more`: the engine already sent the next chunk (it came in the same read), so a writer may wait for it."""
+async def test_the_events_of_one_read_come_as_one_chunk_and_the_last_says_the_end_came_with_it():
+    # An engine that runs ahead (a burst in one read) costs one chunk, so one reply event and one write.
     async def generate(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
         await resp.prepare(request)
-        event = b'data: {"output_ids": [%d], "meta_info": {"finish_reason": null}}\n\n'
-        await resp.write(event % 1 + event % 2)  # one write: one read for the client here
+        event = (b'data: {"output_ids": [%d], "meta_info": {"output_token_logprobs": [[-0.%d, %d, null]], '
+                 b'"finish_reason": %s, "weight_version": "%d"}}\n\n')
+        await resp.write(event % (1, 1, 1, b"null", 1) + event % (2, 2, 2, b"null", 2))  # one write: one read here
         await asyncio.sleep(0.2)
-        await resp.write(event % 3 + b"data: [DONE]\n\n")
+        await resp.write(event % (3, 3, 3, b'{"type": "stop"}', 3) + b"data: [DONE]\n\n")
         return resp
 
     async with engine_at(generate, incremental_stream=True) as (_, client):
-        got = [(c.ids, c.more) async for c in client.stream({"input_ids": [1]})]
-        assert got == [([1], True), ([2], False), ([3], True)]  # [DONE] came with the third
+        got = [c async for c in client.stream({"input_ids": [1]})]
+    assert [(c.ids, c.logprobs, c.logprob_ids, c.more) for c in got] == [
+        ([1, 2], [-0.1, -0.2], [1, 2], False), ([3], [-0.3], [3], True)]  # [DONE] came with the third
+    assert got[0].meta["weight_version"] == "2" and got[0].finish is None and got[1].finish == {"type": "stop"}
+
+
+def test_an_event_is_its_new_output_and_an_error_event_raises():
+    event = {"output_ids": [5, 6, 7], "meta_info": {"output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None],
+                                                                          [-3.0, 7, None]], "finish_reason": None}}
+    new = chunk_of(event, 2, incremental=False)  # cumulative: past the two already read
+    assert (new.ids, new.logprobs, new.logprob_ids) == ([7], [-3.0], [7])
+    assert chunk_of(event, 2, incremental=True).ids == [5, 6, 7]
+    with pytest.raises(EngineRejected, match="bad sampling"):
+        chunk_of({"error": {"code": 400, "message": "bad sampling"}}, 0, True)
+    with pytest.raises(EngineError, match="engine stream error: boom") as caught:
+        chunk_of({"error": {"message": "boom"}}, 0, True)
+    assert not isinstance(caught.value, EngineRejected)
+    with pytest.raises(EngineError, match="not a JSON object"):
+        chunk_of([1, 2], 0, True)

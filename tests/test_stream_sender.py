@@ -117,7 +117,7 @@ class Recorder:
         self.writes.append((data, token))
 
 
-async def test_pump_writes_once_per_engine_read_and_the_rest_with_the_tail(tiny_model):
+async def test_pump_writes_once_per_engine_read_and_the_last_with_the_tail(tiny_model):
     import json
 
     from clawd.engine.client import Chunk
@@ -134,20 +134,21 @@ async def test_pump_writes_once_per_engine_read_and_the_rest_with_the_tail(tiny_
                        tool_parser="none", reasoning_parser="none")
     ids = tok.encode(" one two three four five")
 
-    def chunk(i: int, more: bool, finish=None) -> Chunk:
-        return Chunk(ids=[ids[i]], logprobs=[-0.1], logprob_ids=[ids[i]], finish=finish, meta={}, more=more)
+    def chunk(first: int, upto: int, more: bool = False, finish=None) -> Chunk:  # one engine read's tokens
+        return Chunk(ids=ids[first:upto], logprobs=[-0.1] * (upto - first), logprob_ids=ids[first:upto],
+                     finish=finish, meta={}, more=more)
 
     async def rest():
-        for c in (chunk(1, True), chunk(2, False), chunk(3, True), chunk(4, True, {"type": "stop"})):
+        for c in (chunk(1, 3), chunk(3, 5, more=True, finish={"type": "stop"})):
             yield c
 
     sent = Recorder()
-    last, token = await pump(chunk(0, False), rest(), out, sent, include_usage=False)
+    last, token = await pump(chunk(0, 1), rest(), out, sent, include_usage=False)
     events = [[e for e in data.split(b"\n\n") if e] for data, _ in sent.writes]
-    assert [len(e) for e in events] == [1, 2]  # the first read's chunk, then the second read's two together
+    assert [len(e) for e in events] == [1, 1]  # a write per read, one event for each read's tokens
     assert all(t for _, t in sent.writes) and token
-    # The third read's chunks (the engine's last, [DONE] with them) go with the tail: one write for the end.
-    assert last.count(b"chat.completion.chunk") == 2 + 1 and last.endswith(b"data: [DONE]\n\n")
+    # The last read's tokens came with the stream's end ([DONE]): they go with the tail, one write for the end.
+    assert last.count(b"chat.completion.chunk") == 1 + 1 and last.endswith(b"data: [DONE]\n\n")
     text = b"".join(d for d, _ in sent.writes) + last
     assert "".join(json.loads(e[6:])["choices"][0]["delta"].get("content", "")
                    for e in text.split(b"\n\n") if e.startswith(b"data: {")) == tok.tokenizer.decode(ids)

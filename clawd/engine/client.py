@@ -48,7 +48,16 @@ class Chunk:
     finish: dict[str, Any] | None
     meta: dict[str, Any]
     top_ids: list[list[int]] = dataclasses.field(default_factory=list)  # with top_logprobs_num: each token's top-k
-    more: bool = False  # the engine already sent the next chunk (the same read held it): a writer may wait for it
+    more: bool = False  # the stream's end came with it (the same read): a writer may wait to write them together
+
+    def extend(self, later: Chunk) -> Chunk:
+        """This chunk followed by `later` (in place): their tokens in order, the later one's finish and meta."""
+        self.ids += later.ids
+        self.logprobs += later.logprobs
+        self.logprob_ids += later.logprob_ids
+        self.top_ids += later.top_ids
+        self.finish, self.meta = later.finish, later.meta
+        return self
 
 
 def top_ids(rows: Any) -> list[list[int]]:
@@ -67,10 +76,32 @@ def _error_text(body: Any) -> str:
     return str(body)[:500]
 
 
+def chunk_of(event: Any, seen: int, incremental: bool) -> Chunk:
+    """One streamed /generate event's new output: all of it, or for cumulative events (SGLang's default) what
+    follows the `seen` tokens already read. An error event raises: EngineRejected for SGLang's 400s (its
+    ValueErrors inside a started stream), else EngineError."""
+    if not isinstance(event, dict):
+        raise EngineError("engine sent a stream chunk that is not a JSON object")
+    if "error" in event:
+        err = event["error"]
+        if isinstance(err, dict) and err.get("code") == 400:
+            raise EngineRejected(_error_text(event))
+        raise EngineError(f"engine stream error: {_error_text(event)}")
+    ids = event.get("output_ids") or []
+    meta = event.get("meta_info") or {}
+    lps = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    if not incremental:
+        ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
+    return Chunk(ids=ids, logprobs=[e[0] for e in lps], logprob_ids=[e[1] for e in lps],
+                 finish=meta.get("finish_reason"), meta=meta, top_ids=top_ids(tops))
+
+
 # The neutral value of every /generate field that shapes the distribution besides the temperature (SGLang 0.5.23's
 # defaults): a trainable turn sends them all, so --preferred-sampling-params cannot change what it samples (§10).
 NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                     "repetition_penalty": 1.0, "min_new_tokens": 0}
+
 
 class EngineClient:
     def __init__(self, url: str, *, api_key: str = "", admin_api_key: str = "", connect_timeout: float = 5.0,
@@ -267,28 +298,28 @@ class EngineClient:
             async with resp:
                 while True:
                     data = await read()
-                    # The events of one read come out together: all but the last say `more`.
-                    events = [line[5:].strip() for line in (lines.feed(data) if data else lines.end())
-                              if line.startswith(b"data:")]
-                    for i, event in enumerate(events):
-                        if event == b"[DONE]":
-                            return
-                        obj = jsoncodec.loads(event)
-                        if "error" in obj:  # SGLang's ValueErrors inside a started stream carry their 400
-                            err = obj["error"]
-                            if isinstance(err, dict) and err.get("code") == 400:
-                                raise EngineRejected(_error_text(obj))
-                            raise EngineError(f"engine stream error: {_error_text(obj)}")
-                        ids = obj.get("output_ids") or []
-                        meta = obj.get("meta_info") or {}
-                        lps = meta.get("output_token_logprobs") or []
-                        tops = meta.get("output_top_logprobs") or []
-                        if not self._incremental:  # cumulative chunks: keep only what is new
-                            ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
-                        seen += len(ids)
-                        yield Chunk(ids=ids, logprobs=[e[0] for e in lps], logprob_ids=[e[1] for e in lps],
-                                    finish=meta.get("finish_reason"), meta=meta, top_ids=top_ids(tops),
-                                    more=i < len(events) - 1)
+                    # The events of one read come out as one chunk: an engine that runs ahead of clawd (a
+                    # burst of tokens in one read) costs one reply event and one write for them all.
+                    merged: Chunk | None = None
+                    try:
+                        for line in lines.feed(data) if data else lines.end():
+                            if not line.startswith(b"data:"):
+                                continue
+                            event = line[5:].strip()
+                            if event == b"[DONE]":
+                                if merged is not None:
+                                    merged.more = True  # the stream's end came in the same read
+                                    yield merged
+                                return
+                            part = chunk_of(jsoncodec.loads(event), seen, self._incremental)
+                            seen += len(part.ids)
+                            merged = part if merged is None else merged.extend(part)
+                    except (EngineError, ValueError):  # an error event or a bad line: what came before it first
+                        if merged is not None:
+                            yield merged
+                        raise
+                    if merged is not None:
+                        yield merged
                     if not data:
                         return
         except EngineTimeout as exc:

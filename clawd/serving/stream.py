@@ -81,7 +81,7 @@ async def pump(first: Chunk | None, chunks: AsyncIterator[Chunk], out: ReplyBuil
     """The engine's chunks, from `first` to the end, as SSE events to `send`; returns the reply's last part and
     whether it carries a token. When the engine failed mid-stream (`out.failed`), that part is an error event and
     [DONE]; else the text the detokenizer held back, the finish, the usage when asked for, and [DONE]."""
-    events: list[bytes] = []  # written once the engine has no chunk already waiting: one write per read
+    events: list[bytes] = []  # a chunk's events (a chunk is one engine read); held when the end came with it
     try:
         chunk = first
         while chunk is not None:
