@@ -14,7 +14,6 @@ from typing import Any
 from clawd.engine.errors import EngineTimeout
 
 
-
 class Call:
     """One generation call: the epochs it began in, to tell whether it was abandoned or overlapped a publish."""
     __slots__ = ("abandon_epoch", "control_epoch")
@@ -23,40 +22,49 @@ class Call:
         self.abandon_epoch, self.control_epoch = abandon_epoch, control_epoch
 
 
+def _not_abandoned(client: Any, call: Call) -> None:
+    """EngineTimeout at once for a call the client abandoned (its engine was found hung) since it began."""
+    if call.abandon_epoch != client._abandon_epoch:
+        raise EngineTimeout(f"engine call abandoned: {client._abandoned}")
+
+
+def _waiting(client: Any, wait: Any) -> None:
+    """`wait` (its `expired` and `reschedule` are what `abandon` calls) joins the client's waits on the engine."""
+    if not client._waits:  # the engine owes nothing until now: the quiet starts here
+        client._progress_at = asyncio.get_running_loop().time()
+    client._waits.add(wait)
+
+
+def _timed_out(client: Any, call: Call, what: str, ours: bool) -> EngineTimeout:
+    """A wait's expiry: the call abandoned, its own deadline (`ours`: the engine sent `what`), or aiohttp's total."""
+    if call.abandon_epoch != client._abandon_epoch:
+        return EngineTimeout(f"engine call abandoned: {client._abandoned}")
+    return EngineTimeout(f"engine sent {what}" if ours else
+                         f"engine call ran past request_timeout ({client._request_timeout:g}s)")
+
+
 class Deadline:
-    """`EngineClient._deadline`: asyncio's timeout around one wait on the engine, registered among the client's
-    waits (the hang evidence), its expiry an EngineTimeout saying `what`. A class, not a generator-based context
-    manager: a stream enters one per chunk it reads."""
+    """`EngineClient._deadline`: asyncio's timeout around one wait on the engine (a call's first byte, a whole
+    answer), registered among the client's waits, its expiry an EngineTimeout saying `what`."""
     __slots__ = ("client", "call", "when", "what", "timeout")
 
     def __init__(self, client: Any, call: Call, when: float, what: str):
         self.client, self.call, self.when, self.what = client, call, when, what
 
     async def __aenter__(self) -> None:
-        client = self.client
-        if self.call.abandon_epoch != client._abandon_epoch:
-            raise EngineTimeout(f"engine call abandoned: {client._abandoned}")
+        _not_abandoned(self.client, self.call)
         self.timeout = asyncio.timeout_at(self.when)
         await self.timeout.__aenter__()
-        if not client._waits:  # the engine owes nothing until now: the quiet starts here
-            client._progress_at = asyncio.get_running_loop().time()
-        client._waits.add(self.timeout)
+        _waiting(self.client, self.timeout)
 
     async def __aexit__(self, kind, exc, tb) -> None:
         self.client._waits.discard(self.timeout)
         try:
             await self.timeout.__aexit__(kind, exc, tb)  # our expiry: the task's cancellation as TimeoutError
         except TimeoutError:
-            self._expired()
+            raise _timed_out(self.client, self.call, self.what, self.timeout.expired()) from None
         if kind is not None and issubclass(kind, TimeoutError):  # aiohttp's total (request_timeout)
-            self._expired()
-
-    def _expired(self) -> None:
-        client = self.client
-        if self.call.abandon_epoch != client._abandon_epoch:
-            raise EngineTimeout(f"engine call abandoned: {client._abandoned}") from None
-        raise EngineTimeout(f"engine sent {self.what}" if self.timeout.expired() else
-                            f"engine call ran past request_timeout ({client._request_timeout:g}s)") from None
+            raise _timed_out(self.client, self.call, self.what, self.timeout.expired()) from None
 
 
 class StreamDeadline:
@@ -80,15 +88,11 @@ class StreamDeadline:
     async def read(self, content, when: float, what: str) -> bytes:
         """`content.readany()`, ended by loop time `when` (EngineTimeout saying `what`), or at once when the call
         is abandoned."""
-        client = self.client
-        if self.call.abandon_epoch != client._abandon_epoch:
-            raise EngineTimeout(f"engine call abandoned: {client._abandoned}")
+        _not_abandoned(self.client, self.call)
         self.when, self.what = when, what
         if self.handle is None or when < self.handle.when():
             self._arm(when)
-        if not client._waits:  # the engine owes nothing until now: the quiet starts here
-            client._progress_at = self.loop.time()
-        client._waits.add(self)
+        _waiting(self.client, self)
         self.task = asyncio.current_task()
         self.cancelling = self.task.cancelling()
         self.reading = True
@@ -96,13 +100,13 @@ class StreamDeadline:
             return await content.readany()
         except asyncio.CancelledError:
             if self.fired and self.task.uncancel() <= self.cancelling:
-                self._expired(ours=True)
+                raise _timed_out(self.client, self.call, self.what, ours=True) from None
             raise
         except TimeoutError:  # aiohttp's total (request_timeout)
-            self._expired(ours=False)
+            raise _timed_out(self.client, self.call, self.what, ours=False) from None
         finally:
             self.reading = False
-            client._waits.discard(self)
+            self.client._waits.discard(self)
 
     def expired(self) -> bool:
         return self.fired
@@ -131,10 +135,3 @@ class StreamDeadline:
             return
         self.fired = True
         self.task.cancel()
-
-    def _expired(self, ours: bool) -> None:
-        client = self.client
-        if self.call.abandon_epoch != client._abandon_epoch:
-            raise EngineTimeout(f"engine call abandoned: {client._abandoned}") from None
-        raise EngineTimeout(f"engine sent {self.what}" if ours else
-                            f"engine call ran past request_timeout ({client._request_timeout:g}s)") from None

@@ -144,10 +144,14 @@ class ReplyBuilder:
                 "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice],
                 "usage": self.usage()}
 
+    def _chunk_head(self, fingerprint: str) -> dict:
+        """What every `chat.completion.chunk` of this reply begins with."""
+        return {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "system_fingerprint": fingerprint}
+
     def sse_chunk(self, delta: dict, *, finish: str | None = None, logprobs: list[dict] | None = None) -> dict:
         """One `chat.completion.chunk`, as `sse` writes it."""
-        chunk = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.model, "system_fingerprint": self.fingerprint,
+        chunk = {**self._chunk_head(self.fingerprint),
                  "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
                               "finish_reason": finish}]}
         if self.req.include_usage:
@@ -159,9 +163,8 @@ class ReplyBuilder:
         stays the same through a reply (until its fingerprint changes): a stream writes one event a token."""
         fingerprint = self.fingerprint
         if fingerprint != self._head_of:
-            head = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.model, "system_fingerprint": fingerprint}
-            self._head = b"data: " + jsoncodec.dumps(head, finite=True)[:-1] + b',"choices":[{"index":0,"delta":'
+            head = jsoncodec.dumps(self._chunk_head(fingerprint), finite=True)
+            self._head = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":'
             self._head_of = fingerprint
         if not self.finite:  # a NaN or an infinity among the log-probs: all of it as `json` writes it
             return b"data: " + jsoncodec.dumps(self.sse_chunk(delta, finish=finish, logprobs=logprobs)) + b"\n\n"
@@ -175,5 +178,4 @@ class ReplyBuilder:
         return jsoncodec.dumps(self.completion(), finite=self.finite)
 
     def usage_chunk(self) -> dict:
-        return {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [], "usage": self.usage()}
+        return {**self._chunk_head(self.fingerprint), "choices": [], "usage": self.usage()}
