@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import chain
 from typing import Any
 
 import orjson
@@ -48,23 +49,37 @@ def dumps(obj: Any, *, finite: bool = False, sort_keys: bool = False) -> bytes:
 
 
 def finite_throughout(obj: Any) -> bool:
-    """No NaN or infinity anywhere in `obj`: dicts, lists and tuples walked, a list of numbers summed in C.
-    Never True when one is there; False also for finite numbers whose sum overflows (`json` then writes them)."""
+    """No NaN or infinity anywhere in `obj`: dicts, lists and tuples walked, a list of numbers summed in C, and
+    a list of such lists (a turn's top-k ids) summed as one in C. Never True when one is there; False also
+    for finite numbers whose sum overflows (`json` then writes them)."""
+    kind = type(obj)
+    if kind is str or kind is int or obj is None:  # the common leaves first, by exact type (a subclass walks on)
+        return True
+    if kind is float:
+        return math.isfinite(obj)
+    if kind is dict:
+        return all(map(finite_throughout, obj.values()))
+    if kind is list or kind is tuple:
+        if obj:
+            first = type(obj[0])
+            try:  # a NaN or an infinity makes the sum one (a finite sum that overflows only sends it to `json`)
+                if first is int or first is float:
+                    return math.isfinite(sum(obj))
+                if (first is list or first is tuple) and set(map(type, obj)) <= _ROWS:
+                    return math.isfinite(sum(chain.from_iterable(obj)))
+            except (TypeError, OverflowError):  # not only numbers (None, strings, containers), or an int past a float
+                pass
+        return all(map(finite_throughout, obj))
     if isinstance(obj, float):
         return math.isfinite(obj)
     if isinstance(obj, dict):
         return all(map(finite_throughout, obj.values()))
     if isinstance(obj, (list, tuple)):
-        try:  # a NaN or an infinity makes the sum one (a finite sum that overflows only sends it to `json`)
-            return math.isfinite(sum(obj))
-        except TypeError:  # not only numbers: None, strings, containers
-            return all(map(finite_throughout, obj))
+        return all(map(finite_throughout, obj))
     return True
 
 
-def dumps_text(obj: Any, *, finite: bool = False) -> str:
-    """`dumps` as text (aiohttp's `json_response` takes a str)."""
-    return dumps(obj, finite=finite).decode()
+_ROWS = {list, tuple}
 
 
 def _stdlib(obj: Any, sort_keys: bool = False) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import OrderedDict
 
 import pytest
 
@@ -50,7 +51,6 @@ def test_dumps_is_compact_utf8_and_a_nan_stays_a_nan():
     assert jsoncodec.dumps({"x": None}, finite=True) == b'{"x":null}'
     assert jsoncodec.dumps({1: "a"}) == b'{"1":"a"}'  # a key orjson refuses: json's spelling
     assert jsoncodec.dumps(["\ud800"]) == b'["\\ud800"]'  # a lone surrogate, escaped: UTF-8 cannot hold it
-    assert jsoncodec.dumps_text({"a": "é"}) == '{"a":"é"}'
 
 
 @pytest.mark.parametrize("obj", [{"b": 1, "a": {"d": None, "c": "é"}}, {"z": math.nan, "y": None}, {"s": "\ud800"},
@@ -92,8 +92,13 @@ def test_finite_throughout_walks_what_orjson_writes():
     assert jsoncodec.finite_throughout({"ids": list(range(300)), "lps": [None, -0.5, -1e-9], "m": [{"c": "x"}],
                                         "t": (1.0,)})
     assert not jsoncodec.finite_throughout([1e308, 1e308])  # finite, but the sum overflows: json writes them
-    for bad in ({"a": {"b": [None, math.nan]}}, [[1, 2], [3.0, math.inf]], ({"x": -math.inf},), math.nan):
-        assert not jsoncodec.finite_throughout(bad)
+    for bad in ({"a": {"b": [None, math.nan]}}, [[1, 2], [3.0, math.inf]], ({"x": -math.inf},), math.nan,
+                [[1, 2], {"k": math.nan}], [[1, 2], [None, math.nan]], [(1,), [2.0, -math.inf]], [[[math.nan]]],
+                [1, 2, [3, math.nan]], [OrderedDict(x=math.inf)], [type("F", (float,), {})(math.nan)]):
+        assert not jsoncodec.finite_throughout(bad), bad
+    # The fast paths' shapes, finite: rows of ids (a turn's top-k), rows with a null, ints past a float's range.
+    for good in ([[1, 2], [3, 4]], [[1, None], (2.5,)], [10**400, 1], [[10**400], [1]], [[], [1]], [], [[]]):
+        assert jsoncodec.finite_throughout(good), good
     # A turn record with a NaN deep inside is written as `json` writes it; without, as orjson does (the same).
     record = {"prompt_ids": [1, 2, 3], "response_logprobs": [-0.5, None], "reward": None, "text": "é\n"}
     assert jsoncodec.dumps(record) == json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()

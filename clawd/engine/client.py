@@ -113,6 +113,9 @@ class EngineClient:
         # SGLang started with --admin-api-key takes only that key on its control endpoints (pause, update,
         # continue, abort) and refuses the ordinary one there (docs/ARCHITECTURE.md §10).
         self._admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else self._headers
+        # A POST's body goes as the bytes jsoncodec writes (aiohttp's json= would take them as text, to encode again).
+        self._post_headers = {**self._headers, "Content-Type": "application/json"}
+        self._admin_post_headers = {**self._admin_headers, "Content-Type": "application/json"}
         self._timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         self._short = aiohttp.ClientTimeout(total=max(connect_timeout, 5.0), sock_connect=connect_timeout)
         self._request_timeout, self._first_byte, self._idle = request_timeout, first_byte_timeout, idle_timeout
@@ -134,7 +137,7 @@ class EngineClient:
     async def start(self) -> None:
         # Engines are addressed by IP literal, so aiohttp never calls its threaded resolver.
         connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=False)
-        self._session = aiohttp.ClientSession(connector=connector, json_serialize=jsoncodec.dumps_text)
+        self._session = aiohttp.ClientSession(connector=connector)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -208,9 +211,10 @@ class EngineClient:
 
     async def _post(self, path: str, payload: dict, timeout: aiohttp.ClientTimeout,
                     admin: bool = False) -> aiohttp.ClientResponse:
-        headers = self._admin_headers if admin else self._headers
+        headers = self._admin_post_headers if admin else self._post_headers
         try:
-            return await self.session.post(self.url + path, json=payload, headers=headers, timeout=timeout)
+            return await self.session.post(self.url + path, data=jsoncodec.dumps(payload), headers=headers,
+                                           timeout=timeout)
         except aiohttp.ClientConnectorError as exc:
             raise EngineUnavailable(f"engine unreachable: {exc}") from None
         except asyncio.TimeoutError:  # before OSError: on 3.11 TimeoutError is one
