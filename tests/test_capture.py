@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from clawd.engine.client import Chunk
+from clawd.engine.chunks import Chunk
 from clawd.served import Policy
 from clawd.serving.capture import Capture, captured_turn
 from clawd.serving.reply import ReplyBuilder

@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
-from clawd.engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable, chunk_of
+from clawd.engine.chunks import StreamChunks
+from clawd.engine.client import EngineClient, EngineError, EngineRejected, EngineUnavailable
 from clawd.engine.sse import LineSplitter
 from clawd.engine import sse
 from tests.fake_sglang import FakeSGLang
@@ -134,15 +135,36 @@ async def test_the_events_of_one_read_come_as_one_chunk_and_the_last_says_the_en
 
 
 def test_an_event_is_its_new_output_and_an_error_event_raises():
-    event = {"output_ids": [5, 6, 7], "meta_info": {"output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None],
-                                                                          [-3.0, 7, None]], "finish_reason": None}}
-    new = chunk_of(event, 2, incremental=False)  # cumulative: past the two already read
-    assert (new.ids, new.logprobs, new.logprob_ids) == ([7], [-3.0], [7])
-    assert chunk_of(event, 2, incremental=True).ids == [5, 6, 7]
+    def event(ids, top=False, finish=None):
+        meta = {"output_token_logprobs": [[-i / 10, i, None] for i in ids], "finish_reason": finish}
+        if top:
+            meta["output_top_logprobs"] = [[[-i / 10, i, None], [-1.0, i + 100, None]] for i in ids]
+        return {"output_ids": ids, "meta_info": meta}
+
+    chunks = StreamChunks(incremental=False)  # cumulative: each event repeats what came before
+    assert chunks.take() is None
+    chunks.add(event([5, 6]))
+    chunks.add(event([5, 6, 7], finish={"type": "length"}))  # the same read: one chunk, the last one's finish
+    got = chunks.take()
+    assert (got.ids, got.logprobs, got.logprob_ids, got.top_ids, got.finish) == (
+        [5, 6, 7], [-0.5, -0.6, -0.7], [5, 6, 7], [], {"type": "length"})
+    assert chunks.take() is None and chunks.seen == 3
+    chunks.add(event([5, 6, 7, 8]))  # a later read: past the three already read
+    assert chunks.take().ids == [8]
+
+    chunks = StreamChunks(incremental=True)
+    chunks.add(event([1], top=True))
+    chunks.add(event([2, 3], top=True))
+    got = chunks.take()
+    assert (got.ids, got.logprob_ids, got.top_ids, got.finish) == ([1, 2, 3], [1, 2, 3], [[1, 101], [2, 102], [3, 103]],
+                                                                  None)
+    chunks.add(event([4]))
     with pytest.raises(EngineRejected, match="bad sampling"):
-        chunk_of({"error": {"code": 400, "message": "bad sampling"}}, 0, True)
+        chunks.add({"error": {"code": 400, "message": "bad sampling"}})
+    assert chunks.take().ids == [4]  # what came before the error event is still there
     with pytest.raises(EngineError, match="engine stream error: boom") as caught:
-        chunk_of({"error": {"message": "boom"}}, 0, True)
+        chunks.add({"error": {"message": "boom"}})
     assert not isinstance(caught.value, EngineRejected)
     with pytest.raises(EngineError, match="not a JSON object"):
-        chunk_of([1, 2], 0, True)
+        chunks.add([1, 2])
+    assert chunks.take() is None

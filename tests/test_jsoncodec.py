@@ -9,7 +9,7 @@ from collections import OrderedDict
 import pytest
 
 from clawd import jsoncodec
-from clawd.engine.client import Chunk
+from clawd.engine.chunks import Chunk
 from clawd.served import Policy
 from clawd.serving.reply import ReplyBuilder
 from clawd.serving.request import Limits, parse_chat_request

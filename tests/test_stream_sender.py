@@ -120,7 +120,7 @@ class Recorder:
 async def test_pump_writes_once_per_engine_read_and_the_last_with_the_tail(tiny_model):
     import json
 
-    from clawd.engine.client import Chunk
+    from clawd.engine.chunks import Chunk
     from clawd.served import Policy
     from clawd.serving.reply import ReplyBuilder
     from clawd.serving.request import Limits, parse_chat_request

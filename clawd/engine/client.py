@@ -21,80 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import dataclasses
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import aiohttp
 
 from clawd import jsoncodec
+from clawd.engine.chunks import Chunk, StreamChunks, error_text
 from clawd.engine.deadlines import Call, Deadline, StreamDeadline
 from clawd.engine.errors import (EngineDisconnected, EngineError, EngineRejected, EngineTimeout,  # noqa: F401
                                  EngineUnavailable, EngineUnresponsive)  # (their home: callers import them here too)
 from clawd.engine.sse import LineSplitter, LineTooLong
 
 log = logging.getLogger("clawd.engine")
-
-
-@dataclass(slots=True)
-class Chunk:
-    """New output since the previous chunk; `finish` is set on the last one. (Not frozen: a frozen dataclass's
-    `__init__` sets each field through `object.__setattr__`, ~1 us more per chunk, one chunk a token.)"""
-
-    ids: list[int]
-    logprobs: list[float | None]
-    logprob_ids: list[int]
-    finish: dict[str, Any] | None
-    meta: dict[str, Any]
-    top_ids: list[list[int]] = dataclasses.field(default_factory=list)  # with top_logprobs_num: each token's top-k
-    more: bool = False  # the stream's end came with it (the same read): a writer may wait to write them together
-
-    def extend(self, later: Chunk) -> Chunk:
-        """This chunk followed by `later` (in place): their tokens in order, the later one's finish and meta."""
-        self.ids += later.ids
-        self.logprobs += later.logprobs
-        self.logprob_ids += later.logprob_ids
-        self.top_ids += later.top_ids
-        self.finish, self.meta = later.finish, later.meta
-        return self
-
-
-def top_ids(rows: Any) -> list[list[int]]:
-    """The ids of `meta_info.output_top_logprobs` rows ([log-prob, id, text] triples, or null for none)."""
-    return [[e[1] for e in row] if isinstance(row, list) else [] for row in rows or []]
-
-
-def _error_text(body: Any) -> str:
-    """SGLang's error bodies come in several shapes (SGLang 0.5.23: docs/ARCHITECTURE.md §10)."""
-    if isinstance(body, dict):
-        err = body.get("error", body.get("message"))
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        if err is not None:
-            return str(err)
-    return str(body)[:500]
-
-
-def chunk_of(event: Any, seen: int, incremental: bool) -> Chunk:
-    """One streamed /generate event's new output: all of it, or for cumulative events (SGLang's default) what
-    follows the `seen` tokens already read. An error event raises: EngineRejected for SGLang's 400s (its
-    ValueErrors inside a started stream), else EngineError."""
-    if not isinstance(event, dict):
-        raise EngineError("engine sent a stream chunk that is not a JSON object")
-    if "error" in event:
-        err = event["error"]
-        if isinstance(err, dict) and err.get("code") == 400:
-            raise EngineRejected(_error_text(event))
-        raise EngineError(f"engine stream error: {_error_text(event)}")
-    ids = event.get("output_ids") or []
-    meta = event.get("meta_info") or {}
-    lps = meta.get("output_token_logprobs") or []
-    tops = meta.get("output_top_logprobs") or []
-    if not incremental:
-        ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
-    return Chunk(ids=ids, logprobs=[e[0] for e in lps], logprob_ids=[e[1] for e in lps],
-                 finish=meta.get("finish_reason"), meta=meta, top_ids=top_ids(tops))
 
 
 # The neutral value of every /generate field that shapes the distribution besides the temperature (SGLang 0.5.23's
@@ -232,10 +171,10 @@ class EngineClient:
         finally:
             resp.release()
         if resp.status == 400:
-            raise EngineRejected(_error_text(body))
+            raise EngineRejected(error_text(body))
         if resp.status in (502, 503, 504):  # busy or starting: worth a retry, not "down"
-            raise EngineError(f"engine answered {resp.status}: {_error_text(body)}", status=503, retry_after=2)
-        raise EngineError(f"engine answered {resp.status}: {_error_text(body)}", retry_after=1)
+            raise EngineError(f"engine answered {resp.status}: {error_text(body)}", status=503, retry_after=2)
+        raise EngineError(f"engine answered {resp.status}: {error_text(body)}", retry_after=1)
 
     async def generate(self, payload: dict, timeout: float | None = None) -> dict:
         """One non-streamed /generate; returns SGLang's response object. Its answer comes whole, so only
@@ -297,32 +236,27 @@ class EngineClient:
                     self._answered()
                 return data
 
-            seen = 0
-            lines = LineSplitter()
+            lines, chunks = LineSplitter(), StreamChunks(self._incremental)
             async with resp:
                 while True:
                     data = await read()
-                    # The events of one read come out as one chunk: an engine that runs ahead of clawd (a
-                    # burst of tokens in one read) costs one reply event and one write for them all.
-                    merged: Chunk | None = None
+                    # The events of one read come out as one chunk (clawd.engine.chunks).
                     try:
                         for line in lines.feed(data) if data else lines.end():
                             if not line.startswith(b"data:"):
                                 continue
                             event = line[5:].strip()
                             if event == b"[DONE]":
-                                if merged is not None:
+                                if (merged := chunks.take()) is not None:
                                     merged.more = True  # the stream's end came in the same read
                                     yield merged
                                 return
-                            part = chunk_of(jsoncodec.loads(event), seen, self._incremental)
-                            seen += len(part.ids)
-                            merged = part if merged is None else merged.extend(part)
+                            chunks.add(jsoncodec.loads(event))
                     except (EngineError, ValueError):  # an error event or a bad line: what came before it first
-                        if merged is not None:
+                        if (merged := chunks.take()) is not None:
                             yield merged
                         raise
-                    if merged is not None:
+                    if (merged := chunks.take()) is not None:
                         yield merged
                     if not data:
                         return

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Protocol
@@ -200,7 +200,7 @@ class Scorer:
         sample_id = None
         if decision.emit:
             sample = judging.build_sample(turn, decision, scores and scores.logprobs, mode=self.mode,
-                                          sample_id=uuid.uuid4().hex, now=time.time(),
+                                          sample_id=secrets.token_hex(16), now=time.time(),
                                           teacher_top=scores and scores.top, reference_logprobs=reference)
             try:
                 await self.store.put(sample)

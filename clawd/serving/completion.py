@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,7 +28,8 @@ from clawd.encoding import Encoder, encode_prompt
 from clawd.serving.request import ChatRequest
 from clawd.config.schema import Config
 from clawd.serving.connections import note_hangup
-from clawd.engine.client import Chunk, EngineError, EngineUnavailable, top_ids
+from clawd.engine.chunks import Chunk, top_ids
+from clawd.engine.client import EngineError, EngineUnavailable
 from clawd.engine.lora import AdapterUse
 from clawd.engine.replicas import Attempt, Replicas
 from clawd.serving.errors import ApiError, bad_request
@@ -166,7 +167,7 @@ class ChatService:
         if not self.replicas.any_usable:
             raise ApiError(503, "The model engine is not ready; retry shortly", code="engine_unavailable",
                            retry_after=2)
-        rid = uuid.uuid4().hex
+        rid = secrets.token_hex(16)  # 128 random bits, as a uuid4 (122) gives, at a third of its cost
         payload = {"input_ids": prompt_ids, "rid": rid, "sampling_params": params, "return_logprob": True}
         if main and self.top_k:  # each token's top-k ids, for top-K distillation
             payload["top_logprobs_num"] = self.top_k

@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from clawd import jsoncodec
-from clawd.engine.client import Chunk
+from clawd.engine.chunks import Chunk
 from clawd.engine.replicas import Attempt, Replicas
 from clawd.served import Policy
 from clawd.serving.detokenize import IncrementalDetokenizer

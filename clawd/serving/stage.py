@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
+import secrets
 from typing import Callable
 
 from aiohttp import web
@@ -47,7 +47,7 @@ class Serving(Stage):
         self.cfg, self.handover = cfg, handover
         self.sessions = SessionTable(idle_timeout=cfg.sessions.session_idle_timeout,
                                      max_turns=cfg.sessions.session_max_turns, max_sessions=cfg.sessions.max_sessions,
-                                     new_id=lambda: uuid.uuid4().hex, max_bytes=cfg.sessions.max_bytes)
+                                     new_id=lambda: secrets.token_hex(16), max_bytes=cfg.sessions.max_bytes)
         self.chat = ChatService(cfg, tokenizer, engines.replicas, self.sessions, handover, policy, spawn=spawn,
                                 adapters=engines.adapters, encoder=encoder, on_first_token=metrics.observe_first_token,
                                 ratings=feedback and feedback.ratings)

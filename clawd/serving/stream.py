@@ -17,7 +17,8 @@ from typing import AsyncIterator, Callable
 from aiohttp import web
 
 from clawd import jsoncodec
-from clawd.engine.client import Chunk, EngineError
+from clawd.engine.chunks import Chunk
+from clawd.engine.client import EngineError
 from clawd.serving.errors import ApiError
 from clawd.serving.reply import ReplyBuilder
 
