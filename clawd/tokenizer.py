@@ -244,7 +244,8 @@ class ChatTokenizer:
         if self._default_system is None:
             user, system = [{"role": "user", "content": "x"}], "SYSTEM\u2063SENTINEL"
             try:
-                plain, with_sys = self.render(user, None), self.render([{"role": "system", "content": system}, *user], None)
+                plain = self.render(user, None)
+                with_sys = self.render([{"role": "system", "content": system}, *user], None)
             except TemplateError:  # a template that refuses a system message has no default to keep
                 plain, with_sys = "", ""
             head, found, tail = with_sys.partition(system)

@@ -54,3 +54,25 @@ def test_describe_says_it_in_points():
     r = paired.compare([0, 0, 1, 1], [1, 0, 1, 1], resamples=200)
     line = paired.describe("correct", r)
     assert line.startswith("correct 50% -> 75%: +25 pts [") and "(95%, 4 pairs; 1 up, 0 down)" in line
+
+
+def test_clusters_resample_whole_and_a_cluster_of_agreeing_pairs_counts_once():
+    before = [1] * 10 + [0] * 6 + [1] * 24
+    after = [0] * 10 + [1] * 6 + [1] * 24  # 10 down, 6 up, 24 the same
+    alone = paired.compare(before, after)
+    # Every pair its own cluster: the same draws as `compare`, so the same interval.
+    own = paired.compare_clustered(before, after, list(range(40)))
+    assert (own["n"], own["diff"], own["better"], own["worse"], own["clusters"]) == (40, -4 / 40, 6, 10, 40)
+    assert (own["low"], own["high"]) == pytest.approx((alone["low"], alone["high"]), abs=1e-12)
+    # Four seeds that agree on every question: 160 pairs, but no more evidence than the 40. Taken as independent,
+    # the interval narrows by half; by question, it is the 40's.
+    b4, a4, q4 = before * 4, after * 4, list(range(40)) * 4
+    naive = paired.compare(b4, a4)
+    clustered = paired.compare_clustered(b4, a4, q4)
+    assert clustered["diff"] == pytest.approx(alone["diff"]) and clustered["clusters"] == 40
+    assert (clustered["low"], clustered["high"]) == pytest.approx((alone["low"], alone["high"]), abs=1e-12)
+    assert clustered["high"] - clustered["low"] > 1.5 * (naive["high"] - naive["low"])
+    assert paired.compare_clustered(b4, a4, q4) == clustered  # seeded
+    with pytest.raises(ValueError, match="cluster names"):
+        paired.compare_clustered([1, 0], [1, 1], ["a"])
+    assert paired.compare_clustered([], [], [])["n"] == 0

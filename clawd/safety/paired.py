@@ -47,6 +47,35 @@ def compare(before: Sequence[float], after: Sequence[float], *, resamples: int =
             "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs)}
 
 
+def compare_clustered(before: Sequence[float], after: Sequence[float], clusters: Sequence, *,
+                      resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> dict:
+    """`compare` for pairs that come in clusters: the same question answered in several seeds' runs is one
+    cluster, and what makes one seed lose it (it was fragile) makes the others likelier to, so the pairs of a
+    cluster are not independent. The bootstrap resamples clusters, each with all its pairs, and takes the mean
+    difference over the pairs drawn: wider than `compare`'s interval where a cluster's pairs agree, the same
+    where they are independent. `clusters[i]` names pair i's cluster. Returns `compare`'s keys and "clusters"."""
+    if not len(before) == len(after) == len(clusters):
+        raise ValueError(f"{len(before)} outcomes before, {len(after)} after, {len(clusters)} cluster names")
+    out = compare(before, after, resamples=1, level=level)
+    out["clusters"] = len(set(clusters))
+    if not out["n"]:
+        return out
+    sums: dict = {}
+    for b, a, c in zip(before, after, clusters):
+        total, count = sums.get(c, (0.0, 0))
+        sums[c] = (total + float(a) - float(b), count + 1)
+    groups = list(sums.values())
+    rng = random.Random(seed)
+    means = []
+    for _ in range(resamples):
+        drawn = rng.choices(groups, k=len(groups))
+        means.append(sum(t for t, _ in drawn) / sum(c for _, c in drawn))
+    means.sort()
+    tail = (1 - level) / 2
+    out["low"], out["high"] = means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
+    return out
+
+
 def verdict(result: dict) -> str:
     """"up", "down" or "no change" (the interval includes 0, or nothing to compare)."""
     if not result["n"]:
