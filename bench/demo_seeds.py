@@ -10,7 +10,10 @@ the guard's correctness. The same question in several seeds is one cluster (what
 likelier to: the base model's answer to it is the same in all), so the pooled interval resamples questions
 (clawd.safety.paired.compare_clustered); the interval that takes every pair as independent is printed beside
 it. Targets, as the demo's: style up (the clustered interval above 0) and the guard non-inferior (its clustered
-lower bound >= -5 points). Each seed's own verdicts are printed too.
+lower bound >= -5 points). Each seed's own verdicts are printed too. A seed whose last version answered every
+probe word for word as version 0 did (its monitors rolled every step back, or no step landed) learnt nothing
+whose cost could be judged: it is printed and left out of the pooled figures (it would pull the guard's change
+toward 0).
 
 Exit status: 0 when every run finished and both targets are met; 1 when a target is missed; 2 when a run failed
 or the runs cannot be pooled (their settings differ). The JSON (bench/results/demo-seeds.json) carries
@@ -114,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     res["per_seed"] = {seed: {"headline": s["headline"], "style": s["evaluation"].get("satisfied (sampled)"),
                               "guard": s["evaluation"].get("guard: correct"), "versions": len(s.get("versions", {}))}
                        for seed, s in summaries.items()}
-    res["style"] = pooled(runs, lambda key: key[0] != GUARD and key[1] == "sampled", "satisfied")
-    res["guard"] = pooled(runs, lambda key: key[0] == GUARD, "correct")
+    res["learnt_nothing"] = [seed for seed, (before, after) in runs.items()
+                             if all(after.get(key, {}).get("text") == r["text"] for key, r in before.items())]
+    learnt = {seed: run for seed, run in runs.items() if seed not in res["learnt_nothing"]}
+    res["style"] = pooled(learnt, lambda key: key[0] != GUARD and key[1] == "sampled", "satisfied")
+    res["guard"] = pooled(learnt, lambda key: key[0] == GUARD, "correct")
     style, guard = res["style"]["clustered"], res["guard"]["clustered"]
     res["targets"] = {"style_up": bool(style["n"]) and style["low"] > 0,
                       "guard_non_inferior": bool(guard["n"]) and guard["low"] >= NON_INFERIOR}
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         head = row["headline"]
         print(f"{seed:<6} {_iv(row['style']):<34} {_iv(row['guard']):<34} style up {head['style_up']}, "
               f"guard non-inferior {head['guard_non_inferior']}")
+    if res["learnt_nothing"]:
+        print(f"left out of the pooled figures, every answer as version 0's: seed(s) {res['learnt_nothing']}")
     for name in ("style", "guard"):
         print(f"pooled {name}: {_iv(res[name]['clustered'])} by question "
               f"({res[name]['clustered']['clusters']} questions); {_iv(res[name]['independent'])} as independent pairs")

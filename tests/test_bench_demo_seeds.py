@@ -21,7 +21,8 @@ def seed_run(work, seed: int, guard: list[tuple[bool, bool]], style: list[tuple[
             for version, value in ((0, before), (3, after)):
                 style_ = "greedy" if persona == "guard" else "sampled"
                 rows.append({"kind": "probe", "persona": persona, "style": style_, "question": q, "version": version,
-                             of: value, "correct" if of == "satisfied" else "satisfied": None})
+                             of: value, "correct" if of == "satisfied" else "satisfied": None,
+                             "text": f"{persona} {q} {value}"})  # an answer that changed reads differently
     (out / "replies.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     head = {"style_up": True, "guard_non_inferior": False, "guard_n": len(guard), "guard_v0_right": 0}
     fig = {"n": 1, "diff": 0.0, "low": 0.0, "high": 0.0}
@@ -36,10 +37,13 @@ def test_seeds_pool_by_question_and_the_targets_are_the_demos(tmp_path, capsys):
     style = [(False, True)] * 2  # two probes, both up in each seed
     for seed in (1, 2):
         seed_run(tmp_path, seed, guard, style)
+    # A seed whose every answer stayed version 0's (its steps rolled back): nothing learnt to judge, left out.
+    seed_run(tmp_path, 3, [(True, True)] * 20, [(False, False)] * 2)
     out = tmp_path / "pooled.json"
-    code = demo_seeds.main(["--seeds", "1,2", "--resume", "--work", str(tmp_path), "--out", str(out)])
+    code = demo_seeds.main(["--seeds", "1,2,3", "--resume", "--work", str(tmp_path), "--out", str(out)])
     res = json.loads(out.read_text())
     assert code == 1 and res["pass"] is False  # the guard lost 10 points: not non-inferior
+    assert res["learnt_nothing"] == [3]
     g = res["guard"]["clustered"]
     assert (g["n"], g["clusters"], g["diff"], g["worse"], g["better"]) == (40, 20, -0.1, 4, 0)
     s = res["style"]["clustered"]
