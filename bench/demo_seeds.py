@@ -8,7 +8,7 @@ runs the demo once per seed, one after another (a run uses both cores), each int
 the paired changes of every (seed, question): the style users' satisfaction (sampled, the users' answers) and
 the guard's correctness. The same question in several seeds is one cluster (what one seed loses, others are
 likelier to: the base model's answer to it is the same in all), so the pooled interval resamples questions
-(clawd.safety.paired.compare_clustered); the interval that takes every pair as independent is printed beside
+(clawd.safety.paired.compare with clusters); the interval that takes every pair as independent is printed beside
 it. Targets, as the demo's: style up (the clustered interval above 0) and the guard non-inferior (its clustered
 lower bound >= -5 points). Each seed's own verdicts are printed too. A seed whose last version answered every
 probe word for word as version 0 did (its monitors rolled every step back, or no step landed) learnt nothing
@@ -73,7 +73,7 @@ def pooled(runs: dict[int, tuple[dict, dict]], which, of: str) -> dict:
             b.append(x[of])
             a.append(y[of])
             clusters.append(key)
-    return {"clustered": paired.compare_clustered(b, a, clusters), "independent": paired.compare(b, a)}
+    return {"clustered": paired.compare(b, a, clusters=clusters), "independent": paired.compare(b, a)}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     res["per_seed"] = {seed: {"headline": s["headline"], "style": s["evaluation"].get("satisfied (sampled)"),
                               "guard": s["evaluation"].get("guard: correct"), "versions": len(s.get("versions", {}))}
                        for seed, s in summaries.items()}
+    # No answer of the last version's differs from v0's (a probe it did not answer: no step landed).
     res["learnt_nothing"] = [seed for seed, (before, after) in runs.items()
-                             if all(after.get(key, {}).get("text") == r["text"] for key, r in before.items())]
+                             if all(after.get(key, r)["text"] == r["text"] for key, r in before.items())]
     learnt = {seed: run for seed, run in runs.items() if seed not in res["learnt_nothing"]}
     res["style"] = pooled(learnt, lambda key: key[0] != GUARD and key[1] == "sampled", "satisfied")
     res["guard"] = pooled(learnt, lambda key: key[0] == GUARD, "correct")

@@ -10,15 +10,17 @@ SETTINGS = {"model": "m", "tuning": "lora", "lora_rank": 16, "mode": "rl", "judg
             "batch": 8, "max_tokens": 48, "concurrency": 8, "temperature": 0.7, "probes_per_persona": 2}
 
 
-def seed_run(work, seed: int, guard: list[tuple[bool, bool]], style: list[tuple[bool, bool]], lr: float = 3e-4):
-    """A demo's output as the bench reads it: summary.json and the evaluation answers of v0 and v3."""
+def seed_run(work, seed: int, guard: list[tuple[bool, bool]], style: list[tuple[bool, bool]], lr: float = 3e-4,
+             last: int = 3):
+    """A demo's output as the bench reads it: summary.json and the evaluation answers of v0 and v`last` (0: no step
+    landed, v0 answered alone)."""
     out = work / f"seed-{seed}"
     out.mkdir(parents=True)
     rows = [{"kind": "answer", "persona": "concise", "style": "headed", "question": 0, "version": 1,
              "satisfied": True, "correct": True}]  # a live answer: never a probe
     for persona, of, pairs in (("guard", "correct", guard), ("concise", "satisfied", style)):
         for q, (before, after) in enumerate(pairs):
-            for version, value in ((0, before), (3, after)):
+            for version, value in ((0, before), (last, after))[:1 + (last > 0)]:
                 style_ = "greedy" if persona == "guard" else "sampled"
                 rows.append({"kind": "probe", "persona": persona, "style": style_, "question": q, "version": version,
                              of: value, "correct" if of == "satisfied" else "satisfied": None,
@@ -39,11 +41,12 @@ def test_seeds_pool_by_question_and_the_targets_are_the_demos(tmp_path, capsys):
         seed_run(tmp_path, seed, guard, style)
     # A seed whose every answer stayed version 0's (its steps rolled back): nothing learnt to judge, left out.
     seed_run(tmp_path, 3, [(True, True)] * 20, [(False, False)] * 2)
+    seed_run(tmp_path, 4, [(True, True)] * 20, [(False, False)] * 2, last=0)  # and one where no step landed
     out = tmp_path / "pooled.json"
-    code = demo_seeds.main(["--seeds", "1,2,3", "--resume", "--work", str(tmp_path), "--out", str(out)])
+    code = demo_seeds.main(["--seeds", "1,2,3,4", "--resume", "--work", str(tmp_path), "--out", str(out)])
     res = json.loads(out.read_text())
     assert code == 1 and res["pass"] is False  # the guard lost 10 points: not non-inferior
-    assert res["learnt_nothing"] == [3]
+    assert res["learnt_nothing"] == [3, 4]
     g = res["guard"]["clustered"]
     assert (g["n"], g["clusters"], g["diff"], g["worse"], g["better"]) == (40, 20, -0.1, 4, 0)
     s = res["style"]["clustered"]

@@ -61,18 +61,19 @@ def test_clusters_resample_whole_and_a_cluster_of_agreeing_pairs_counts_once():
     after = [0] * 10 + [1] * 6 + [1] * 24  # 10 down, 6 up, 24 the same
     alone = paired.compare(before, after)
     # Every pair its own cluster: the same draws as `compare`, so the same interval.
-    own = paired.compare_clustered(before, after, list(range(40)))
+    own = paired.compare(before, after, clusters=list(range(40)))
     assert (own["n"], own["diff"], own["better"], own["worse"], own["clusters"]) == (40, -4 / 40, 6, 10, 40)
     assert (own["low"], own["high"]) == pytest.approx((alone["low"], alone["high"]), abs=1e-12)
     # Four seeds that agree on every question: 160 pairs, but no more evidence than the 40. Taken as independent,
     # the interval narrows by half; by question, it is the 40's.
     b4, a4, q4 = before * 4, after * 4, list(range(40)) * 4
     naive = paired.compare(b4, a4)
-    clustered = paired.compare_clustered(b4, a4, q4)
+    clustered = paired.compare(b4, a4, clusters=q4)
     assert clustered["diff"] == pytest.approx(alone["diff"]) and clustered["clusters"] == 40
     assert (clustered["low"], clustered["high"]) == pytest.approx((alone["low"], alone["high"]), abs=1e-12)
     assert clustered["high"] - clustered["low"] > 1.5 * (naive["high"] - naive["low"])
-    assert paired.compare_clustered(b4, a4, q4) == clustered  # seeded
+    assert paired.compare(b4, a4, clusters=q4) == clustered  # seeded
     with pytest.raises(ValueError, match="cluster names"):
-        paired.compare_clustered([1, 0], [1, 1], ["a"])
-    assert paired.compare_clustered([], [], [])["n"] == 0
+        paired.compare([1, 0], [1, 1], clusters=["a"])
+    assert paired.compare([], [], clusters=[]) | {"level": None} == dict.fromkeys(
+        ("before", "after", "diff", "low", "high", "better", "worse", "level"), None) | {"n": 0, "clusters": 0}

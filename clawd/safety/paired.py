@@ -21,59 +21,51 @@ LEVEL = 0.95
 
 
 def compare(before: Sequence[float], after: Sequence[float], *, resamples: int = RESAMPLES,
-            level: float = LEVEL, seed: int = 0) -> dict:
+            level: float = LEVEL, seed: int = 0, clusters: Sequence | None = None) -> dict:
     """before[i] and after[i] are the two versions' outcomes on prompt i (True counts as 1).
 
     Returns {"n", "before", "after", "diff", "low", "high", "level", "better", "worse"}: the means, the
     mean paired difference after − before with its percentile bootstrap interval at `level`
     (seeded, so the same inputs give the same interval), and the number of prompts that went
-    up and down. With n = 0 every figure is None."""
+    up and down. With n = 0 every figure is None.
+
+    `clusters[i]` names pair i's cluster, for pairs that are not independent: the same question answered in
+    several seeds' runs is one cluster (what makes one seed lose it, it being fragile, makes the others
+    likelier to). The bootstrap then resamples clusters, each with all its pairs, and takes the mean difference
+    over the pairs drawn: wider where a cluster's pairs agree, the same where they are independent. The result
+    also says how many "clusters" there were."""
     if len(before) != len(after):
         raise ValueError(f"{len(before)} outcomes before and {len(after)} after: not pairs")
+    if clusters is not None and len(clusters) != len(before):
+        raise ValueError(f"{len(before)} pairs and {len(clusters)} cluster names")
     if not 0 < level < 1 or resamples < 1:
         raise ValueError("level must be in (0, 1) and resamples at least 1")
     n = len(before)
+    named = {} if clusters is None else {"clusters": len(set(clusters))}
     if n == 0:
-        return dict.fromkeys(("before", "after", "diff", "low", "high", "better", "worse"), None) | {"n": 0,
-                                                                                                     "level": level}
+        return dict.fromkeys(("before", "after", "diff", "low", "high", "better", "worse"), None) | {
+            "n": 0, "level": level, **named}
     diffs = [float(a) - float(b) for b, a in zip(before, after)]
     rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(diffs, k=n)) for _ in range(resamples))
+    if clusters is None:
+        means = sorted(statistics.fmean(rng.choices(diffs, k=n)) for _ in range(resamples))
+    else:
+        sums: dict = {}
+        for d, c in zip(diffs, clusters):
+            total, count = sums.get(c, (0.0, 0))
+            sums[c] = (total + d, count + 1)
+        groups = list(sums.values())
+        means = []
+        for _ in range(resamples):
+            drawn = rng.choices(groups, k=len(groups))
+            means.append(sum(t for t, _ in drawn) / sum(c for _, c in drawn))
+        means.sort()
     tail = (1 - level) / 2
     low = means[int(tail * resamples)]
     high = means[min(resamples - 1, int((1 - tail) * resamples))]
     return {"n": n, "before": statistics.fmean(map(float, before)), "after": statistics.fmean(map(float, after)),
             "diff": statistics.fmean(diffs), "low": low, "high": high, "level": level,
-            "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs)}
-
-
-def compare_clustered(before: Sequence[float], after: Sequence[float], clusters: Sequence, *,
-                      resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> dict:
-    """`compare` for pairs that come in clusters: the same question answered in several seeds' runs is one
-    cluster, and what makes one seed lose it (it was fragile) makes the others likelier to, so the pairs of a
-    cluster are not independent. The bootstrap resamples clusters, each with all its pairs, and takes the mean
-    difference over the pairs drawn: wider than `compare`'s interval where a cluster's pairs agree, the same
-    where they are independent. `clusters[i]` names pair i's cluster. Returns `compare`'s keys and "clusters"."""
-    if not len(before) == len(after) == len(clusters):
-        raise ValueError(f"{len(before)} outcomes before, {len(after)} after, {len(clusters)} cluster names")
-    out = compare(before, after, resamples=1, level=level)
-    out["clusters"] = len(set(clusters))
-    if not out["n"]:
-        return out
-    sums: dict = {}
-    for b, a, c in zip(before, after, clusters):
-        total, count = sums.get(c, (0.0, 0))
-        sums[c] = (total + float(a) - float(b), count + 1)
-    groups = list(sums.values())
-    rng = random.Random(seed)
-    means = []
-    for _ in range(resamples):
-        drawn = rng.choices(groups, k=len(groups))
-        means.append(sum(t for t, _ in drawn) / sum(c for _, c in drawn))
-    means.sort()
-    tail = (1 - level) / 2
-    out["low"], out["high"] = means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
-    return out
+            "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs), **named}
 
 
 def verdict(result: dict) -> str:
