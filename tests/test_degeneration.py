@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from clawd.safety.degeneration import (MIN_REPLIES, by_version, distinct_n, flags, opening, reply_of, summarise,
-                                words)
+from clawd.safety.degeneration import (MIN_REPLIES, by_version, distinct_n, flags, opening, reply_of, session_of,
+                                       summarise, words)
 from clawd.turns import FinishedTurn, Turn
 
 # Version 0 of the demo: whole sentences, different for every question.
@@ -110,6 +110,23 @@ def test_summarise_top_is_capped_and_ties_keep_first_seen():
     assert s["top_reply_share"] == 0.2857               # 2 / 7
 
 
+def test_summarise_counts_what_two_groups_share():
+    texts = ["The capital is Rome.", "The capital is Rome!", "The capital is Paris.", "Paris.", "Paris", "Oslo."]
+    alone = summarise(texts)  # every reply its own group: any two replies sharing an opening repeat it
+    assert alone["repeated_opening_share"] == 0.8333 and alone["top_openings"] == [["the capital is", 3], ["paris", 2]]
+    assert alone["top_reply_share"] == 0.3333 and alone["top_replies"] == [["the capital is rome", 2], ["paris", 2]]
+    # a session asked again after a correction and got the same opening: consistency, not a template
+    grouped = summarise(texts, groups=["a", "a", "b", "c", "c", None])
+    assert grouped["repeated_opening_share"] == 0.5        # "the capital is" in a and b: 3 of 6; "paris" in c alone
+    assert grouped["top_openings"] == [["the capital is", 3]]
+    assert grouped["top_reply_share"] == 0.0 and grouped["top_replies"] == []  # each whole reply within one session
+    assert summarise(texts, groups=[None] * 6) == alone    # None: a group of its own
+    assert summarise(texts, groups=range(6)) == alone
+    assert summarise(texts, groups="abcabc")["repeated_opening_share"] == 0.8333
+    with pytest.raises(ValueError, match="5 groups for 6 texts"):
+        summarise(texts, groups="abcab")
+
+
 def test_summarise_edge_cases():
     empty = summarise([])
     assert empty["replies"] == 0 and empty["words"] == 0
@@ -188,8 +205,8 @@ def test_by_version_reads_turn_records_sim_replies_and_pairs():
         _turn_record(0, None, finish="tool_calls"),       # a tool call: no text
         _turn_record(1, "You", ids=1, finish="length"),   # the sim's one-token closing reply
         _turn_record(1, "You", ids=1, finish="stop"),     # a policy that says "You" and stops: counted
-        {"version": 1, "kind": "answer", "text": "The answer is a city."},
-        {"version": 1, "kind": "probe", "text": "The answer is a city."},
+        {"version": 1, "kind": "answer", "text": "The answer is a city.", "session": 3},
+        {"version": 1, "kind": "probe", "text": "The answer is a city.", "session": -1},
         {"version": 1, "kind": "closing", "text": "I"},
         {"version": None, "kind": "answer", "text": "unversioned"},
         (2, "Rome."),
@@ -204,3 +221,11 @@ def test_by_version_reads_turn_records_sim_replies_and_pairs():
     assert out[2]["replies"] == 1 and out[2]["skipped"] == 1
     assert json.loads(json.dumps(out)) == {str(v): s for v, s in out.items()}
     assert by_version([]) == {}
+    # grouped by session: a sim user's retries in one session share an opening, probes are each their own
+    retries = [{"version": 4, "kind": "answer", "text": "The answer is a city.", "session": 3}] * 2
+    assert by_version(retries)[4]["repeated_opening_share"] == 0.0
+    probe = {**records[5], "version": 4}
+    assert by_version(retries + [probe])[4]["repeated_opening_share"] == 1.0
+    turns = [_turn_record(5, "It is Rome."), _turn_record(5, "It is Rome.")]
+    assert by_version(turns)[5]["repeated_opening_share"] == 0.0  # one session_id
+    assert session_of(turns[0]) == "s" and session_of(records[5]) is None and session_of((2, "Rome.")) is None

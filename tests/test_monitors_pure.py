@@ -3,6 +3,7 @@ just past and just under its threshold, the minimums, refusals, tool-call errors
 collapse into one template that rolls back, with a healthy version as the negative control."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -20,11 +21,16 @@ ENOUGH = {"replies": 30, "tool_turns": 30, "judgements": 30, "steps": 1, "kl_ste
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "", "parameters": {}}}]
 
 
-def _record(text, *, version=1, ids=5, finish="stop", tools=None, calls=None):
+_SESSIONS = itertools.count()
+
+
+def _record(text, *, version=1, ids=5, finish="stop", tools=None, calls=None, session=None):
+    """A turn record; each in a session of its own unless `session` says which."""
     reply = {"role": "assistant", "content": text}
     if calls is not None:
         reply["tool_calls"] = calls
-    turn = Turn(session_id="s", turn_index=0, principal="p", request_id="r", rid="r", prompt_ids=[1],
+    session = f"s{next(_SESSIONS)}" if session is None else session
+    turn = Turn(session_id=session, turn_index=0, principal="p", request_id="r", rid="r", prompt_ids=[1],
                 response_ids=list(range(ids)), response_logprobs=[0.0] * ids, temperature=0.7, messages=[],
                 tools=tools, reply=reply, finish_reason=finish, policy_version=version, weight_version="w",
                 created=0.0)
@@ -290,6 +296,27 @@ def test_collapse_into_one_template_rolls_back():
     for v, texts in ((1, _varied(1)), (4, ["The answer is a planet."] * 30)):
         _feed(few, v, texts)
     assert few.check(4, [1]) == []                      # 30 replies: under the minimum
+
+
+def test_a_burst_of_retries_is_not_a_template():
+    # Each session asks its question again after a correction and gets the same opening: within a session
+    # that is consistency. Counted across replies it read as a template and rolled back v0's own weights.
+    m = Monitors(MonitorsConfig())
+    _feed(m, 0, _varied(0))
+    tails = iter(_varied(1))
+    retries = [f"A {animal} {sound}s, {next(tails).lower()}" for animal, sound in
+               (("rooster", "crow"), ("cow", "moo"), ("duck", "quack"), ("owl", "hoot"), ("lion", "roar"),
+                ("horse", "neigh"), ("sheep", "baa"), ("dog", "bark"), ("cat", "meow"), ("snake", "hiss"))
+               for _ in range(3)]
+    for i, text in enumerate(retries):
+        m.observe_turn(1, _record(text, version=1, session=f"retried{i // 3}"))
+        m.observe_judgement(1, 0.5, False)
+    now = m.snapshot_of(1)
+    assert now["replies"] == 30 and now["repeated_opening_share"] == 0.0 and now["top_openings"] == []
+    assert m.check(1, [0]) == []
+    # the same replies, each in a session of its own: thirty openings shared in threes, a template
+    _feed(m, 2, retries)
+    assert {a.monitor: a.action for a in m.check(2, [0])} == {"repeated_opening_share": "rollback"}
 
 
 def test_observe_turn_reads_records():

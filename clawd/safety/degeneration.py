@@ -13,6 +13,9 @@ Definitions (one place each):
   (so empty and punctuation-only replies count as one-word too);
 - a reply's *opening* is its first k words (k = 3 by default; all of them when it has fewer), joined
   by one space; a reply with no words has none;
+- an opening or a whole reply is *repeated* when replies in two or more groups share it. A group is a
+  conversation: a user who asks again after a correction gets the same opening for the same question,
+  which is consistency, not a template. Without groups each reply is its own;
 - a metric with nothing to measure (no replies, no n-grams) is None, never a made-up 0 or 1.
 
 `flags(summary, baseline)` names the metrics that moved past the thresholds below. They are
@@ -92,28 +95,47 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, RATIO_DIGITS)
 
 
-def _repeated(counts: Counter, top: int) -> list[list[Any]]:
-    """The commonest keys seen at least twice, [key, count], commonest first (ties: first seen first)."""
-    return [[key, count] for key, count in counts.most_common(top) if count >= 2]
+def _shared(keys: list[str | None], groups: list[Any]) -> tuple[Counter, set[str]]:
+    """(each key's count, the keys that replies of two or more groups share); None keys left out."""
+    counts: Counter = Counter()
+    first: dict[str, Any] = {}
+    shared: set[str] = set()
+    for key, group in zip(keys, groups):
+        if key is None:
+            continue
+        counts[key] += 1
+        if first.setdefault(key, group) != group:
+            shared.add(key)
+    return counts, shared
 
 
-def summarise(texts: Iterable[str], *, k: int = OPENING_WORDS, top: int = TOP) -> dict[str, Any]:
+def _repeated(counts: Counter, shared: set[str], top: int) -> list[list[Any]]:
+    """The commonest shared keys, [key, count], commonest first (ties: first seen first)."""
+    return [[key, count] for key, count in counts.most_common() if key in shared][:top]
+
+
+def summarise(texts: Iterable[str], *, groups: Iterable[Any] | None = None, k: int = OPENING_WORDS,
+              top: int = TOP) -> dict[str, Any]:
     """One JSON-serialisable summary of a set of replies (say, one policy version's).
 
     replies, words: counts. mean_words (`words`), mean_chars (after stripping surrounding whitespace).
     empty_share, one_word_share (0 or 1 word), repeated_opening_share (replies whose opening, first
-    `k` words, another reply shares), distinct_1, distinct_2, top_reply_share (the commonest whole
-    reply's share, 0 when no reply repeats): ratios rounded to 4 digits, means to 2, None when the set
-    is empty (or, for distinct-n, has no n-gram). top_openings, top_replies: the `top` commonest
-    openings and whole replies (normalised: their words joined by one space) seen at least twice, as
-    [text, count]; an empty list means none repeats. opening_words: k.
+    `k` words, is repeated), distinct_1, distinct_2, top_reply_share (the commonest repeated whole
+    reply's share, 0 when none is): ratios rounded to 4 digits, means to 2, None when the set is empty
+    (or, for distinct-n, has no n-gram). top_openings, top_replies: the `top` commonest repeated
+    openings and whole replies (normalised: their words joined by one space), as [text, count]; an
+    empty list means none repeats. opening_words: k. groups: each text's conversation (any hashable;
+    None: a group of its own), one per text; without them each text is a group of its own.
     """
     texts = list(texts)
     tokenised = [words(t) for t in texts]
     n = len(texts)
-    openings = Counter(o for o in (opening(t, k) for t in tokenised) if o is not None)
-    replies = Counter(" ".join(t) for t in tokenised if t)
-    top_replies = _repeated(replies, top)
+    groups = [(i,) if g is None else g for i, g in enumerate(groups)] if groups is not None else list(range(n))
+    if len(groups) != n:
+        raise ValueError(f"{len(groups)} groups for {n} texts")
+    openings, shared_openings = _shared([opening(t, k) for t in tokenised], groups)
+    replies, shared_replies = _shared([" ".join(t) or None for t in tokenised], groups)
+    top_replies = _repeated(replies, shared_replies, top)
     return {
         "replies": n,
         "words": sum(map(len, tokenised)),
@@ -121,12 +143,12 @@ def summarise(texts: Iterable[str], *, k: int = OPENING_WORDS, top: int = TOP) -
         "mean_chars": _mean(sum(len(t.strip()) for t in texts), n),
         "empty_share": _ratio(sum(1 for t in texts if not t.strip()), n),
         "one_word_share": _ratio(sum(1 for t in tokenised if len(t) <= 1), n),
-        "repeated_opening_share": _ratio(sum(c for c in openings.values() if c >= 2), n),
+        "repeated_opening_share": _ratio(sum(openings[o] for o in shared_openings), n),
         "distinct_1": _round(_distinct(tokenised, 1)),  # each text split once (the watch runs this every check)
         "distinct_2": _round(_distinct(tokenised, 2)),
         "top_reply_share": _ratio(top_replies[0][1] if top_replies else 0, n),
         "opening_words": k,
-        "top_openings": _repeated(openings, top),
+        "top_openings": _repeated(openings, shared_openings, top),
         "top_replies": top_replies,
     }
 
@@ -152,21 +174,36 @@ def reply_of(record: Any) -> tuple[Any, str | None]:
 
 
 def by_version(records: Iterable[Any], *, k: int = OPENING_WORDS, top: int = TOP) -> dict[Any, dict[str, Any]]:
-    """{policy version: summarise(its replies)}, versions in order, over records `reply_of` reads.
-    Records with no version are left out; each summary adds `skipped`: that version's records that
+    """{policy version: summarise(its replies)}, versions in order, over records `reply_of` reads, grouped
+    by `session_of`. Records with no version are left out; each summary adds `skipped`: that version's records that
     were not text replies (see `reply_of`)."""
     texts: dict[Any, list[str]] = {}
+    groups: dict[Any, list[Any]] = {}
     skipped: Counter = Counter()
     for record in records:
         version, text = reply_of(record)
         if version is None:
             continue
         texts.setdefault(version, [])
+        groups.setdefault(version, [])
         if text is None:
             skipped[version] += 1
         else:
             texts[version].append(text)
-    return {v: {**summarise(texts[v], k=k, top=top), "skipped": skipped[v]} for v in sorted(texts)}
+            groups[version].append(session_of(record))
+    return {v: {**summarise(texts[v], groups=groups[v], k=k, top=top), "skipped": skipped[v]} for v in sorted(texts)}
+
+
+def session_of(record: Any) -> Any:
+    """The conversation a record's reply belongs to, for `summarise`'s groups: a turn record's
+    `session_id`, a simulated user's `session` (its probes, session -1, are each their own); None when
+    unknown (a group of its own)."""
+    if not isinstance(record, Mapping):
+        return None
+    if "policy_version" in record:
+        return record.get("session_id")
+    session = record.get("session")
+    return session if record.get("kind", "answer") == "answer" and session is not None and session >= 0 else None
 
 
 def flags(summary: Mapping[str, Any], baseline: Mapping[str, Any] | None = None) -> list[str]:

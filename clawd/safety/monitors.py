@@ -16,7 +16,9 @@ The monitors, what each catches, and why its default rule:
 - one_word_share (rise; rollback at +20 points): "You", "I", "A": a few one-word answers ("Rome.")
   are fine, a fifth more of them is a habit, the collapse form-only rewards breed.
 - repeated_opening_share (rise; rollback at +30 points): different questions, one template ("The
-  answer is ..."); some shared openings are normal, so the margin is wide.
+  answer is ..."); some shared openings are normal, so the margin is wide. Only openings shared across
+  sessions count: a retry in one session (the question asked again after a correction) gets the same
+  opening, and a version that served a burst of retries read as drifting.
 - top_reply_share (rise; rollback at +20 points): one whole reply given to a fifth more of all
   questions is no longer answering them.
 - distinct_2 (fall under 50% of the baseline's; rollback): replies now share phrases wholesale, not
@@ -190,6 +192,7 @@ class Tally:
         self.texts: deque[str] = deque(maxlen=cap)
         self.word_counts: deque[int] = deque(maxlen=cap)  # each kept text's words, counted before the cut
         self.owners: deque[str] = deque(maxlen=cap)  # each kept text's principal: `forget` takes theirs out
+        self.sessions: deque[str | None] = deque(maxlen=cap)  # each kept text's session: retries are not a template
         self.turns = 0          # every turn observed
         self.skipped = 0        # turns that were not text replies nor tool turns (cut after <= 1 token)
         self.replies = 0        # text replies, all of them (texts keeps only the last cap)
@@ -204,12 +207,14 @@ class Tally:
         self.entropy_steps, self.entropy_sum = 0, 0.0
 
     def add_turn(self, text: str | None, *, finish_reason: str | None, response_tokens: int,
-                 tools_offered: bool, tool_error: bool | None, owner: str | None = "") -> None:
+                 tools_offered: bool, tool_error: bool | None, owner: str | None = "",
+                 session: str | None = None) -> None:
         """One served turn. text None: not a text reply (a tool call without content). A turn cut by
         the length limit after <= 1 token is no reply at all (`degeneration.reply_of`'s rule: a
         one-token closing request's "You" is a first token, not an answer): counted as skipped only.
         owner: the principal whose turn it is; None for one whose turns are not recorded (`record = false`):
-        counted, its text never kept."""
+        counted, its text never kept. session: its conversation (an opening repeated within one is a
+        retry's, not a template: `degeneration.summarise`'s groups); None, a conversation of its own."""
         self.turns += 1
         if finish_reason == "length" and response_tokens <= 1:
             self.skipped += 1
@@ -227,18 +232,19 @@ class Tally:
         self.texts.append(text.strip()[:TEXT_CHARS])
         self.word_counts.append(len(degeneration.words(text)))
         self.owners.append(owner)
+        self.sessions.append(session)
         self.text_revision += 1
         self._text = None
 
     def forget(self, principal: str) -> int:
         """Takes `principal`'s kept texts out (their counts stay: numbers, no words); how many went."""
-        kept = [(t, w, o) for t, w, o in zip(self.texts, self.word_counts, self.owners) if o != principal]
+        rings = (self.texts, self.word_counts, self.owners, self.sessions)
+        kept = [row for row in zip(*rings) if row[2] != principal]
         gone = len(self.texts) - len(kept)
         if gone:
-            for ring, values in ((self.texts, [k[0] for k in kept]), (self.word_counts, [k[1] for k in kept]),
-                                 (self.owners, [k[2] for k in kept])):
+            for i, ring in enumerate(rings):
                 ring.clear()
-                ring.extend(values)
+                ring.extend(row[i] for row in kept)
             self.text_revision += 1
             self._text = None
         return gone
@@ -271,6 +277,7 @@ class Tally:
             out.texts.extend(t.texts)
             out.word_counts.extend(t.word_counts)
             out.owners.extend(t.owners)
+            out.sessions.extend(t.sessions)
             for name in ("turns", "skipped", "replies", "refusals", "tool_turns", "tool_errors", "judgements",
                          "hints", "reward_sum", "steps", "kl_steps", "kl_sum", "entropy_steps", "entropy_sum"):
                 setattr(out, name, getattr(out, name) + getattr(t, name))
@@ -279,7 +286,7 @@ class Tally:
     def text_summary(self) -> dict[str, Any]:
         """`degeneration.summarise` of the kept texts, cached until the next reply."""
         if self._text is None:
-            self._text = degeneration.summarise(self.texts)
+            self._text = degeneration.summarise(self.texts, groups=self.sessions)
         return self._text
 
     def summary(self) -> dict[str, Any]:
@@ -410,7 +417,7 @@ class Monitors:
         self._tally(version).add_turn(
             text, finish_reason=record.get("finish_reason"), response_tokens=len(record.get("response_ids") or ()),
             tools_offered=bool(record.get("tools")), tool_error=tool_call_error(record),
-            owner=str(record.get("principal", "")) if keep_text else None)
+            owner=str(record.get("principal", "")) if keep_text else None, session=record.get("session_id"))
 
     def forget_principal(self, principal: str) -> int:
         """Every kept reply text of `principal` dropped from every version's tally; how many went."""
