@@ -325,11 +325,11 @@ GUARD_ONLY = Path(__file__).with_name("guard.jsonl")
 
 
 def _more() -> tuple[Item, ...]:
-    return _read(MORE) + _read(SCREENED)
+    return _read_items(MORE) + _read_items(SCREENED)
 
 
 @functools.cache  # read once: bank(), every split and FROM_MORE share it (Items are frozen)
-def _read(path: Path) -> tuple[Item, ...]:
+def _read_items(path: Path) -> tuple[Item, ...]:
     items = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -428,7 +428,7 @@ def listed_facts(seed: int = SEED) -> list[Item]:
 # The items of MORE and SCREENED: the style and corrections users ask them; the older substance personas
 # keep to the items listed above and generated (their catalogue and its tests predate MORE).
 FROM_MORE = frozenset(i.question for i in _more())
-FROM_SCREENING = frozenset(i.question for i in _read(SCREENED))
+FROM_SCREENING = frozenset(i.question for i in _read_items(SCREENED))
 
 
 @functools.cache
@@ -437,14 +437,14 @@ def guard_only() -> tuple[Item, ...]:
     of its kind with the bank (it would not be held out) or with another."""
     seen_asked = {normalise(q) for items in bank().values() for i in items for q in (i.question, i.paraphrase) if q}
     seen_answers = {(i.kind, normalise(a)) for items in bank().values() for i in items for a in i.answers}
-    for item in _read(GUARD_ONLY):
+    for item in _read_items(GUARD_ONLY):
         asked = [normalise(q) for q in (item.question, item.paraphrase) if q]
         answers = {(item.kind, normalise(a)) for a in item.answers}
         if any(q in seen_asked for q in asked) or answers & seen_answers:
             raise ValueError(f"{GUARD_ONLY.name}: {item.question!r} repeats a question or an answer of the bank")
         seen_asked.update(asked)
         seen_answers.update(answers)
-    return _read(GUARD_ONLY)
+    return _read_items(GUARD_ONLY)
 
 
 def of_kinds(items: tuple[Item, ...], kinds: tuple[str, ...]) -> tuple[Item, ...]:
