@@ -41,7 +41,7 @@ from clawd.tools.sim.evaluation import GUARD, NON_INFERIOR  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 # What must agree between runs pooled together (a summary's own keys; the seed is what differs).
 SETTINGS = ("model", "tuning", "lora_rank", "mode", "judge", "lr", "train", "batch", "max_tokens", "concurrency",
-            "temperature", "probes_per_persona")
+            "temperature", "probes_per_persona", "guard_questions")
 
 
 def run_seed(seed: int, out: Path, demo_args: list[str]) -> int:

@@ -434,6 +434,7 @@ def test_make_demo_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     # each probe sampled and greedy, paired, and the guard's 3 greedy answers
     assert summary["evaluation"]["satisfied (sampled)"]["n"] == summary["evaluation"]["satisfied (greedy)"]["n"] == 2
     assert summary["evaluation"]["guard: correct"]["n"] == 3 and summary["headline"]["guard_n"] == 3
+    assert summary["guard_questions"].startswith("3:")  # which questions: runs pooled must share them
     # The gate and the monitors run (the demo's default): every version has a record, each new one its verdict.
     history = {v["version"]: v for v in summary["safety"]["versions"]}
     assert 0 in history and all(v["gate"] is not None for n, v in history.items() if n > 0), summary["safety"]

@@ -3,7 +3,6 @@ the corrections user (`corrector`: the right answer alone, probed on paraphrases
 the demo's held-out evaluation over them (clawd/tools/sim/evaluation.py)."""
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -97,40 +96,12 @@ def test_the_bank_is_big_enough_for_a_guard_with_power():
 
 
 def test_the_guard_counts_no_question_chosen_on_the_base_models_answer():
-    guard = {i.question for i in evaluation.guard_persona().held_out}
-    held = {i.question for i in CORRECTOR.held_out}
-    screened = held & questions.FROM_SCREENING
+    guard = [i.question for i in evaluation.guard_persona().held_out]
+    held = [i.question for i in CORRECTOR.held_out]
+    screened = set(held) & questions.FROM_SCREENING
     assert len(questions.FROM_SCREENING) == 242 and len(screened) == 127
-    assert not guard & questions.FROM_SCREENING and held - screened <= guard
-    own = questions.guard_only()
-    assert guard == (held - screened) | {i.question for i in own}
-    assert not {i.question for i in own} & {i.question for items in questions.bank().values() for i in items}
-    assert [i.question for i in evaluation.guard_persona(limit=3).held_out] == [
-        i.question for i in CORRECTOR.held_out if i.question not in screened][:3]
-
-
-def test_a_guard_question_that_repeats_the_bank_is_refused(tmp_path, monkeypatch):
-    rows = {"capital": {"kind": "fact", "question": "Which city is the capital of Italy?",
-                        "paraphrase": "Italy's capital city is which?", "answers": ["Rome"],
-                        "fact": "the capital of Italy is Rome", "distractors": ["Milan", "Naples"]},
-            "new": {"kind": "fact", "question": "What is the tallest mountain in Africa?",
-                    "paraphrase": "Africa's highest peak is which mountain?", "answers": ["Kilimanjaro"],
-                    "fact": "the tallest mountain in Africa is Kilimanjaro", "distractors": ["Mount Kenya"]}}
-    for name, row in rows.items():
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text(json.dumps(row) + "\n")
-        monkeypatch.setattr(questions, "GUARD_ONLY", path)
-        if name == "capital":  # Rome answers a bank question: it would not be held out
-            with pytest.raises(ValueError, match="repeats a question or an answer of the bank"):
-                questions.guard_only.__wrapped__()
-        else:
-            assert [i.answer for i in questions.guard_only.__wrapped__()] == ["Kilimanjaro"]
-    twice = tmp_path / "twice.jsonl"  # files are read once (cached by path)
-    twice.write_text(json.dumps(rows["new"]) + "\n" + json.dumps({**rows["new"], "question": "Name Africa's tallest "
-                                                                   "mountain."}) + "\n")
-    monkeypatch.setattr(questions, "GUARD_ONLY", twice)
-    with pytest.raises(ValueError, match="repeats"):  # one guard question repeating another
-        questions.guard_only.__wrapped__()
+    assert guard == [q for q in held if q not in screened] and len(guard) == 346
+    assert [i.question for i in evaluation.guard_persona(limit=3).held_out] == guard[:3]
 
 
 def _reply(persona: str, style: str, question: int, satisfied: bool, correct: bool) -> Reply:

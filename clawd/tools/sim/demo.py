@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import hashlib
 import json
 import random
 import shutil
@@ -270,6 +271,13 @@ def _versions(replies: list[Reply]) -> str:
     return ",".join(map(str, vs)) if vs else "?"
 
 
+def _fingerprint(guard) -> str:
+    """The guard's questions in their order, hashed: its answers are keyed by position, so runs pooled
+    together (bench/demo_seeds.py) must have asked the same ones."""
+    text = "\n".join(i.question for i in guard.held_out)
+    return f"{len(guard.held_out)}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
 def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after: list[Reply], judged: Judged,
               status: dict, code: int, seconds: float) -> dict[str, Any]:
     versions = by_version(users.replies)
@@ -300,6 +308,7 @@ def summarize(args: argparse.Namespace, users: Users, before: list[Reply], after
         "judge": "rules", "seed": args.seed, "lr": args.lr, "train": args.train_keys,
         "batch": args.batch, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
         "temperature": args.temperature, "probes_per_persona": args.probes,
+        "guard_questions": _fingerprint(evaluation.guard_persona(limit=args.guard)) if args.guard != 0 else None,
         "seconds": round(seconds, 1),
         "evaluation": (results := evaluation.compare(before, after)),
         "headline": evaluation.headline(results),

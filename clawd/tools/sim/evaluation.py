@@ -5,9 +5,9 @@ Three sets of probes, each asked of one policy version with `X-Clawd-No-Train` (
   paraphrases of its own questions), once sampled at the users' temperature with a fixed seed per
   question and once greedy: the sampled answers are what users get, the greedy ones the policy's mode;
 - the guard: greedy answers to every held-out known-answer question of the given kinds, asked by a user
-  who wants the right answer alone: the bank's held-out items less those kept because the base model
-  answered them right (questions.SCREENED: chosen on version 0's answer they can only be lost, so they
-  read any change of weights as a cost), and questions of the guard's own (questions.GUARD_ONLY). A style user's reward never carries correctness, so this says what
+  who wants the right answer alone, less those kept in the bank because the base model answered them
+  right (questions.SCREENED: chosen on version 0's answer they can only be lost, so they read any change
+  of weights as a cost). A style user's reward never carries correctness, so this says what
   learning the style cost in knowledge. The non-inferiority figure is the paired change in correctness
   over all the guard's questions (symmetric: a question lost counts against one gained). Also reported:
   of the questions version 0 answered right, how many the later version still does. That one only counts
@@ -34,10 +34,9 @@ NON_INFERIOR = -0.05  # the guard's paired lower bound must stay above this (5 p
 
 def guard_persona(kinds: tuple[str, ...] = ("fact", "definition"), *, limit: int | None = None) -> Persona:
     """A user who wants the right answer alone, probing the held-out items of these kinds that were not
-    chosen on the base model's answers, then the guard's own (the first `limit` of them; default all)."""
+    chosen on the base model's answers (the first `limit` of them; default all)."""
     base = PERSONAS["corrector"]
     held = tuple(i for i in base.held_out if i.kind in kinds and i.question not in questions.FROM_SCREENING)
-    held += tuple(i for i in questions.guard_only() if i.kind in kinds)
     return replace(base, name=GUARD, probes="held_out", held_out=held[:limit])
 
 

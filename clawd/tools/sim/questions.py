@@ -4,8 +4,7 @@ Four kinds of `Item`: "fact" (the capital of Italy → Rome), "arithmetic" (7 ti
 "conversion" (3 kilometres in metres → 3000) and "definition" (frozen water → ice). Facts and
 definitions are listed here and in facts.jsonl and screened.jsonl (`MORE`, `SCREENED`: 869 easy
 ones, each with a `paraphrase`, the same question in other words); arithmetic and conversions are
-generated from the seed; guard.jsonl (`GUARD_ONLY`) holds questions for the correctness guard alone,
-in no split. Each item has its accepted answers (the first is canonical), `fact` (the answer in words, for a correction
+generated from the seed. Each item has its accepted answers (the first is canonical), `fact` (the answer in words, for a correction
 that carries it) and `distractors` (the wrong candidates a hedging reply would list).
 
 `split(seed)` deals every kind's items into TRAIN and EVAL (held out) by a seeded shuffle: half each,
@@ -319,9 +318,6 @@ MORE = Path(__file__).with_name("facts.jsonl")
 # other, but a correctness guard leaves them out: chosen because version 0 was right, they can only be lost,
 # so any change of weights reads on them as lost knowledge (docs/OPERATING.md, "What it shows today").
 SCREENED = Path(__file__).with_name("screened.jsonl")
-# Questions for the correctness guard alone, in the same form, written without asking any model (an
-# unscreened sample of easy general knowledge): in no split, so never asked in a session.
-GUARD_ONLY = Path(__file__).with_name("guard.jsonl")
 
 
 def _more() -> tuple[Item, ...]:
@@ -429,22 +425,6 @@ def listed_facts(seed: int = SEED) -> list[Item]:
 # keep to the items listed above and generated (their catalogue and its tests predate MORE).
 FROM_MORE = frozenset(i.question for i in _more())
 FROM_SCREENING = frozenset(i.question for i in _read_items(SCREENED))
-
-
-@functools.cache
-def guard_only() -> tuple[Item, ...]:
-    """GUARD_ONLY's items. Raises ValueError when one shares a question, a paraphrase or an accepted answer
-    of its kind with the bank (it would not be held out) or with another."""
-    seen_asked = {normalise(q) for items in bank().values() for i in items for q in (i.question, i.paraphrase) if q}
-    seen_answers = {(i.kind, normalise(a)) for items in bank().values() for i in items for a in i.answers}
-    for item in _read_items(GUARD_ONLY):
-        asked = [normalise(q) for q in (item.question, item.paraphrase) if q]
-        answers = {(item.kind, normalise(a)) for a in item.answers}
-        if any(q in seen_asked for q in asked) or answers & seen_answers:
-            raise ValueError(f"{GUARD_ONLY.name}: {item.question!r} repeats a question or an answer of the bank")
-        seen_asked.update(asked)
-        seen_answers.update(answers)
-    return _read_items(GUARD_ONLY)
 
 
 def of_kinds(items: tuple[Item, ...], kinds: tuple[str, ...]) -> tuple[Item, ...]:
