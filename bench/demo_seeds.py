@@ -1,9 +1,9 @@
 """`make demo`'s defaults on several seeds, pooled: is the style gain real and the correctness guard non-inferior
 beyond one run's power?
 
-One demo run (clawd/tools/sim/demo.py: SmolLM2, LoRA, the `concise` style user, gate and monitors on, ~20 min
-on 2 cores) measures the guard (greedy answers to 473 held-out facts and definitions, before and after) with a
-95 % interval about ±3 points wide: a true cost of 3 points cannot show a lower bound above -5 in one run. This
+One demo run (clawd/tools/sim/demo.py: SmolLM2, LoRA, the `concise` style user, gate and monitors on, ~17 min
+on 2 cores) measures the guard (greedy answers to 346 held-out facts and definitions, before and after) with a
+95 % interval about ±4 points wide: a true cost of 2 points may not show a lower bound above -5 in one run. This
 runs the demo once per seed, one after another (a run uses both cores), each into `--work`/seed-N, and pools
 the paired changes of every (seed, question): the style users' satisfaction (sampled, the users' answers) and
 the guard's correctness. The same question in several seeds is one cluster (what one seed loses, others are
@@ -19,7 +19,7 @@ Exit status: 0 when every run finished and both targets are met; 1 when a target
 or the runs cannot be pooled (their settings differ). The JSON (bench/results/demo-seeds.json) carries
 `provenance`, each seed's headline and `pass`.
 
-    .venv/bin/python bench/demo_seeds.py --seeds 1,2,3,4            # ~80 min on 2 cores
+    .venv/bin/python bench/demo_seeds.py --seeds 1,2,3,4            # ~70 min on 2 cores
     .venv/bin/python bench/demo_seeds.py --seeds 1,2,3,4 --resume   # reuses the seeds --work holds
     .venv/bin/python bench/demo_seeds.py --seeds 1,2 -- --minutes 10  # demo options after --
 """

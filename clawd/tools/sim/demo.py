@@ -8,7 +8,8 @@ directory under --out. Then:
 
 1. before: the held-out evaluation (clawd/tools/sim/evaluation.py), all served by version 0 and never
    trained on (`X-Clawd-No-Train`): --probes questions per persona, each sampled with its own seed and
-   greedy, and the correctness guard, greedy answers to every held-out fact and definition (--guard);
+   greedy, and the correctness guard, greedy answers to the held-out facts and definitions that were not
+   chosen on the base model's answers (--guard);
 2. learning: simulated users (clawd/tools/sim/users.py) talk to clawd until the time budget
    (or --steps) is reached, while the terminal shows the policy version, training
    steps, effective samples toward the next batch, hint acceptance, and per version
@@ -32,7 +33,7 @@ The default user, `concise` (clawd/tools/sim/personas.py), asks easy known-answe
 one complete sentence that names what was asked; it rewards that style alone, whatever the answer, so
 correctness is measured beside it by the guard, never multiplied into the reward. SmolLM2 meets the
 style on about a fifth of its sampled answers at T 0.7 and half its greedy ones. The defaults (rl mode,
-LoRA adapters of rank 16 at lr 3e-4, 48 tokens a reply at T 0.7, gate and monitors on) take about 20 min on 2
+LoRA adapters of rank 16 at lr 3e-4, 48 tokens a reply at T 0.7, gate and monitors on) take 16-18 min on 2
 cores; the settings were chosen by the runs in bench/README.md. With the earlier form-only personas
 (`--personas form:brief,form:plain`) a run took the evaluation set from 38% satisfied to 100% while
 the answers collapsed ("The answer is a planet."): the documented example of a reward hack.
