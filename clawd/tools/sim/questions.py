@@ -4,8 +4,9 @@ Four kinds of `Item`: "fact" (the capital of Italy → Rome), "arithmetic" (7 ti
 "conversion" (3 kilometres in metres → 3000) and "definition" (frozen water → ice). Facts and
 definitions are listed here and in facts.jsonl and screened.jsonl (`MORE`, `SCREENED`: 869 easy
 ones, each with a `paraphrase`, the same question in other words); arithmetic and conversions are
-generated from the seed. Each item has its accepted answers (the first is canonical), `fact` (the answer in words, for a correction
-that carries it) and `distractors` (the wrong candidates a hedging reply would list).
+generated from the seed. Each item has its accepted answers (the first is canonical), `fact` (the
+answer in words, for a correction that carries it) and `distractors` (the wrong candidates a hedging
+reply would list).
 
 `split(seed)` deals every kind's items into TRAIN and EVAL (held out) by a seeded shuffle: half each,
 no question and no (kind, accepted answer) in both. TRAIN and EVAL are the split at SEED.
